@@ -1,0 +1,45 @@
+"""`dit-accel SUBCOMMAND ...`: a thin dispatcher. Each sub-command lives in its own module with `main(argv)`,
+imported only when used so that `dit-accel doctor` does not pay for importing diffusers."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module:function, one-line help)
+COMMANDS = {
+    "train": ("dit_accel.launch:main", "launch dit_accel.train with the plan's Accelerate config"),
+    "extract-latents": ("dit_accel.data.latents:main", "encode an image folder into a latent cache"),
+    "demo-data": ("dit_accel.data.demo:main", "write a small class-conditional image folder to learn on"),
+    "sample": ("dit_accel.sample:main", "class-conditional samples (PNG grid, or an .npz for FID)"),
+    "export": ("dit_accel.export:main", "a checkpoint as a diffusers DiTPipeline folder"),
+    "import-dit": ("dit_accel.export:import_main", "an original DiT .pt checkpoint as a dit-accel checkpoint"),
+    "verify": ("dit_accel.memtrace:main", "trace one real training step and compare it with the plan"),
+    "calibrate": ("dit_accel.calibrate:main", "measure the plan on a CUDA GPU and write a calibration file"),
+    "doctor": ("dit_accel.doctor:main", "preflight checks before a launch, or read a failed run's log"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: dit-accel COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "Run `dit-accel COMMAND --help` for a command's options. Plans are made by `dit-plan`."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"dit-accel: error: unknown command {name!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, function_name = COMMANDS[name][0].split(":")
+    return getattr(importlib.import_module(module_name), function_name)(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Every test runs offline, with a private HF_HOME so a stray user config or cache is never read."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_hf_home(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.getbasetemp() / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

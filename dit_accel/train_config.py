@@ -1,0 +1,141 @@
+"""The run's own settings: what plan.json does not decide. Defaults are the DiT recipe.
+
+plan.json decides the shape of the job (micro-batch, accumulation, precision, checkpointed blocks, latents);
+`TrainConfig` holds the optimisation recipe and the run's bookkeeping. Every field is a CLI flag of the same
+name (`--max-steps` / `--max_steps`), so a config written to a run folder reads back as the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dit_accel.errors import UserError
+
+NAN_POLICIES = ("abort", "skip")
+
+
+@dataclass
+class TrainConfig:
+    plan: str = field(default="", metadata={"help": "plan.json written by dit-plan (required)"})
+    output_dir: str = field(default="", metadata={"help": "run folder: checkpoints, logs, TensorBoard (required)"})
+    data_path: str | None = field(default=None, metadata={"help": "image folder (one sub-folder per class)"})
+    latents: str | None = field(default=None, metadata={"help": "latent cache written by `dit-accel extract-latents`"})
+    vae: str | None = field(default=None, metadata={"help": "AutoencoderKL folder for online encoding (plan latents 'online')"})
+
+    max_steps: int = field(default=400_000, metadata={"help": "optimizer steps to train to (DiT's main results: 400K)"})
+    resume: str | None = field(default=None, metadata={"help": "'auto' (newest complete checkpoint in the run folder) or a checkpoint/run folder"})
+    checkpoint_every: int = field(default=5_000, metadata={"help": "optimizer steps between checkpoints (one is also written at the end)"})
+    keep_last: int = field(default=3, metadata={"help": "complete checkpoints to keep; older ones are deleted after a new one is complete"})
+    log_every: int = field(default=100, metadata={"help": "optimizer steps between log lines"})
+
+    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (before --scale-lr)"})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW betas, e.g. --betas 0.9 0.999"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (DiT: 0)"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear lr warmup over this many optimizer steps (DiT: 0)"})
+    scale_lr: bool = field(default=False, metadata={"help": "multiply lr by global_batch / 256 (linear scaling rule)"})
+    grad_clip: float | None = field(default=None, metadata={"help": "clip the gradient norm to this value (DiT: off)"})
+    ema_decay: float = field(default=0.9999, metadata={"help": "EMA decay per optimizer step, kept in fp32"})
+    class_dropout: float = field(default=0.1, metadata={"help": "probability of replacing a label by the null class (for guidance)"})
+    seed: int = field(default=0, metadata={"help": "base seed; rank r seeds its global RNGs with seed + r"})
+
+    nan_policy: str = field(default="abort", metadata={"help": "on a NaN/Inf loss or gradient: abort (default) or skip the step"})
+    max_skipped_steps: int = field(default=10, metadata={"help": "with --nan-policy skip, abort after this many skipped steps"})
+    num_workers: int = field(default=4, metadata={"help": "DataLoader worker processes per rank"})
+    tensorboard: bool = field(default=True, metadata={"help": "log to TensorBoard in OUTPUT_DIR/tensorboard (--no-tensorboard to turn off)"})
+    progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
+    debug_checksums: bool = field(default=False, metadata={"help": "write a parameter checksum per step to each rank's log (slow; for tests)"})
+
+    def check(self) -> None:
+        """Refuse bad values up front, before any process group or model exists."""
+        if not self.plan:
+            raise UserError("--plan is required: pass the plan.json written by `dit-plan --out DIR`")
+        if not self.output_dir:
+            raise UserError("--output-dir is required: the run folder for checkpoints and logs, e.g. runs/xl2")
+        sources = [name for name in ("data_path", "latents") if getattr(self, name)]
+        if len(sources) != 1:
+            raise UserError("pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)")
+        positive = ("max_steps", "checkpoint_every", "keep_last", "log_every")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0 or self.num_workers < 0 or self.max_skipped_steps < 0:
+            raise UserError("--warmup-steps, --num-workers and --max-skipped-steps must not be negative")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise UserError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
+        if not 0.0 <= self.class_dropout < 1.0:
+            raise UserError(f"--class-dropout must be in [0, 1), got {self.class_dropout}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise UserError(f"--grad-clip must be positive, got {self.grad_clip}")
+        if self.nan_policy not in NAN_POLICIES:
+            raise UserError(f"--nan-policy must be one of {', '.join(NAN_POLICIES)}, got {self.nan_policy!r}")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UserError (one line, exit 2) instead of printing usage and exiting."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see `python -m dit_accel.train --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="dit_accel.train",
+        description="Train a DiT exactly as plan.json says. Launch with "
+        "`accelerate launch --config_file PLAN_DIR/accelerate_config.yaml -m dit_accel.train --plan PLAN_DIR/plan.json ...`.",
+    )
+    for spec in dataclasses.fields(TrainConfig):
+        flags = [f"--{spec.name.replace('_', '-')}"]
+        if "_" in spec.name:
+            flags.append(f"--{spec.name}")
+        help_text = spec.metadata.get("help", "")
+        if spec.type == "bool" or isinstance(spec.default, bool):
+            parser.add_argument(*flags, dest=spec.name, action=argparse.BooleanOptionalAction,
+                                default=spec.default, help=help_text)
+        elif spec.name == "betas":
+            parser.add_argument(*flags, dest=spec.name, type=float, nargs=2, default=spec.default,
+                                metavar=("BETA1", "BETA2"), help=help_text)
+        else:
+            kind = {"int": int, "float": float}.get(type(spec.default).__name__, str)
+            if spec.name == "grad_clip":
+                kind = float
+            parser.add_argument(*flags, dest=spec.name, type=kind, default=spec.default,
+                                help=f"{help_text} (default: {spec.default})")
+    return parser
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    namespace = build_parser().parse_args(argv)
+    values = vars(namespace)
+    values["betas"] = tuple(values["betas"])
+    config = TrainConfig(**values)
+    config.check()
+    return config
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    path.write_text(json.dumps(config.to_json(), indent=2) + "\n")

@@ -1,0 +1,523 @@
+"""The traced memory of one real training step, to hold the planner to account (`dit-accel verify`).
+
+The trainer's own step (model construction, autocast, checkpointed blocks, AdamW, EMA, accumulation) runs
+under torch's FakeTensorMode, so no byte is allocated, while a dispatch-level tracker counts every live
+tensor storage by component (weights, grads, optimizer, ema, activations, autocast_cache, vae, temporaries,
+batch) and records the peak. Two optimizer steps run so the optimizer's state exists at the second one.
+
+Full-depth DiT-XL/2 would cost tens of thousands of Python dispatches, so by default the step is traced
+at shallow depths and extrapolated per block (see `extrapolate`): exact, not a fit, because every block
+of one kind adds the same storages.
+
+What a tensor trace cannot see is listed in `UNSEEN` and printed beside every result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Hashable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dit_accel.errors import UserError, exits_cleanly
+
+# Components in the order they are printed; the planner's plan.json memory keys use the same names.
+COMPONENTS = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries",
+              "batch", "buffers")
+
+UNSEEN = (
+    "CUDA context and kernels (~0.3-1 GB per process)",
+    "cuBLAS/cuDNN workspaces and memory inside kernels",
+    "NCCL buffers (hundreds of MB per communicator) and DDP gradient buckets (4 bytes/param unless "
+    "gradient_as_bucket_view=True): no process group is traced",
+    "the caching allocator's block rounding and fragmentation (reserved > allocated)",
+    "CPU-vs-CUDA autocast: the two cast different ops (CUDA keeps layer_norm in fp32); a CPU trace "
+    "of bf16/fp16 is a proxy for the GPU",
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tracker
+# ---------------------------------------------------------------------------------------------------
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts the bytes of every live tensor storage by component; keeps the peak and the peak of each window.
+
+    A storage is counted once however many views share it, from the op that creates it until Python drops
+    its last reference (a weakref callback). Its component is decided when it is created (forward ->
+    activations, backward -> temporaries, a cast of a weight under autocast -> autocast_cache, ...) and
+    re-tagged when it becomes a gradient or optimizer state. `window` labels the current stretch of the
+    step (set by the driver and by hooks on the blocks) so that the extrapolation can reason per block.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.current = dict.fromkeys(COMPONENTS, 0)
+        self.total_bytes = 0
+        self.peak_bytes = 0
+        self.peak_components = dict(self.current)
+        self.peak_window: Hashable = None
+        self.window: Hashable = ("setup",)
+        self.window_peaks: dict[Hashable, tuple[int, dict[str, int]]] = {}
+        self.phase = "forward"  # "forward" | "optimizer"; backward is read from autograd itself
+        self.in_vae = 0
+        self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref]
+
+    # --- bookkeeping -------------------------------------------------------------------------------
+    def _storage(self, tensor: torch.Tensor):
+        return tensor.untyped_storage()
+
+    def tag(self, tensor: torch.Tensor, component: str) -> None:
+        """Count `tensor`'s storage under `component` (moving it there if it is already counted)."""
+        storage = self._storage(tensor)
+        key = id(storage)
+        info = self._info.get(key)
+        if info is None:
+            nbytes = storage.nbytes()
+            ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
+            self._info[key] = [nbytes, component, ref]
+            self.current[component] += nbytes
+            self.total_bytes += nbytes
+            self._note_peak()
+        elif info[1] != component:
+            self.current[info[1]] -= info[0]
+            self.current[component] += info[0]
+            info[1] = component
+
+    def component_of(self, tensor: torch.Tensor) -> str | None:
+        info = self._info.get(id(self._storage(tensor)))
+        return None if info is None else info[1]
+
+    def _release(self, key: int) -> None:
+        info = self._info.pop(key, None)
+        if info is not None:
+            self.current[info[1]] -= info[0]
+            self.total_bytes -= info[0]
+
+    def _note_peak(self) -> None:
+        total = self.total_bytes
+        # ">=": of equal peaks keep the later one, so the optimizer's second step (state already tagged)
+        # is reported rather than its first.
+        if total >= self.peak_bytes:
+            self.peak_bytes, self.peak_components, self.peak_window = total, dict(self.current), self.window
+        best = self.window_peaks.get(self.window)
+        if best is None or total >= best[0]:
+            self.window_peaks[self.window] = (total, dict(self.current))
+
+    def set_window(self, window: Hashable) -> None:
+        self.window = window
+        self._note_peak()  # a window starts with what is live when it opens
+
+    # --- dispatch ----------------------------------------------------------------------------------
+    def _component_for_new(self, func, args) -> str:
+        if self.in_vae:
+            return "vae"
+        if torch._C._current_graph_task_id() != -1:  # inside autograd's backward
+            return "temporaries"
+        if self.phase == "optimizer":
+            return "temporaries"
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            if self.component_of(args[0]) == "weights":
+                return "autocast_cache"
+        return "activations"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if outputs:
+            component = None
+            for tensor in outputs:
+                if id(self._storage(tensor)) not in self._info:
+                    component = component or self._component_for_new(func, args)
+                    self.tag(tensor, component)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# What one trace produces
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TraceResult:
+    """The traced step: its peak, the components live at the peak, and where the peak happened."""
+
+    peak_bytes: int
+    components: dict[str, int]  # live bytes by component at the peak
+    peak_at: str  # the window of the step that holds the peak, e.g. "backward of block 27 (step 2)"
+    depth: int
+    checkpointed_blocks: int
+    micro_batch: int
+    precision: str
+    autocast_device: str
+    traced_depths: list[int] = field(default_factory=list)  # the depths really traced (extrapolated if shallower)
+    seconds: float = 0.0
+    unseen: tuple[str, ...] = UNSEEN
+
+    def to_json(self) -> dict:
+        return {key: (list(value) if isinstance(value, tuple) else value) for key, value in self.__dict__.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Driving the trainer's step under the tracker
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepParts:
+    """The trainer's components for one configuration, built on fake tensors, and its step as two calls.
+
+    `micro_step()` is the trainer's forward + backward of one micro-batch (with its accumulation context);
+    `optimizer_step()` is the trainer's clip / step / zero_grad / EMA update. `checkpointed` says, in
+    forward order, which blocks recompute their activations in backward.
+    """
+
+    model: torch.nn.Module
+    blocks: list
+    checkpointed: list
+    micro_step: Callable[[], None]
+    optimizer_step: Callable[[], None]
+    grad_accum: int
+    ema_tensors: list = field(default_factory=list)
+    vae: torch.nn.Module | None = None
+    batch_tensors: list = field(default_factory=list)
+    optimizers: list = field(default_factory=list)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int = 2, max_micro_steps: int = 2) -> None:
+    """Run `optimizer_steps` full steps of the trainer under `tracker`, labelling the windows.
+
+    Micro-steps beyond the second of an accumulation cycle are skipped: from the second on, every
+    micro-step starts with the same live storages (the accumulated grads) and does the same work.
+    """
+    for param in parts.model.parameters():
+        tracker.tag(param, "weights")
+    for buffer in parts.model.buffers():
+        tracker.tag(buffer, "buffers")
+    for tensor in parts.ema_tensors:
+        tracker.tag(tensor, "ema")
+    if parts.vae is not None:
+        for tensor in list(parts.vae.parameters()) + list(parts.vae.buffers()):
+            tracker.tag(tensor, "vae")
+    for tensor in parts.batch_tensors:
+        tracker.tag(tensor, "batch")
+
+    where = {"step": 0, "micro": 0}
+    handles = []
+    last = len(parts.blocks) - 1
+
+    def block_pre(index):
+        def hook(module, args):
+            if not _in_backward():  # a checkpointed block's recompute runs forward again inside backward
+                tracker.set_window(("fwd", where["step"], where["micro"], index))
+        return hook
+
+    def block_post(index):
+        def hook(module, args, output):
+            if _in_backward():
+                return
+            step, micro = where["step"], where["micro"]
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                # fires when the gradient of this block's output is ready: its backward starts
+                hidden.register_hook(lambda grad: tracker.set_window(("bwd", step, micro, index)))
+            if index == last:
+                tracker.set_window(("head", step, micro))
+        return hook
+
+    for index, block in enumerate(parts.blocks):
+        handles.append(block.register_forward_pre_hook(block_pre(index)))
+        handles.append(block.register_forward_hook(block_post(index)))
+    for param in parts.model.parameters():
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(lambda p: tracker.tag(p.grad, "grads")))
+    if parts.vae is not None:
+        def vae_enter(module, args):
+            tracker.in_vae += 1
+
+        def vae_leave(module, args, output):
+            tracker.in_vae -= 1
+        for module in parts.vae.children():
+            handles.append(module.register_forward_pre_hook(vae_enter))
+            handles.append(module.register_forward_hook(vae_leave))
+
+    def optimizer_pre(optimizer, args, kwargs):
+        tracker.phase = "optimizer"
+
+    def optimizer_post(optimizer, args, kwargs):
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    tracker.tag(value, "optimizer")
+        tracker.phase = "forward"
+
+    handles.append(register_optimizer_step_pre_hook(optimizer_pre))
+    handles.append(register_optimizer_step_post_hook(optimizer_post))
+    try:
+        with tracker:
+            for step in range(optimizer_steps):
+                for micro in range(min(parts.grad_accum, max_micro_steps)):
+                    where.update(step=step, micro=micro)
+                    tracker.set_window(("pre", step, micro))
+                    parts.micro_step()
+                tracker.set_window(("opt", step))
+                parts.optimizer_step()
+                tracker.phase = "forward"
+            tracker.set_window(("end",))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Extrapolation per block
+# ---------------------------------------------------------------------------------------------------
+
+
+def _segments(checkpointed: list) -> list[tuple[int, int, bool]]:
+    """Runs of blocks of one kind, in forward order: (start, end, checkpointed)."""
+    runs = []
+    for index, kind in enumerate(checkpointed):
+        if runs and runs[-1][2] == bool(kind):
+            runs[-1] = (runs[-1][0], index + 1, bool(kind))
+        else:
+            runs.append((index, index + 1, bool(kind)))
+    return runs
+
+
+def _roles(window: Hashable, checkpointed: list) -> list[Hashable]:
+    """The structural roles a window plays, independent of how many blocks each run holds.
+
+    Within a run of same-kind blocks, every block after the first adds the same live storages, so the
+    local peaks along the run are a line: its maximum is at the first, second or last block (the first
+    may differ: it shares its input with whatever precedes the run). Other blocks need no role.
+    """
+    if window[0] not in ("fwd", "bwd"):
+        return [window]
+    phase, step, micro, index = window
+    for run, (start, end, kind) in enumerate(_segments(checkpointed)):
+        if start <= index < end:
+            order = list(range(start, end)) if phase == "fwd" else list(range(end - 1, start - 1, -1))
+            position = order.index(index)
+            roles = []
+            if position == 0:
+                roles.append("first")
+            if position == 1:
+                roles.append("second")
+            if position == len(order) - 1:
+                roles.append("last")
+            return [(phase, step, micro, run, kind, role) for role in roles]
+    raise AssertionError(f"block {index} is outside the model")
+
+
+def role_peaks(tracker: StorageTracker, checkpointed: list) -> dict[Hashable, tuple[int, dict[str, int]]]:
+    peaks = {}
+    for window, value in tracker.window_peaks.items():
+        for role in _roles(window, checkpointed):
+            peaks[role] = value
+    return peaks
+
+
+Counts = tuple  # (plain blocks, checkpointed blocks)
+
+
+def _vector(value: tuple[int, dict[str, int]]) -> list[int]:
+    return [value[0]] + [value[1][name] for name in COMPONENTS]
+
+
+def extrapolate(samples: dict[Counts, dict[Hashable, tuple[int, dict[str, int]]]], target: Counts,
+                base: Counts) -> dict[Hashable, tuple[int, dict[str, int]]]:
+    """Role peaks at `target` block counts from traces at `base` and at base plus one block of each kind.
+
+    Every role's live storages are a sum over blocks, so each role's bytes (total and each component) are
+    exactly linear in (plain blocks, checkpointed blocks): value(target) = value(base) + sum over kinds of
+    (target - base) x (value(base + 1 of that kind) - value(base)).
+    """
+    result = {}
+    for role, value in samples[base].items():
+        vector = _vector(value)
+        for kind in (0, 1):
+            extra = target[kind] - base[kind]
+            if extra == 0:
+                continue
+            bumped = list(base)
+            bumped[kind] += 1
+            other = samples[tuple(bumped)].get(role)
+            if other is None:
+                raise AssertionError(f"role {role} missing from the trace with {tuple(bumped)} blocks")
+            vector = [v + extra * (o - b) for v, o, b in zip(vector, _vector(other), _vector(value))]
+        result[role] = (vector[0], dict(zip(COMPONENTS, vector[1:])))
+    return result
+
+
+def trace_plan_counts(target: Counts) -> tuple[Counts, list[Counts]]:
+    """The shallow block counts to trace for a target: a base of up to two blocks of each kind present,
+    and the base plus one block of each kind that the target has more of."""
+    base = tuple(min(n, 2) for n in target)
+    extra = []
+    for kind in (0, 1):
+        if target[kind] > base[kind]:
+            bumped = list(base)
+            bumped[kind] += 1
+            extra.append(tuple(bumped))
+    return base, [base] + extra
+
+
+def _describe(window: Hashable) -> str:
+    kind = window[0]
+    if kind == "setup":
+        return "before the first step"
+    if kind == "end":
+        return "after the last step"
+    if kind == "opt":
+        return f"optimizer step {window[1] + 1}"
+    step, micro = window[1] + 1, window[2] + 1
+    where = f"(step {step}, micro-step {micro})"
+    if kind == "pre":
+        return f"input and embedding {where}"
+    if kind == "head":
+        return f"final layer, loss and start of backward {where}"
+    if len(window) == 4:
+        return f"{'forward' if kind == 'fwd' else 'backward'} of block {window[3]} {where}"
+    phase, _, _, run, checkpointed, role = window
+    what = "checkpointed" if checkpointed else "stored"
+    return f"{'forward' if phase == 'fwd' else 'backward'} of the {role} {what} block {where}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer's step for one plan, on fake tensors
+# ---------------------------------------------------------------------------------------------------
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str) -> StepParts:
+    """The trainer's components and step for `spec` (possibly shallower than the plan's), on fake tensors.
+
+    Must be called inside a FakeTensorMode: nothing it builds owns memory.
+    """
+    from dit_accel.ema import EMA
+    from dit_accel.model import build_model, set_checkpointed_blocks
+    from dit_accel.optim import build_optimizer
+
+    decision = plan["decision"]
+    device = torch.device(autocast_device)
+    with device:
+        model = build_model(spec, init="torch")
+    model.train()
+    set_checkpointed_blocks(model, checkpointed_blocks)
+    ema = EMA(model) if decision.get("ema", True) else None
+    optimizer = build_optimizer(model, lr=1e-4, device=device)
+    dtype = AUTOCAST_DTYPES[decision["precision"]]
+    side = spec.latent_size
+    x = torch.randn(micro_batch, spec.in_channels, side, side, device=device)
+    y = torch.randint(0, spec.num_classes, (micro_batch,), device=device)
+    t = torch.randint(0, 1000, (micro_batch,), device=device)
+    noise = torch.randn_like(x)
+    grad_accum = int(decision["grad_accum"])
+
+    def micro_step():
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+        with autocast:
+            x_t = x + noise
+            out = model(x_t, timestep=t, class_labels=y, return_dict=False)[0]
+        out = out.float()
+        eps, _ = out.chunk(2, dim=1)
+        loss = torch.nn.functional.mse_loss(eps, noise) / grad_accum
+        loss.backward()
+
+    def optimizer_step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(model)
+
+    return StepParts(model=model, blocks=list(model.transformer_blocks),
+                     checkpointed=[i < checkpointed_blocks for i in range(spec.depth)],
+                     micro_step=micro_step, optimizer_step=optimizer_step, grad_accum=grad_accum,
+                     ema_tensors=list(ema.shadow.values()) if ema is not None else [],
+                     batch_tensors=[x, y, t, noise], optimizers=[optimizer])
+
+
+def _trace_once(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str) -> tuple[StorageTracker, list]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        parts = build_step_parts(plan, spec, checkpointed_blocks, micro_batch, autocast_device)
+        tracker = StorageTracker()
+        run_traced(parts, tracker)
+    return tracker, parts.checkpointed
+
+
+def _runs_kinds(checkpointed: list) -> list[bool]:
+    return [kind for _, _, kind in _segments(checkpointed)]
+
+
+def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast_device: str | None = None,
+                        micro_batch: int | None = None) -> TraceResult:
+    """Trace the plan's training step on fake tensors and return its peak and the components live then.
+
+    `depth_extrapolate="auto"` traces at most 5 blocks (up to three shallow traces) and extrapolates per
+    block; `"off"` traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
+    (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either).
+    """
+    from dit_accel.train import spec_from_plan
+
+    if depth_extrapolate not in ("auto", "off"):
+        raise UserError(f"--depth-extrapolate must be auto or off, got {depth_extrapolate!r}")
+    autocast_device = autocast_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if autocast_device not in ("cpu", "cuda"):
+        raise UserError(f"--device-autocast must be cpu or cuda, got {autocast_device!r}")
+    if autocast_device == "cuda" and not torch.backends.cuda.is_built():
+        raise UserError("--device-autocast cuda needs a CUDA build of torch (fake CUDA tensors): use --device-autocast cpu here")
+    decision = plan["decision"]
+    spec = spec_from_plan(plan)
+    micro_batch = int(micro_batch or decision["micro_batch"])
+    checkpointed = int(decision["checkpointed_blocks"])
+    if not 0 <= checkpointed <= spec.depth:
+        raise UserError(f"plan decision.checkpointed_blocks {checkpointed} is outside 0..{spec.depth}: re-create the plan")
+    target = (spec.depth - checkpointed, checkpointed)
+    base, all_counts = trace_plan_counts(target)
+    started = time.perf_counter()
+
+    def trace(counts: Counts) -> tuple[StorageTracker, list]:
+        shallow = dataclasses.replace(spec, depth=sum(counts))
+        return _trace_once(plan, shallow, counts[1], micro_batch, autocast_device)
+
+    if depth_extrapolate == "off" or sum(base) + 1 >= spec.depth:
+        tracker, _ = trace(target)
+        peak_bytes, components, window = tracker.peak_bytes, tracker.peak_components, tracker.peak_window
+        traced_depths = [spec.depth]
+    else:
+        samples, patterns = {}, set()
+        for counts in all_counts:
+            tracker, kinds = trace(counts)
+            samples[counts] = role_peaks(tracker, kinds)
+            patterns.add(tuple(_runs_kinds(kinds)))
+        if len(patterns) != 1:
+            raise AssertionError(f"the checkpointed blocks change order with depth ({patterns}): cannot extrapolate")
+        roles = extrapolate(samples, target, base)
+        # the latest of equal peaks: the second optimizer step, whose state is already tagged as such
+        window = max(reversed(list(roles)), key=lambda role: roles[role][0])
+        peak_bytes, components = roles[window]
+        traced_depths = [sum(counts) for counts in all_counts]
+    return TraceResult(peak_bytes=peak_bytes, components=dict(components), peak_at=_describe(window),
+                       depth=spec.depth, checkpointed_blocks=checkpointed, micro_batch=micro_batch,
+                       precision=decision["precision"], autocast_device=autocast_device,
+                       traced_depths=traced_depths, seconds=round(time.perf_counter() - started, 2))

@@ -1,0 +1,359 @@
+"""Image folders in the ImageNet layout (DIR/<class>/<image>.jpg): validation, the class map, the
+ADM-style center crop, and `ImageFolderData`, the torch Dataset the trainer reads pixels from.
+
+Validation runs before anything heavy (a VAE, a process group, eight ranks) so that a wrong data path
+fails in a second with one line that says what to fix. The cheap checks (listing, extensions) always
+run; decoding the first image of every class is cheap and on by request; decoding every image is
+opt-in (`full=True`) because on ImageNet it reads 140 GB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from dit_accel.errors import UserError
+
+# Lower-case suffixes taken as images (ImageNet's own files end in ".JPEG").
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
+LAYOUT_HINT = "DIR/<class>/<image>.jpg"
+_MAX_NAMES_SHOWN = 5
+
+
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _short_list(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
+    return shown + (f" (+{len(names) - _MAX_NAMES_SHOWN} more)" if len(names) > _MAX_NAMES_SHOWN else "")
+
+
+@dataclass
+class FolderListing:
+    """Every image of the folder in a fixed order: classes sorted by name, files sorted within a class.
+
+    `paths` are relative to `root` (POSIX separators), so a listing means the same on every rank."""
+
+    root: Path
+    classes: list[str]
+    paths: list[str]
+    labels: list[int]
+
+    @property
+    def class_to_index(self) -> dict[str, int]:
+        return {name: index for index, name in enumerate(self.classes)}
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def without(self, bad_paths: set[str]) -> "FolderListing":
+        keep = [i for i, rel in enumerate(self.paths) if rel not in bad_paths]
+        return FolderListing(self.root, self.classes, [self.paths[i] for i in keep], [self.labels[i] for i in keep])
+
+
+@dataclass
+class FolderSummary:
+    """What validation found; the doctor prints it and the trainer logs it.
+
+    `listing` holds the usable images (bad ones removed when `skip_bad_images` was set)."""
+
+    root: str
+    classes: list[str]
+    images_per_class: dict[str, int]
+    num_images: int
+    images_decoded: int  # how many the check decoded: 0, one per class, or all
+    bad_images: list[str]  # relative paths that failed to decode and were skipped
+    ignored_files: int  # files with a non-image extension, and images lying in the root itself
+    listing: FolderListing = field(repr=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def describe(self) -> str:
+        counts = list(self.images_per_class.values())
+        line = (f"{self.root}: {self.num_images} images in {self.num_classes} classes "
+                f"({min(counts)}-{max(counts)} per class), {self.images_decoded} decoded")
+        if self.bad_images:
+            line += f", {len(self.bad_images)} undecodable skipped"
+        if self.ignored_files:
+            line += f", {self.ignored_files} non-image files ignored"
+        return line
+
+
+def list_image_folder(path: str | os.PathLike) -> tuple[FolderListing, int]:
+    """The cheap checks: the folder exists, is readable, has class sub-folders, and each holds images.
+
+    Returns the listing and the number of ignored files. Raises a one-line UserError otherwise."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise UserError(f"data path {root} does not exist; pass the folder that holds one sub-folder "
+                        f"per class ({LAYOUT_HINT})")
+    if not root.is_dir():
+        raise UserError(f"data path {root} is a file, not a directory; pass the folder that holds one "
+                        f"sub-folder per class ({LAYOUT_HINT})")
+    try:
+        entries = sorted(os.scandir(root), key=lambda entry: entry.name)
+    except PermissionError as error:
+        raise UserError(f"data path {root} is not readable ({error.strerror}); fix its permissions "
+                        f"(e.g. chmod -R u+rX {root}) or run as a user who can read it") from None
+
+    class_dirs = [e for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=True)]
+    root_images = [e.name for e in entries if e.is_file() and _is_image(e.name)]
+    if not class_dirs:
+        if root_images:
+            raise UserError(f"{root} holds {len(root_images)} images directly but no class sub-folders; "
+                            f"move them into one sub-folder per class: {root}/<class>/<image>.jpg")
+        raise UserError(f"{root} has no class sub-folders; expected one sub-folder per class: "
+                        f"{root}/<class>/<image>.jpg")
+
+    classes = [e.name for e in class_dirs]
+    paths: list[str] = []
+    labels: list[int] = []
+    empty: list[str] = []
+    ignored = len(root_images)
+    for label, name in enumerate(classes):
+        found, skipped = _images_under(root, name)
+        ignored += skipped
+        if not found:
+            empty.append(name)
+        paths += found
+        labels += [label] * len(found)
+
+    if not paths:
+        raise UserError(f"no images in {root}: all {len(classes)} class folders are empty (looked for "
+                        f"{', '.join(IMAGE_EXTENSIONS)}); expected {root}/<class>/<image>.jpg")
+    if empty:
+        raise UserError(f"{len(empty)} class folder(s) in {root} hold no images: {_short_list(empty)}; "
+                        f"add images to them or remove them (looked for {', '.join(IMAGE_EXTENSIONS)})")
+    return FolderListing(root, classes, paths, labels), ignored
+
+
+def _images_under(root: Path, class_name: str) -> tuple[list[str], int]:
+    """Relative paths of the images in one class folder (nested folders included), sorted; and the
+    count of other files."""
+    found: list[str] = []
+    ignored = 0
+
+    def unreadable(error: OSError):
+        raise UserError(f"class folder {error.filename} is not readable ({error.strerror}); fix its "
+                        f"permissions (e.g. chmod -R u+rX {root})")
+
+    for folder, subfolders, files in os.walk(root / class_name, onerror=unreadable, followlinks=True):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        relative = Path(folder).relative_to(root).as_posix()
+        for name in sorted(files):
+            if _is_image(name):
+                found.append(f"{relative}/{name}")
+            elif not name.startswith("."):
+                ignored += 1
+    return found, ignored
+
+
+def load_rgb(path: str | os.PathLike) -> Image.Image:
+    """Decode an image fully into RGB; a file that does not decode raises UserError naming it."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")  # convert() decodes every pixel, so truncation surfaces here
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
+        raise UserError(f"cannot decode image {path}: {error}; replace or delete it, or pass "
+                        f"--skip-bad-images to skip such files") from None
+
+
+def validate_image_folder(path: str | os.PathLike, *, sample: bool = False, full: bool = False,
+                          skip_bad_images: bool = False, decode_threads: int = 8) -> FolderSummary:
+    """Check an image folder before training or extraction starts.
+
+    Always: the listing checks of `list_image_folder`. `sample=True` also decodes the first image of
+    every class; `full=True` decodes every image (threads: PIL releases the GIL while decoding). An
+    image that does not decode raises UserError naming it, or with `skip_bad_images` is dropped from
+    the listing and counted in `bad_images`."""
+    listing, ignored = list_image_folder(path)
+    if full:
+        to_decode = list(listing.paths)
+    elif sample:
+        first_of_class: dict[int, str] = {}
+        for rel, label in zip(listing.paths, listing.labels):
+            first_of_class.setdefault(label, rel)
+        to_decode = list(first_of_class.values())
+    else:
+        to_decode = []
+
+    def decodes(rel: str) -> str | None:
+        try:
+            load_rgb(listing.root / rel)
+            return None
+        except UserError as error:
+            if not skip_bad_images:
+                raise
+            return str(error)
+
+    bad: list[str] = []
+    chunk = 4096  # bounded: a million pending futures would cost a gigabyte
+    with ThreadPoolExecutor(max_workers=max(1, decode_threads)) as pool:
+        for start in range(0, len(to_decode), chunk):
+            paths = to_decode[start:start + chunk]
+            # map() re-raises the first bad image in listing order when skipping is off
+            bad += [rel for rel, problem in zip(paths, pool.map(decodes, paths)) if problem is not None]
+    if bad:
+        listing = listing.without(set(bad))
+        if not listing.paths:
+            raise UserError(f"none of the images in {listing.root} decode ({len(bad)} tried, e.g. {bad[0]}); "
+                            f"check that the files are images")
+
+    counts = np.bincount(np.asarray(listing.labels, dtype=np.int64), minlength=len(listing.classes))
+    return FolderSummary(
+        root=str(listing.root), classes=listing.classes,
+        images_per_class={name: int(n) for name, n in zip(listing.classes, counts)},
+        num_images=len(listing.paths), images_decoded=len(to_decode), bad_images=bad,
+        ignored_files=ignored, listing=listing)
+
+
+def write_classes_json(folder: str | os.PathLike, classes: list[str]) -> Path:
+    """Save the class-to-index map (index = position in the sorted class folder names) with a run,
+    atomically, so samples can be named and a different folder noticed."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "classes.json"
+    payload = {"classes": list(classes), "class_to_index": {name: i for i, name in enumerate(classes)}}
+    write_json_atomically(target, payload)
+    return target
+
+
+def read_classes_json(folder: str | os.PathLike) -> list[str]:
+    path = Path(folder) / "classes.json"
+    if not path.is_file():
+        raise UserError(f"no classes.json in {folder}; it is written by training and by extract-latents")
+    return list(json.loads(path.read_text())["classes"])
+
+
+def permissions(mode: int) -> int:
+    """`mode` less the process umask: what open() would give; mkstemp/mkdtemp make 0600/0700 instead,
+    which would hide a shared cache or data folder from the other users of a cluster."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def write_json_atomically(target: Path, payload) -> None:
+    """Write JSON to a temporary file next to `target`, then rename it over `target`."""
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        os.fchmod(handle, permissions(0o666))
+        with os.fdopen(handle, "w") as stream:
+            json.dump(payload, stream, indent=2)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# Transforms
+
+
+def center_crop_adm(image: Image.Image, resolution: int) -> Image.Image:
+    """ADM's crop: halve with a box filter while the short side is at least twice the target (cheap
+    and alias-free), resize with bicubic so the short side equals `resolution`, then crop the center."""
+    while min(image.size) >= 2 * resolution:
+        image = image.resize((image.width // 2, image.height // 2), resample=Image.BOX)
+    scale = resolution / min(image.size)
+    image = image.resize((round(image.width * scale), round(image.height * scale)), resample=Image.BICUBIC)
+    left = (image.width - resolution) // 2
+    top = (image.height - resolution) // 2
+    return image.crop((left, top, left + resolution, top + resolution))
+
+
+def image_to_uint8(image: Image.Image, flip: bool = False) -> torch.Tensor:
+    """An RGB PIL image as a uint8 CHW tensor, mirrored left-right when `flip`."""
+    pixels = np.asarray(image, dtype=np.uint8)
+    if flip:
+        pixels = pixels[:, ::-1]
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
+def uint8_to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 [0, 255] -> float32 [-1, 1], the range the VAE was trained on."""
+    return pixels.to(torch.float32) / 127.5 - 1.0
+
+
+def flip_coin(seed: int | None, epoch: int, index: int) -> bool:
+    """A fair coin. Seeded: a pure function of (seed, epoch, index), so it does not depend on which
+    DataLoader worker serves the index. Unseeded: torch's RNG (DataLoader seeds it per worker)."""
+    if seed is None:
+        return bool(torch.rand(()) < 0.5)
+    return bool(np.random.default_rng((seed, epoch, index)).random() < 0.5)
+
+
+class ImageFolderData(torch.utils.data.Dataset):
+    """Pixels for the trainer: `data[i] -> (image, label)`.
+
+    image: float32 tensor [3, resolution, resolution] in [-1, 1], ADM center crop, mirrored with
+           probability 1/2 when `flip` (seeded per (seed, epoch, index): call `set_epoch` each epoch).
+    label: int64 scalar tensor, the index of the class folder in sorted order (`classes`).
+    A default DataLoader collates these into ([B, 3, R, R] float32, [B] int64).
+
+    The file list lives in a `datasets.Dataset` built with `from_dict`: an in-memory Arrow table (no
+    cache files, no network, no scanning builder), which DataLoader workers share without the
+    copy-on-read that a Python list of a million strings suffers from reference counting.
+    Decoding happens lazily per item. An image that does not decode raises UserError naming it; with
+    `skip_bad_images` the next image in the list is served instead and `bad_images_seen` counts it
+    (per process: each DataLoader worker keeps its own count).
+    """
+
+    def __init__(self, path: str | os.PathLike, resolution: int, *, flip: bool = True, seed: int | None = None,
+                 skip_bad_images: bool = False, check: str = "sample", summary: FolderSummary | None = None):
+        import datasets  # imported here: the validation functions above should not pay for it
+
+        if check not in ("none", "sample", "full"):
+            raise ValueError(f"check must be 'none', 'sample' or 'full', not {check!r}")
+        if summary is None:
+            summary = validate_image_folder(path, sample=check == "sample", full=check == "full",
+                                            skip_bad_images=skip_bad_images)
+        self.summary = summary
+        self.root = summary.listing.root
+        self.classes = summary.classes
+        self.resolution = resolution
+        self.flip = flip
+        self.seed = seed
+        self.skip_bad_images = skip_bad_images
+        self.epoch = 0
+        self.bad_images_seen = 0
+        self.records = datasets.Dataset.from_dict(
+            {"path": summary.listing.paths, "label": summary.listing.labels})
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the seeded flips of the next epoch differ from this one's."""
+        self.epoch = epoch
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        for attempt in range(len(self)):
+            row = self.records[(index + attempt) % len(self)]
+            try:
+                image = load_rgb(self.root / row["path"])
+                break
+            except UserError:
+                if not self.skip_bad_images:
+                    raise
+                self.bad_images_seen += 1
+        else:
+            raise UserError(f"no image in {self.root} decodes; check the files")
+        image = center_crop_adm(image, self.resolution)
+        mirrored = self.flip and flip_coin(self.seed, self.epoch, index)
+        pixels = uint8_to_unit_range(image_to_uint8(image, flip=mirrored))
+        return pixels, torch.tensor(row["label"], dtype=torch.int64)

@@ -1,0 +1,607 @@
+"""The latent cache: encode an image folder once with a VAE, then train on latents instead of pixels.
+
+Writing: `dit-accel extract-latents --data-path DIR --vae PATH --resolution 256 --out CACHE` (or under
+`accelerate launch -m dit_accel.data.latents ...`, one process per GPU). Every image and its mirror
+image are encoded; the posterior mean and std are stored, not a sample, so each epoch can draw a fresh
+latent as DiT's own training does. The images are cut into fixed shards (`--shard-size` images in list
+order); each rank writes whole shards of its own, each atomically (temporary file, then rename), and a
+rerun verifies and keeps the complete ones. Rank 0 writes manifest.json last, after every rank is done:
+a cache without a manifest is incomplete and the reader refuses it.
+
+Reading: `LatentCache(CACHE)` memory-maps the shards (safetensors) and yields
+`(latent, label)` with latent = (mean + std * noise - shift_factor) * scale_factor.
+
+On disk (CACHE/):
+    manifest.json                 everything below, plus the VAE identity and per-shard sha256
+    classes.json                  the class-to-index map
+    shard-00000.safetensors ...   mean, std: [n, views, C, h, w] (views = 2: image, mirror);
+                                  label: [n] int64; source_index: [n] int64 (position in the listing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from dit_accel.data.folder import (
+    FolderListing, center_crop_adm, flip_coin, image_to_uint8, load_rgb, permissions, uint8_to_unit_range,
+    validate_image_folder, write_classes_json, write_json_atomically,
+)
+from dit_accel.errors import UserError, exits_cleanly
+
+FORMAT = "dit-accel-latents/1"
+MANIFEST_NAME = "manifest.json"
+STORAGE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}.safetensors"
+
+
+def _sha256_json(payload) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _sha256_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# The VAE
+
+
+def load_vae(source: str):
+    """A diffusers AutoencoderKL from a local folder (its own, or a pipeline folder with vae/), or from
+    a hub id when the network allows. Returns (vae in eval mode on the CPU, identity dict)."""
+    from diffusers import AutoencoderKL  # imported here: reading a cache does not need diffusers
+
+    path = Path(source).expanduser()
+    looks_local = path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
+    if looks_local:
+        if not path.is_dir():
+            raise UserError(f"VAE folder {path} does not exist; pass a folder written by "
+                            f"AutoencoderKL.save_pretrained (config.json + weights)")
+        subfolder = "vae" if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file() else None
+        if subfolder is None and not (path / "config.json").is_file():
+            raise UserError(f"VAE folder {path} has no config.json; pass a folder written by "
+                            f"AutoencoderKL.save_pretrained, or a pipeline folder with a vae/ sub-folder")
+        try:
+            vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder, local_files_only=True)
+        except (OSError, ValueError, KeyError) as error:
+            raise UserError(f"cannot load the VAE from {path}: {str(error).splitlines()[0]}; "
+                            f"re-save it with AutoencoderKL.save_pretrained") from None
+        source = str(path.absolute())
+    else:
+        try:
+            vae = AutoencoderKL.from_pretrained(source)
+        except Exception as error:  # noqa: BLE001 - hub failures come as many types; all mean the same here
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise UserError(f"cannot load the VAE {source!r} from the Hugging Face hub ({reason}); without "
+                            f"network access pass a local folder written by AutoencoderKL.save_pretrained") from None
+    vae.eval().requires_grad_(False)
+    return vae, vae_identity(vae, source)
+
+
+def vae_identity(vae, source: str) -> dict:
+    """What makes two VAEs the same for a cache: a hash of the config (private `_` keys excluded) and
+    of the weights (names, dtypes, shapes, bytes). The path is recorded but not compared, so a moved
+    folder still matches."""
+    config = {key: value for key, value in dict(vae.config).items() if not key.startswith("_")}
+    weights = hashlib.sha256()
+    for name, tensor in sorted(vae.state_dict().items()):
+        tensor = tensor.detach().to("cpu").contiguous()
+        weights.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        weights.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {
+        "source": source,
+        "class": type(vae).__name__,
+        "config_sha256": _sha256_json(config),
+        "weights_sha256": weights.hexdigest(),
+    }
+
+
+@torch.inference_mode()
+def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's diagonal Gaussian posterior for pixels in [-1, 1]: (mean, std), unscaled."""
+    posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+    return posterior.mean.float(), posterior.std.float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Extraction
+
+
+@dataclass
+class ExtractConfig:
+    data_path: str
+    vae: str
+    out: str
+    resolution: int = 256
+    batch_size: int = 32  # images per VAE call (the VAE sees twice as many with mirror images)
+    shard_size: int = 1024  # images per shard file
+    flip: bool = True
+    skip_bad_images: bool = False
+    dtype: str = "float16"
+    num_workers: int | None = None  # DataLoader workers decoding images; None: up to 4 per process
+
+
+@dataclass
+class ExtractResult:
+    out: Path
+    count: int  # images stored (rank 0 only; 0 elsewhere)
+    is_main_process: bool = True
+    shards_written: list[int] = field(default_factory=list)  # by this process
+    shards_reused: list[int] = field(default_factory=list)  # by this process
+    skipped: list[str] = field(default_factory=list)  # all processes (rank 0 only)
+
+
+class _ImagesToEncode(torch.utils.data.Dataset):
+    """(uint8 pixels [3, R, R], label, source index, problem) for one listing entry; an image that does not
+    decode yields empty pixels and the problem, so the main process decides to skip or stop."""
+
+    def __init__(self, listing: FolderListing, resolution: int):
+        self.listing, self.resolution = listing, resolution
+
+    def __len__(self) -> int:
+        return len(self.listing)
+
+    def __getitem__(self, index: int):
+        label = self.listing.labels[index]
+        try:
+            image = load_rgb(self.listing.root / self.listing.paths[index])
+        except UserError as error:
+            return torch.empty(0, dtype=torch.uint8), label, index, str(error)
+        return image_to_uint8(center_crop_adm(image, self.resolution)), label, index, ""
+
+
+def _collate(items):
+    good = [item for item in items if not item[3]]
+    pixels = torch.stack([item[0] for item in good]) if good else None
+    return {
+        "pixels": pixels,
+        "labels": torch.tensor([item[1] for item in good], dtype=torch.int64),
+        "indices": torch.tensor([item[2] for item in good], dtype=torch.int64),
+        "bad": [(item[2], item[3]) for item in items if item[3]],
+    }
+
+
+def _shard_bounds(shard: int, shard_size: int, total: int) -> range:
+    return range(shard * shard_size, min((shard + 1) * shard_size, total))
+
+
+def _sources_sha256(listing: FolderListing, bounds: range) -> str:
+    return _sha256_json([[listing.paths[i], listing.labels[i]] for i in bounds])
+
+
+def _write_shard(out: Path, shard: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    """Serialise in memory, hash, write to a temporary file, fsync, rename: a shard file is complete or absent."""
+    metadata = dict(metadata, content_sha256=_sha256_tensors(tensors))
+    payload = safetensors.torch.save(tensors, metadata=metadata)
+    target = out / shard_name(shard)
+    handle, temporary = tempfile.mkstemp(dir=out, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        os.fchmod(handle, permissions(0o666))
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(payload)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return _shard_record(shard, payload, metadata)
+
+
+def _shard_record(shard: int, payload: bytes, metadata: dict[str, str]) -> dict:
+    return {
+        "file": shard_name(shard),
+        "shard": shard,
+        "count": int(metadata["count"]),
+        "planned": int(metadata["planned"]),
+        "first_index": int(metadata["first_index"]),
+        "bytes": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "rank": int(metadata["rank"]),
+        "world_size": int(metadata["world_size"]),
+        "skipped": json.loads(metadata["skipped"]),
+    }
+
+
+def _reuse_shard(out: Path, shard: int, run_key: str, sources_sha256: str) -> dict | None:
+    """The record of a complete shard written by an earlier run with the same VAE, resolution, layout
+    and images; None when it is absent, damaged or made differently (it is then encoded again)."""
+    path = out / shard_name(shard)
+    try:
+        payload = path.read_bytes()
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = safetensors.torch.load(payload)
+    except (OSError, ValueError, RuntimeError, safetensors.SafetensorError):
+        return None
+    if (metadata.get("format") != FORMAT or metadata.get("run_key") != run_key
+            or metadata.get("sources_sha256") != sources_sha256
+            or metadata.get("content_sha256") != _sha256_tensors(tensors)):
+        return None
+    return _shard_record(shard, payload, metadata)
+
+
+def extract_latents(config: ExtractConfig) -> ExtractResult:
+    """Encode `config.data_path` into a latent cache at `config.out`; see the module docstring.
+
+    Every process of an `accelerate launch` calls this; each encodes a share of the missing shards."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list, gather_object
+    from tqdm.auto import tqdm
+
+    if config.dtype not in STORAGE_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(STORAGE_DTYPES)}, not {config.dtype!r}")
+    if config.batch_size < 1 or config.shard_size < 1:
+        raise UserError("--batch-size and --shard-size must be at least 1")
+
+    # The cheap checks first, on every rank: a wrong path fails before a VAE or a process group exists.
+    summary = validate_image_folder(config.data_path, sample=True, skip_bad_images=config.skip_bad_images)
+    listing = summary.listing
+    vae, identity = load_vae(config.vae)
+    downsample = 2 ** (len(vae.config.block_out_channels) - 1)
+    if config.resolution % downsample:
+        raise UserError(f"--resolution {config.resolution} is not a multiple of the VAE's downsampling "
+                        f"factor {downsample}; pick e.g. {config.resolution // downsample * downsample or downsample}")
+    latent_size = config.resolution // downsample
+    latent_shape = [int(vae.config.latent_channels), latent_size, latent_size]
+    views = 2 if config.flip else 1
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    out = Path(config.out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a folder for the latent cache")
+    out.mkdir(parents=True, exist_ok=True)
+    vae.to(state.device)
+
+    run_key = _sha256_json({
+        "format": FORMAT, "vae": [identity["config_sha256"], identity["weights_sha256"]],
+        "resolution": config.resolution, "views": views, "dtype": config.dtype, "shard_size": config.shard_size,
+    })
+    num_shards = -(-len(listing) // config.shard_size)
+
+    # Rank 0 marks the cache incomplete and clears temporary files of a killed run before anyone writes.
+    existing: list[list[int]] = [[]]
+    if state.is_main_process:
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        for leftover in out.glob(".shard-*.tmp"):
+            leftover.unlink(missing_ok=True)
+        existing = [[k for k in range(num_shards) if (out / shard_name(k)).is_file()]]
+    broadcast_object_list(existing)
+    state.wait_for_everyone()
+    present = existing[0]
+    missing = [k for k in range(num_shards) if k not in set(present)]
+
+    # Work is shared by what remains to do, so a resumed run stays balanced across ranks.
+    rank, world = state.process_index, state.num_processes
+    result = ExtractResult(out=out, count=0, is_main_process=state.is_main_process)
+    records = []
+    to_encode = list(missing[rank::world])
+    for shard in present[rank::world]:
+        bounds = _shard_bounds(shard, config.shard_size, len(listing))
+        record = _reuse_shard(out, shard, run_key, _sources_sha256(listing, bounds))
+        if record is None:
+            to_encode.append(shard)
+        else:
+            records.append(record)
+            result.shards_reused.append(shard)
+    to_encode.sort()
+
+    batches = [list(bounds[i:i + config.batch_size])
+               for shard in to_encode
+               for bounds in [_shard_bounds(shard, config.shard_size, len(listing))]
+               for i in range(0, len(bounds), config.batch_size)]
+    num_workers = config.num_workers
+    if num_workers is None:
+        num_workers = min(4, max(0, (os.cpu_count() or 1) // state.num_processes - 1))
+    loader = torch.utils.data.DataLoader(
+        _ImagesToEncode(listing, config.resolution), batch_sampler=batches, num_workers=num_workers,
+        collate_fn=_collate, pin_memory=state.device.type == "cuda")
+
+    storage_dtype = STORAGE_DTYPES[config.dtype]
+    pending: dict[int, dict] = {}
+    progress = tqdm(total=sum(map(len, batches)), unit="img", disable=not state.is_main_process,
+                    desc=f"encoding (rank 0 of {world})")
+    for batch in loader:
+        first = (batch["indices"][0].item() if len(batch["indices"]) else batch["bad"][0][0])
+        shard = first // config.shard_size
+        buffer = pending.setdefault(shard, {"mean": [], "std": [], "label": [], "source_index": [],
+                                            "skipped": [], "done": 0})
+        for index, problem in batch["bad"]:
+            if not config.skip_bad_images:
+                raise UserError(problem)
+            buffer["skipped"].append(listing.paths[index])
+        if batch["pixels"] is not None:
+            pixels = uint8_to_unit_range(batch["pixels"].to(state.device, non_blocking=True))
+            if config.flip:
+                pixels = torch.cat([pixels, pixels.flip(-1)])
+            mean, std = encode_posterior(vae, pixels)
+            # [views * b, C, h, w] -> [b, views, C, h, w]: row i holds image i and its mirror image
+            mean, std = (t.unflatten(0, (views, -1)).transpose(0, 1).to("cpu", storage_dtype) for t in (mean, std))
+            buffer["mean"].append(mean)
+            buffer["std"].append(std)
+            buffer["label"].append(batch["labels"])
+            buffer["source_index"].append(batch["indices"])
+        batch_size = len(batch["indices"]) + len(batch["bad"])
+        buffer["done"] += batch_size
+        progress.update(batch_size)
+
+        bounds = _shard_bounds(shard, config.shard_size, len(listing))
+        if buffer["done"] == len(bounds):
+            del pending[shard]
+            empty = torch.empty(0, views, *latent_shape, dtype=storage_dtype)
+            tensors = {
+                "mean": torch.cat(buffer["mean"]) if buffer["mean"] else empty,
+                "std": torch.cat(buffer["std"]) if buffer["std"] else empty.clone(),
+                "label": torch.cat(buffer["label"]) if buffer["label"] else torch.empty(0, dtype=torch.int64),
+                "source_index": (torch.cat(buffer["source_index"]) if buffer["source_index"]
+                                 else torch.empty(0, dtype=torch.int64)),
+            }
+            metadata = {
+                "format": FORMAT, "run_key": run_key, "sources_sha256": _sources_sha256(listing, bounds),
+                "shard": str(shard), "first_index": str(bounds.start), "planned": str(len(bounds)),
+                "count": str(len(tensors["label"])), "rank": str(rank), "world_size": str(world),
+                "skipped": json.dumps(buffer["skipped"]),
+            }
+            records.append(_write_shard(out, shard, tensors, metadata))
+            result.shards_written.append(shard)
+    progress.close()
+
+    all_records = gather_object(records)
+    if state.is_main_process:
+        all_records = sorted(all_records, key=lambda record: record["shard"])
+        if [record["shard"] for record in all_records] != list(range(num_shards)):
+            raise RuntimeError(f"shards {sorted(set(range(num_shards)) - {r['shard'] for r in all_records})} "
+                               f"were not written; the manifest is not written")
+        skipped = [rel for record in all_records for rel in record.pop("skipped")] + summary.bad_images
+        images_per_class = dict(summary.images_per_class)
+        for rel in skipped:
+            if rel not in summary.bad_images:  # validation already left those out of the counts
+                images_per_class[rel.split("/", 1)[0]] -= 1
+        for stale in out.glob("shard-*.safetensors"):  # from an earlier run over more images
+            if stale.name not in {record["file"] for record in all_records}:
+                stale.unlink()
+        write_classes_json(out, listing.classes)
+        manifest = {
+            "format": FORMAT,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "data_path": str(listing.root.absolute()),
+            "vae": identity,
+            "resolution": config.resolution,
+            "latent_shape": latent_shape,
+            "scale_factor": float(vae.config.scaling_factor),
+            "shift_factor": float(getattr(vae.config, "shift_factor", None) or 0.0),
+            "dtype": config.dtype,
+            "flip": config.flip,
+            "views": views,
+            "count": sum(record["count"] for record in all_records),
+            "skipped": skipped,
+            "classes": listing.classes,
+            "images_per_class": images_per_class,
+            "shard_size": config.shard_size,
+            "world_size": world,
+            "run_key": run_key,
+            "shards": all_records,
+        }
+        write_json_atomically(out / MANIFEST_NAME, manifest)
+        result.count = manifest["count"]
+        result.skipped = skipped
+    state.wait_for_everyone()  # no rank exits before the manifest exists
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dit-accel extract-latents",
+        description="Encode every image (and its mirror image) of an ImageNet-layout folder with a diffusers "
+                    "AutoencoderKL into a sharded, memory-mapped latent cache. Run it under `accelerate launch "
+                    "-m dit_accel.data.latents` to use every GPU; rerun the same command to resume.")
+    parser.add_argument("--data-path", "--data_path", dest="data_path", required=True,
+                        help="image folder: DIR/<class>/<image>.jpg")
+    parser.add_argument("--vae", required=True, help="AutoencoderKL folder (or a hub id where the network allows)")
+    parser.add_argument("--resolution", type=int, default=256, help="image side in pixels (default 256)")
+    parser.add_argument("--out", required=True, help="cache folder to write (created)")
+    parser.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=32,
+                        help="images per VAE call per process (default 32)")
+    parser.add_argument("--shard-size", "--shard_size", dest="shard_size", type=int, default=1024,
+                        help="images per shard file (default 1024)")
+    parser.add_argument("--dtype", choices=sorted(STORAGE_DTYPES), default="float16",
+                        help="storage type of mean and std (default float16: half the disk and read bandwidth)")
+    parser.add_argument("--num-workers", "--num_workers", dest="num_workers", type=int, default=None,
+                        help="image-decoding DataLoader workers per process (default: up to 4)")
+    parser.add_argument("--skip-bad-images", "--skip_bad_images", dest="skip_bad_images", action="store_true",
+                        help="skip and count images that do not decode instead of stopping")
+    parser.add_argument("--no-flip", "--no_flip", dest="flip", action="store_false",
+                        help="do not store the mirror image of each image")
+    return parser
+
+
+@exits_cleanly("dit-accel extract-latents")
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = ExtractConfig(**vars(args))
+    result = extract_latents(config)
+    if result.is_main_process:
+        skipped = f", {len(result.skipped)} undecodable images skipped" if result.skipped else ""
+        print(f"latent cache {result.out}: {result.count} images x {2 if config.flip else 1} views{skipped}; "
+              f"manifest {result.out / MANIFEST_NAME}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_manifest(cache_dir: str | os.PathLike) -> dict:
+    """The manifest of a complete cache, after cheap checks (format, every shard present with its size).
+
+    A missing manifest means the extraction did not finish: the message says to re-run it."""
+    cache = Path(cache_dir).expanduser()
+    if not cache.is_dir():
+        raise UserError(f"latent cache {cache} does not exist; create it with "
+                        f"`dit-accel extract-latents --data-path DIR --vae PATH --out {cache}`")
+    manifest_path = cache / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise UserError(f"latent cache {cache} is incomplete (no {MANIFEST_NAME}: the extraction was interrupted "
+                        f"or is still running); re-run the same `dit-accel extract-latents ... --out {cache}` "
+                        f"command to finish it")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"cannot read {manifest_path} ({error}); re-run extract-latents to rewrite it") from None
+    if manifest.get("format") != FORMAT:
+        raise UserError(f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads "
+                        f"{FORMAT!r}; re-run extract-latents into a new folder")
+    for record in manifest["shards"]:
+        path = cache / record["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != record["bytes"]:
+            found = "is missing" if size is None else f"has {size} bytes, the manifest says {record['bytes']}"
+            raise UserError(f"latent cache {cache} is damaged: {record['file']} {found}; re-run the same "
+                            f"extract-latents command to rewrite it")
+    return manifest
+
+
+def verify_cache(cache_dir: str | os.PathLike) -> int:
+    """Check every shard against the manifest's sha256 (reads the whole cache). Returns bytes checked."""
+    cache = Path(cache_dir).expanduser()
+    manifest = read_manifest(cache)
+    checked = 0
+    for record in manifest["shards"]:
+        digest = hashlib.sha256()
+        with open(cache / record["file"], "rb") as stream:
+            for block in iter(lambda: stream.read(1 << 24), b""):
+                digest.update(block)
+                checked += len(block)
+        if digest.hexdigest() != record["sha256"]:
+            raise UserError(f"latent cache {cache} is damaged: {record['file']} does not match its checksum; "
+                            f"delete that file and re-run the same extract-latents command")
+    return checked
+
+
+def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | None = None) -> None:
+    """Refuse a cache made at another resolution or with another VAE than the run asks for.
+
+    `manifest`: the dict, a `LatentCache`, or the cache folder. `vae_identity`: an identity dict (from
+    `load_vae`), a VAE folder to load and hash, or None to check the resolution only."""
+    if isinstance(manifest, LatentCache):
+        manifest = manifest.manifest
+    elif not isinstance(manifest, dict):
+        manifest = read_manifest(manifest)
+    where = manifest.get("data_path", "?")
+    if manifest["resolution"] != resolution:
+        raise UserError(f"the latent cache (of {where}) was made at {manifest['resolution']} px but the run asks "
+                        f"for {resolution} px; extract latents again with --resolution {resolution} into a new "
+                        f"--out folder, or train at {manifest['resolution']} px")
+    if vae_identity is None:
+        return
+    if isinstance(vae_identity, (str, os.PathLike)):
+        vae_identity = load_vae(str(vae_identity))[1]
+    cached = manifest["vae"]
+    for key in ("weights_sha256", "config_sha256"):
+        if cached[key] != vae_identity[key]:
+            what = "weights" if key.startswith("weights") else "config"
+            raise UserError(f"the latent cache was encoded with another VAE ({cached['source']}, {what} sha256 "
+                            f"{cached[key][:12]}) than the run uses ({vae_identity['source']}, "
+                            f"{vae_identity[key][:12]}); extract latents again with this VAE, or pass the VAE "
+                            f"the cache was made with")
+
+
+class LatentCache(torch.utils.data.Dataset):
+    """Latents for the trainer: `cache[i] -> (latent, label)`.
+
+    latent: float32 [C, h, w] = (mean + std * noise - shift_factor) * scale_factor, i.e. a fresh draw from
+            the VAE posterior, already scaled for diffusion (the trainer does not scale again).
+            With `flip` (default) the stored mirror image is chosen with probability 1/2; without, or for a
+            cache made with --no-flip, always the image itself. One entry per image: the mirror image is
+            an augmentation, not a second sample, so an epoch has as many steps as with pixels.
+    label:  int64 scalar tensor (index into `classes`).
+    `seed`: None uses torch's RNG (DataLoader seeds it per worker); an int makes noise and flip a pure
+    function of (seed, epoch, index): call `set_epoch` every epoch.
+
+    Shards are opened lazily in each process (and each DataLoader worker) with safetensors' memory
+    map, so eight ranks share the page cache instead of each holding the cache in RAM. The labels of
+    all entries are read at construction (8 bytes each) for samplers and statistics.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike, *, flip: bool = True, seed: int | None = None):
+        self.dir = Path(cache_dir).expanduser()
+        self.manifest = read_manifest(self.dir)
+        self.classes: list[str] = self.manifest["classes"]
+        self.latent_shape = tuple(self.manifest["latent_shape"])
+        self.scale_factor = float(self.manifest["scale_factor"])
+        self.shift_factor = float(self.manifest.get("shift_factor") or 0.0)
+        self.views = int(self.manifest["views"])
+        self.flip = flip and self.views == 2
+        self.seed = seed
+        self.epoch = 0
+        self._files = [record["file"] for record in self.manifest["shards"]]
+        self._ends = np.cumsum([record["count"] for record in self.manifest["shards"]])
+        self._handles: dict[int, object] = {}
+        self.labels = torch.cat([self._shard(k).get_tensor("label") for k in range(len(self._files))])
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_handles"] = {}  # memory maps do not travel to DataLoader workers; each opens its own
+        return state
+
+    def _shard(self, shard: int):
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handles[shard] = safe_open(self.dir / self._files[shard], framework="pt")
+        return handle
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a latent cache of {len(self)}")
+        index %= len(self)
+        shard = int(np.searchsorted(self._ends, index, side="right"))
+        return shard, index - (int(self._ends[shard - 1]) if shard else 0)
+
+    def posterior(self, index: int, view: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored (mean, std) of entry `index`, view 0 (the image) or 1 (its mirror), as float32."""
+        shard, row = self._locate(index)
+        handle = self._shard(shard)
+        return handle.get_slice("mean")[row, view].float(), handle.get_slice("std")[row, view].float()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.seed is None:
+            view = int(self.flip and flip_coin(None, 0, index))
+            mean, std = self.posterior(index, view)
+            noise = torch.randn(mean.shape)
+        else:
+            rng = np.random.default_rng((self.seed, self.epoch, index))
+            view = int(self.flip and rng.random() < 0.5)
+            mean, std = self.posterior(index, view)
+            noise = torch.from_numpy(rng.standard_normal(mean.shape, dtype=np.float32))
+        latent = (mean + std * noise - self.shift_factor) * self.scale_factor
+        return latent, self.labels[index]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""`dit-accel doctor`: the preflight to run on every node before a launch, and the reader of a failed
+run's log.
+
+    dit-accel doctor --plan plan/plan.json --data-path /data/train --output-dir runs/xl2
+    dit-accel doctor --log runs/xl2/launch.log [--plan plan/plan.json]
+
+Each check is a row (PASS, WARN or FAIL, the reason, the fix). Exit code: 0 when nothing failed
+(warnings allowed), 1 on warnings with --strict, 2 on a failure or on bad flags / an unreadable plan.
+The facts about this machine come from `Probes`, which tests replace to build any failing situation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dit_accel.doctor.checks import Check, exit_code, warned
+from dit_accel.doctor.data import check_data
+from dit_accel.doctor.distributed import CONNECT_TIMEOUT_S, check_distributed, read_rendezvous
+from dit_accel.doctor.environment import EnvironmentFacts, check_environment, probe_environment
+from dit_accel.doctor.host import HostFacts, check_host, loader_facts, read_host
+from dit_accel.doctor.logs import diagnose
+from dit_accel.doctor.output import check_output
+from dit_accel.doctor.plan import PlanFacts, load_plan
+from dit_accel.doctor.report import render
+from dit_accel.errors import UserError, exits_cleanly
+
+PROG = "dit-accel doctor"
+
+
+@dataclass
+class Probes:
+    """Where the facts about this machine come from; a test passes its own."""
+
+    environment: Callable[[], EnvironmentFacts] = probe_environment
+    host: Callable[[], HostFacts] = read_host
+    disk_usage: Callable[[str], tuple] = shutil.disk_usage
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every dit-accel error
+        raise UserError(f"{message} (see `{PROG} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dit_accel.train_config import TrainConfig
+
+    defaults = TrainConfig()
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                     epilog="Exit codes: 0 ready (warnings allowed), 1 warnings with --strict, 2 a failure or bad input. "
+                            "With --log: 0 no failure found, 2 a failure explained, 1 with --strict when unrecognised.")
+    parser.add_argument("--plan", help="plan.json written by dit-plan (required, except with --log)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data-path", "--data_path", dest="data_path", type=Path, help="image folder (DIR/<class>/<image>)")
+    source.add_argument("--latents", type=Path, help="latent cache written by `dit-accel extract-latents`")
+    parser.add_argument("--vae", help="the run's --vae (checked against the latent cache and the plan's latent mode)")
+    parser.add_argument("--output-dir", "--output_dir", dest="output_dir", type=Path, help="the run folder, e.g. runs/xl2")
+    parser.add_argument("--accelerate-config", "--accelerate_config", dest="accelerate_config", type=Path,
+                        help="the Accelerate YAML of the launch (default: accelerate_config.yaml next to the plan)")
+    parser.add_argument("--num-workers", "--num_workers", dest="num_workers", type=int, default=defaults.num_workers,
+                        help=f"the run's data-loader workers per rank (the trainer's default: {defaults.num_workers})")
+    parser.add_argument("--keep-last", "--keep_last", dest="keep_last", type=int, default=defaults.keep_last,
+                        help=f"the run's checkpoints kept (the trainer's default: {defaults.keep_last})")
+    parser.add_argument("--full", action="store_true", help="decode every image, not one per class")
+    parser.add_argument("--strict", action="store_true", help="exit 1 on warnings")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+    parser.add_argument("--log", type=Path, help="read a failed run's log instead of checking this node")
+    return parser
+
+
+def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list[Check]:
+    config_path = args.accelerate_config or plan.path.parent / "accelerate_config.yaml"
+    checks = check_environment(plan, probes.environment(), config_path)
+    checks += check_host(plan, probes.host(), loader_facts(plan, args.num_workers))
+    checks += check_data(plan, args.data_path, args.latents, args.vae, args.full)
+    if args.output_dir is None:
+        checks.append(warned("output", "output folder", "not checked: no --output-dir given",
+                             "pass --output-dir runs/NAME to check disk space and write permission"))
+    else:
+        checks += check_output(plan, args.output_dir, args.keep_last, probes.disk_usage)
+    checks += check_distributed(plan, read_rendezvous(config_path), probes.connect_timeout_s)
+    return checks
+
+
+def read_log(args: argparse.Namespace) -> list[Check]:
+    try:
+        text = args.log.read_text(errors="replace")
+    except OSError as error:
+        raise UserError(f"cannot read log {args.log}: {error.strerror or error}; pass the file the launcher's output went to")
+    plan = load_plan(args.plan) if args.plan else None
+    return diagnose(text, plan, args.output_dir)
+
+
+def run(argv: list[str] | None = None, probes: Probes | None = None) -> int:
+    """The doctor with injectable probes; `main` is this with the real machine."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help
+        return int(done.code or 0)
+    if args.num_workers < 0 or args.keep_last < 1:
+        raise UserError("--num-workers must be >= 0 and --keep-last >= 1")
+    if args.log is not None:
+        checks = read_log(args)
+    else:
+        if not args.plan:
+            raise UserError("--plan is required: pass the plan.json written by `dit-plan --out DIR` (or --log FILE to read a failed run's log)")
+        if args.data_path is None and args.latents is None:
+            raise UserError("pass --data-path DIR (an image folder) or --latents DIR (a latent cache): the data to check")
+        checks = preflight(load_plan(args.plan), args, probes or Probes())
+    print(render(checks, args.format, args.strict, mode="log" if args.log is not None else "preflight"))
+    return exit_code(checks, args.strict)
+
+
+@exits_cleanly(PROG)
+def main(argv: list[str] | None = None) -> int:
+    return run(sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,120 @@
+"""The parts of plan.json the doctor compares against this machine, read once into named fields.
+
+The keys follow DESIGN.md's plan.json contract; a plan that lacks one the checks need is a bad plan,
+reported on one line with the fix (re-run dit-plan), never a KeyError.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dit_accel.errors import UserError
+
+KNOWN_SCHEMAS = ("dit-plan/1",)
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    path: Path
+    model_name: str
+    resolution: int
+    latent_size: int
+    in_channels: int
+    params_trainable: int
+    nodes: int
+    gpus_per_node: int
+    world_size: int
+    vram_bytes: int
+    gpu: str | None
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    checkpointed_blocks: int
+    precision: str  # bf16 | fp16 | fp32
+    sharding: str  # ddp | zero2 | zero3
+    latents: str  # precomputed | online | pixel
+    ema: bool
+    peak_bytes: int  # per GPU
+    budget_bytes: int  # per GPU: vram minus the plan's headroom
+    host: dict = field(default_factory=dict)  # the plan's per-node host RAM estimate, as written
+    inputs: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int | None:
+        """Per-node host RAM the plan expects a launch to use (the exitcode -9 budget)."""
+        for key in ("per_node_bytes", "peak_bytes", "total_bytes", "host_bytes"):
+            if isinstance(self.host.get(key), (int, float)):
+                return int(self.host[key])
+        return None
+
+    @property
+    def num_classes(self) -> int:
+        """Class labels the model embeds (the trainer's rule: the plan's, else ImageNet's 1000)."""
+        from planner.spec import NUM_CLASSES
+
+        return int(self.model.get("num_classes") or self.inputs.get("num_classes") or NUM_CLASSES)
+
+    @property
+    def vae(self) -> str | None:
+        """The VAE the plan names (identity of the latent space), if any."""
+        value = self.inputs.get("vae")
+        return str(value) if value else None
+
+
+def _get(plan: dict, dotted: str, path: Path):
+    node = plan
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise UserError(f"{path}: plan.json has no {dotted!r}; re-make it with dit-plan ... --out DIR")
+        node = node[part]
+    return node
+
+
+def load_plan(path: str | Path) -> PlanFacts:
+    """Read and check a plan.json; any problem is one UserError line naming the file and the fix."""
+    path = Path(path)
+    try:
+        plan = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"plan {path} not found: make one with `dit-plan ... --out {path.parent}` or pass --plan PATH") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read plan {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise UserError(f"plan {path} is not valid JSON (line {error.lineno}): re-make it with dit-plan") from None
+    if not isinstance(plan, dict):
+        raise UserError(f"plan {path} is not a JSON object: re-make it with dit-plan")
+    schema = plan.get("schema")
+    if schema not in KNOWN_SCHEMAS:
+        raise UserError(f"plan {path} has schema {schema!r}, this doctor reads {', '.join(KNOWN_SCHEMAS)}: "
+                        "re-make the plan with this version's dit-plan")
+    get = lambda key: _get(plan, key, path)  # noqa: E731 - a short reader bound to this plan's path
+    host = plan.get("host")
+    return PlanFacts(
+        path=path,
+        model_name=str(get("model.name")),
+        resolution=int(get("model.resolution")),
+        latent_size=int(get("model.latent_size")),
+        in_channels=int(get("model.in_channels")),
+        params_trainable=int(get("model.params_trainable")),
+        nodes=int(get("cluster.nodes")),
+        gpus_per_node=int(get("cluster.gpus_per_node")),
+        world_size=int(get("cluster.world_size")),
+        vram_bytes=int(get("cluster.vram_bytes")),
+        gpu=plan["cluster"].get("gpu"),
+        global_batch=int(get("global_batch")),
+        micro_batch=int(get("decision.micro_batch")),
+        grad_accum=int(get("decision.grad_accum")),
+        checkpointed_blocks=int(get("decision.checkpointed_blocks")),
+        precision=str(get("decision.precision")),
+        sharding=str(get("decision.sharding")),
+        latents=str(get("decision.latents")),
+        ema=bool(plan["decision"].get("ema", True)),
+        peak_bytes=int(get("memory.peak_bytes")),
+        budget_bytes=int(get("memory.budget_bytes")),
+        host=host if isinstance(host, dict) else {},
+        inputs=plan.get("inputs") if isinstance(plan.get("inputs"), dict) else {},
+        model=plan["model"],
+    )

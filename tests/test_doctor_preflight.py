@@ -1,0 +1,417 @@
+"""dit-accel doctor's preflight: each failing situation built on the CPU from injected facts (GPUs, RAM,
+disk) or real files (image folders, YAML, sockets), and the verdict and message asserted."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from dit_accel.doctor import Probes, run
+from dit_accel.doctor.checks import Status, exit_code
+from dit_accel.doctor.data import check_data
+from dit_accel.doctor.distributed import Rendezvous, check_distributed, check_port_free, check_reachable
+from dit_accel.doctor.environment import (ComputeApp, EnvironmentFacts, GpuFacts, check_accelerate_config,
+                                          check_environment, probe_environment)
+from dit_accel.doctor.host import HostFacts, check_host, loader_facts, read_host
+from dit_accel.doctor.output import check_output, checkpoint_bytes
+from dit_accel.doctor.plan import load_plan
+
+GiB = 2**30
+
+# DiT-XL/2 on 8 x 40 GB, the DESIGN.md plan.json contract
+XL_PLAN = {
+    "schema": "dit-plan/1",
+    "inputs": {"model": "DiT-XL/2", "gpus": 8, "vram": "40G", "global_batch": 256},
+    "model": {"name": "DiT-XL/2", "resolution": 256, "latent_size": 32, "in_channels": 4, "tokens": 256,
+              "params_trainable": 674_834_720, "fwd_flops_per_image": 237_200_000_000},
+    "cluster": {"nodes": 1, "gpus_per_node": 8, "world_size": 8, "vram_bytes": 40 * 10**9, "gpu": None},
+    "global_batch": 256,
+    "decision": {"micro_batch": 16, "grad_accum": 2, "checkpointed_blocks": 0, "precision": "bf16",
+                 "sharding": "ddp", "latents": "precomputed", "ema": True},
+    "memory": {"peak_bytes": 30 * 10**9, "budget_bytes": 37 * 10**9},
+    "host": {"per_node_bytes": 120 * GiB},
+    "warnings": [], "alternatives": [],
+}
+XL_YAML = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 8,
+           "num_machines": 1, "machine_rank": 0, "mixed_precision": "bf16", "main_process_port": 0}
+
+
+def write_plan(folder: Path, plan: dict = XL_PLAN, config: dict = XL_YAML, **changes) -> Path:
+    """plan.json + accelerate_config.yaml in `folder`; `changes` are dotted keys, e.g. decision__precision='fp16'."""
+    plan = copy.deepcopy(plan)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = plan
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "plan.json").write_text(json.dumps(plan))
+    (folder / "accelerate_config.yaml").write_text(yaml.safe_dump(config))
+    return folder / "plan.json"
+
+
+def gpus(count=8, total=40 * GiB, free=39 * GiB, capability=(8, 0), name="NVIDIA A100-SXM4-40GB"):
+    return tuple(GpuFacts(index=i, name=name, total_bytes=total, free_bytes=free, capability=capability,
+                          uuid=f"GPU-{i:04d}") for i in range(count))
+
+
+def env(**changes) -> EnvironmentFacts:
+    facts = dict(python="3.11.9", torch="2.13.0+cu126", cuda_build="12.6", cudnn=90501, nccl="2.26.2",
+                 driver_version="560.35.03", driver_cuda="12.6", cuda_available=True, gpus=gpus(),
+                 tf32_matmul=False, tf32_cudnn=True, compute_apps=(), env={})
+    facts.update(changes)
+    return EnvironmentFacts(**facts)
+
+
+def host(**changes) -> HostFacts:
+    facts = dict(mem_total_bytes=1000 * GiB, mem_available_bytes=900 * GiB, cgroup_limit_bytes=None,
+                 shm_total_bytes=500 * GiB, shm_free_bytes=500 * GiB, open_files_soft=65536,
+                 open_files_hard=65536, cpu_count=96)
+    facts.update(changes)
+    return HostFacts(**facts)
+
+
+def by_name(checks, name):
+    found = [check for check in checks if check.name == name]
+    assert found, f"no {name!r} row in {[c.name for c in checks]}"
+    return found[0]
+
+
+@pytest.fixture
+def xl_plan(tmp_path):
+    return load_plan(write_plan(tmp_path / "plan"))
+
+
+# --- environment -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no GPU")
+def test_gpu_plan_with_no_gpu_visible_fails_on_the_real_cpu_machine(xl_plan, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    checks = check_environment(xl_plan, probe_environment(), xl_plan.path.parent / "accelerate_config.yaml")
+    row = by_name(checks, "GPUs visible")
+    assert row.status is Status.FAIL
+    assert "needs 8 GPU(s) per node and no GPU is visible" in row.reason
+    assert row.fix
+    assert not any(c.name.startswith("GPU 0") for c in checks)  # no memory rows for GPUs that are not there
+
+
+def test_hidden_gpus_name_cuda_visible_devices(xl_plan):
+    facts = env(gpus=(), cuda_available=False, env={"CUDA_VISIBLE_DEVICES": ""})
+    row = by_name(check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "GPUs visible")
+    assert row.status is Status.FAIL and "CUDA_VISIBLE_DEVICES" in row.reason and "unset" in row.fix
+
+
+def test_fewer_gpus_than_planned_fail_and_more_warn(xl_plan):
+    config = xl_plan.path.parent / "accelerate_config.yaml"
+    fewer = by_name(check_environment(xl_plan, env(gpus=gpus(4)), config), "GPUs visible")
+    assert fewer.status is Status.FAIL and "8 GPU(s) per node, 4 visible" in fewer.reason and "--gpus 4" in fewer.fix
+    more = by_name(check_environment(xl_plan, env(gpus=gpus(16)), config), "GPUs visible")
+    assert more.status is Status.WARN
+
+
+def test_busy_gpu_fails_and_names_the_process_holding_it(xl_plan):
+    busy = gpus()[:1] + tuple(GpuFacts(i, "NVIDIA A100-SXM4-40GB", 40 * GiB, 10 * GiB, (8, 0), f"GPU-{i:04d}") for i in range(1, 8))
+    apps = (ComputeApp(pid=4242, process_name="python", used_bytes=29 * GiB, gpu_uuid="GPU-0001"),)
+    checks = check_environment(xl_plan, env(gpus=busy, compute_apps=apps), xl_plan.path.parent / "accelerate_config.yaml")
+    assert by_name(checks, "GPU 0 memory").status is Status.PASS
+    row = by_name(checks, "GPU 1 memory")
+    assert row.status is Status.FAIL and "pid 4242 python (29.0 GiB)" in row.reason
+    without_smi = check_environment(xl_plan, env(gpus=busy, compute_apps=None), xl_plan.path.parent / "accelerate_config.yaml")
+    assert "cannot be named" in by_name(without_smi, "GPU 1 memory").reason
+
+
+def test_gpu_smaller_than_the_plan_peak_fails_with_a_replan(xl_plan):
+    row = by_name(check_environment(xl_plan, env(gpus=gpus(total=24 * GiB, free=23 * GiB, name="NVIDIA L4")),
+                                    xl_plan.path.parent / "accelerate_config.yaml"), "GPU 0 memory")
+    assert row.status is Status.FAIL and "dit-plan --vram 24GiB" in row.fix
+
+
+def test_bf16_plan_on_a_v100_fails(xl_plan):
+    facts = env(gpus=gpus(total=32 * GiB, free=31.5 * GiB, capability=(7, 0), name="Tesla V100-SXM2-32GB"))
+    row = by_name(check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "precision")
+    assert row.status is Status.FAIL and "compute capability 7.0" in row.reason and "--precision fp16" in row.fix
+
+
+@pytest.mark.parametrize("driver_cuda, status", [("11.8", Status.FAIL), ("12.2", Status.WARN), ("12.8", Status.PASS)])
+def test_torch_cuda_build_against_the_driver(xl_plan, driver_cuda, status):
+    row = by_name(check_environment(xl_plan, env(driver_cuda=driver_cuda), xl_plan.path.parent / "accelerate_config.yaml"),
+                  "versions")
+    assert row.status is status
+    assert "torch 2.13.0+cu126" in row.reason and "NCCL 2.26.2" in row.reason and "cuDNN 9.5.1" in row.reason
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_processes": 4}, "num_processes is 4, the plan's world size is 8"),
+    ({"mixed_precision": "fp16"}, "mixed_precision is fp16, the plan's precision bf16 needs bf16"),
+    ({"num_machines": 2}, "num_machines is 2, the plan has 1 node(s)"),
+    ({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}}, "distributed_type is DEEPSPEED"),
+    ({"dit_extra_key": 1}, "unknown keys"),
+])
+def test_accelerate_yaml_that_disagrees_with_the_plan_fails(tmp_path, change, message):
+    plan_path = write_plan(tmp_path, config={**XL_YAML, **change})
+    row = check_accelerate_config(load_plan(plan_path), tmp_path / "accelerate_config.yaml")
+    assert row.status is Status.FAIL and message in row.reason and "dit-plan" in row.fix
+
+
+def test_zero_stage_must_match_the_plans_sharding(tmp_path):
+    config = {**XL_YAML, "distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 2}}
+    plan_path = write_plan(tmp_path, config=config, decision__sharding="zero3")
+    row = check_accelerate_config(load_plan(plan_path), tmp_path / "accelerate_config.yaml")
+    assert row.status is Status.FAIL and "zero_stage is 2, the plan's zero3 needs 3" in row.reason
+    write_plan(tmp_path, config={**config, "deepspeed_config": {"zero_stage": 3, "gradient_accumulation_steps": 2}},
+               decision__sharding="zero3")
+    assert check_accelerate_config(load_plan(plan_path), tmp_path / "accelerate_config.yaml").status is Status.PASS
+
+
+def test_missing_accelerate_yaml_fails(xl_plan, tmp_path):
+    row = check_accelerate_config(xl_plan, tmp_path / "nowhere.yaml")
+    assert row.status is Status.FAIL and "not found" in row.reason
+
+
+# --- host ----------------------------------------------------------------------------------------------------
+
+
+def meminfo(total_gib: float, available_gib: float) -> str:
+    return (f"MemTotal:       {int(total_gib * 2**20)} kB\nMemFree:         1000 kB\n"
+            f"MemAvailable:   {int(available_gib * 2**20)} kB\nShmem:  0 kB\n")
+
+
+def test_host_ram_below_the_plans_estimate_is_the_exitcode_9_failure(xl_plan, tmp_path):
+    (tmp_path / "meminfo").write_text(meminfo(128, 100))
+    facts = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup",
+                      open_files=lambda: (65536, 65536), cpu_count=lambda: 96)
+    assert facts.mem_total_bytes == 128 * GiB and facts.mem_available_bytes == 100 * GiB
+    row = by_name(check_host(xl_plan, facts, loader_facts(xl_plan, 4)), "host RAM")
+    assert row.status is Status.FAIL
+    assert "120.0 GiB per node, 100.0 GiB available" in row.reason and "exitcode -9" in row.reason
+    assert "data-loader workers" in row.fix and "precomputed latents" in row.fix
+    (tmp_path / "meminfo").write_text(meminfo(256, 128))  # 120 of 128: too close to call
+    close = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup")
+    assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 4)), "host RAM").status is Status.WARN
+
+
+def test_a_cgroup_memory_limit_counts_like_missing_ram(xl_plan, tmp_path):
+    (tmp_path / "meminfo").write_text(meminfo(1024, 900))
+    (tmp_path / "cgroup").mkdir()
+    (tmp_path / "cgroup" / "memory.max").write_text(f"{64 * GiB}\n")
+    facts = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "cgroup")
+    row = by_name(check_host(xl_plan, facts, loader_facts(xl_plan, 4)), "host RAM")
+    assert row.status is Status.FAIL and "cgroup memory limit" in row.reason
+    (tmp_path / "cgroup" / "memory.max").write_text("max\n")
+    assert read_host(meminfo_path=tmp_path / "meminfo", cgroup_root=tmp_path / "cgroup").cgroup_limit_bytes is None
+
+
+def test_the_real_host_reads(xl_plan):
+    facts = read_host()
+    assert 0 < facts.mem_available_bytes <= facts.mem_total_bytes
+    assert facts.cpu_count >= 1 and facts.open_files_soft >= 1
+
+
+def test_docker_default_shm_fails_for_pixel_workers(tmp_path):
+    plan = load_plan(write_plan(tmp_path, decision__latents="online"))
+    row = by_name(check_host(plan, host(shm_total_bytes=64 * 2**20, shm_free_bytes=64 * 2**20), loader_facts(plan, 8)),
+                  "/dev/shm")
+    assert row.status is Status.FAIL and "64 MiB in total" in row.reason and "--shm-size" in row.fix
+    assert by_name(check_host(plan, host(), loader_facts(plan, 8)), "/dev/shm").status is Status.PASS
+    assert by_name(check_host(plan, host(shm_total_bytes=64 * 2**20), loader_facts(plan, 0)), "/dev/shm").status is Status.PASS
+
+
+def test_open_file_limit_and_cpu_count(xl_plan):
+    checks = check_host(xl_plan, host(open_files_soft=256, open_files_hard=4096, cpu_count=16), loader_facts(xl_plan, 4))
+    assert by_name(checks, "open-file limit").status is Status.FAIL and "ulimit -n 4096" in by_name(checks, "open-file limit").fix
+    cpus = by_name(checks, "CPUs")
+    assert cpus.status is Status.WARN and "= 40" in cpus.reason and "--num-workers 1" in cpus.fix
+    assert by_name(check_host(xl_plan, host(open_files_soft=1024), loader_facts(xl_plan, 4)), "open-file limit").status is Status.WARN
+
+
+# --- data ----------------------------------------------------------------------------------------------------
+
+
+def make_folder(root: Path, classes: int = 3, per_class: int = 4, size: int = 40) -> Path:
+    for c in range(classes):
+        (root / f"class_{c}").mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.new("RGB", (size + i, size), (40 * c, 10 * i, 90)).save(root / f"class_{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture
+def pixel_plan(tmp_path):
+    """A tiny pixel-space plan: 2 GPUs x micro 2 x accum 2 = global batch 8, at 32 px."""
+    return load_plan(write_plan(tmp_path / "plan", config={**XL_YAML, "num_processes": 2},
+                                model={"name": "DiT-custom", "resolution": 32, "latent_size": 32, "in_channels": 3,
+                                       "tokens": 64, "params_trainable": 100_000, "fwd_flops_per_image": 10**6,
+                                       "num_classes": 3},
+                                cluster={"nodes": 1, "gpus_per_node": 2, "world_size": 2, "vram_bytes": 40 * 10**9, "gpu": None},
+                                global_batch=8, decision__micro_batch=2, decision__latents="pixel",
+                                memory={"peak_bytes": 1 * GiB, "budget_bytes": 37 * 10**9},
+                                host={"per_node_bytes": 4 * GiB}))
+
+
+def test_a_good_image_folder_passes(pixel_plan, tmp_path):
+    checks = check_data(pixel_plan, make_folder(tmp_path / "images"), None, None, full=True)
+    assert [c.status for c in checks] == [Status.PASS] * len(checks), checks
+    assert "12 images decoded (every image)" in by_name(checks, "decoding").reason
+    assert "3 classes, 4-4 images per class" in by_name(checks, "classes").reason
+
+
+def _no_classes(root):
+    root.mkdir()
+    (root / "loose.png").write_bytes(b"")
+    Image.new("RGB", (8, 8)).save(root / "loose.png")
+
+
+def _empty_class(root):
+    make_folder(root)
+    (root / "class_9").mkdir()
+
+
+@pytest.mark.parametrize("build, reason, fix", [
+    (lambda root: None, "does not exist", "one sub-folder per class"),
+    (lambda root: root.write_text("x"), "is a file, not a directory", "one sub-folder per class"),
+    (lambda root: root.mkdir(), "has no class sub-folders", "<class>/<image>.jpg"),
+    (_no_classes, "holds 1 images directly but no class sub-folders", "move them into one sub-folder per class"),
+    (_empty_class, "1 class folder(s)", "add images to them or remove them"),
+])
+def test_each_bad_image_folder_is_a_fail_row_with_the_fix(pixel_plan, tmp_path, build, reason, fix):
+    root = tmp_path / "images"
+    build(root)
+    row = by_name(check_data(pixel_plan, root, None, None, full=False), "image folder")
+    assert row.status is Status.FAIL and reason in row.reason and fix in row.fix
+
+
+def test_an_undecodable_image_fails_only_when_decoded(pixel_plan, tmp_path):
+    root = make_folder(tmp_path / "images")
+    (root / "class_1" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    sampled = by_name(check_data(pixel_plan, root, None, None, full=False), "decoding")
+    assert sampled.status is Status.PASS and "--full decodes all" in sampled.reason  # 3.png is not a class's first image
+    row = by_name(check_data(pixel_plan, root, None, None, full=True), "decoding")
+    assert row.status is Status.FAIL and "class_1/3.png" in row.reason and "--skip-bad-images" in row.fix
+
+
+def test_too_few_images_more_classes_than_the_model_and_small_images(pixel_plan, tmp_path):
+    few = check_data(pixel_plan, make_folder(tmp_path / "few", classes=2, per_class=2), None, None, full=False)
+    assert by_name(few, "classes").status is Status.FAIL and "fewer than one global batch of 8" in by_name(few, "classes").reason
+    many = check_data(pixel_plan, make_folder(tmp_path / "many", classes=5), None, None, full=False)
+    assert by_name(many, "classes").status is Status.FAIL and "--num-classes 5" in by_name(many, "classes").fix
+    small = check_data(pixel_plan, make_folder(tmp_path / "small", size=16), None, None, full=False)
+    assert by_name(small, "image sizes").status is Status.WARN and "smaller than the plan's 32 px" in by_name(small, "image sizes").reason
+
+
+def test_images_for_a_latent_plan_fail_with_the_trainers_message(xl_plan, tmp_path):
+    row = by_name(check_data(xl_plan, make_folder(tmp_path / "images"), None, None, full=False), "data vs plan")
+    assert row.status is Status.FAIL and "precomputed latents" in row.reason and "--latents DIR" in row.fix
+
+
+# --- output --------------------------------------------------------------------------------------------------
+
+
+def test_a_tiny_disk_quota_fails(xl_plan, tmp_path):
+    usage = shutil.disk_usage(tmp_path)
+    quota = lambda path: usage._replace(free=5 * GiB)  # noqa: E731 - a simulated 5 GiB quota
+    checks = check_output(xl_plan, tmp_path / "runs" / "xl2", keep_last=3, disk_usage=quota)
+    row = by_name(checks, "disk space")
+    one = checkpoint_bytes(xl_plan)
+    assert one == 674_834_720 * 16  # fp32 weights + EMA + two AdamW moments
+    assert row.status is Status.FAIL and "5.0 GiB free" in row.reason and "keeping 3 needs 40.2 GiB" in row.reason
+    assert by_name(checks, "write permission").status is Status.PASS
+    assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == [tmp_path / "plan"]  # nothing left behind
+    roomy = lambda path: usage._replace(free=100 * GiB)  # noqa: E731
+    assert by_name(check_output(xl_plan, tmp_path / "runs", 3, roomy), "disk space").status is Status.PASS
+
+
+def test_an_output_dir_under_a_file_cannot_be_written(xl_plan, tmp_path):
+    (tmp_path / "not-a-dir").write_text("")
+    checks = check_output(xl_plan, tmp_path / "not-a-dir" / "run", keep_last=3)
+    assert [c.name for c in checks] == ["write permission"] and checks[0].status is Status.FAIL
+
+
+# --- distributed ---------------------------------------------------------------------------------------------
+
+
+def test_a_busy_rendezvous_port_fails_and_a_free_one_passes(xl_plan):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        row = check_distributed(xl_plan, Rendezvous(None, port))[0]
+        assert row.status is Status.FAIL and f"port {port} is already in use" in row.reason
+        assert check_reachable("127.0.0.1", port).status is Status.PASS
+    assert check_port_free(port).status is Status.PASS
+    refused = check_reachable("127.0.0.1", port, timeout_s=1)
+    assert refused.status is Status.PASS and "nothing listens" in refused.reason
+
+
+def test_multi_node_addresses(tmp_path):
+    plan = load_plan(write_plan(tmp_path, cluster={"nodes": 2, "gpus_per_node": 8, "world_size": 16,
+                                                   "vram_bytes": 40 * 10**9, "gpu": None}))
+    assert check_distributed(plan, Rendezvous(None, 29500))[0].status is Status.FAIL
+    loopback = check_distributed(plan, Rendezvous("127.0.0.1", 29500))[0]
+    assert loopback.status is Status.FAIL and "loopback" in loopback.reason
+    unknown = check_distributed(plan, Rendezvous("no-such-node.invalid", 29500))[0]
+    assert unknown.status is Status.FAIL and "does not resolve" in unknown.reason
+
+
+# --- the command: exit codes, formats, bad input -----------------------------------------------------------------
+
+
+@pytest.fixture
+def ready(pixel_plan, tmp_path):
+    """Everything a launch of the tiny pixel plan needs, on a simulated 2-GPU node."""
+    images = make_folder(tmp_path / "images", size=40)
+    argv = ["--plan", str(pixel_plan.path), "--data_path", str(images), "--output-dir", str(tmp_path / "run")]
+    probes = Probes(environment=lambda: env(gpus=gpus(2)), host=lambda: host())
+    return argv, probes
+
+
+def test_exit_codes_0_1_2_with_strict(ready, capsys, monkeypatch):
+    argv, probes = ready
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    assert run(argv, probes) == 0
+    assert "ready to launch" in capsys.readouterr().out
+    probes.host = lambda: host(cpu_count=4)  # 2 ranks x (4 workers + 1) = 10 CPUs wanted: a warning
+    assert run(argv, probes) == 0
+    assert run(argv + ["--strict"], probes) == 1
+    probes.environment = lambda: env(gpus=())
+    assert run(argv + ["--strict"], probes) == 2
+    assert "fix the failures before launching" in capsys.readouterr().out
+
+
+def test_json_report(ready, capsys):
+    argv, probes = ready
+    probes.environment = lambda: env(gpus=())
+    assert run(argv + ["--format", "json"], probes) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 2 and report["counts"]["FAIL"] >= 1
+    failing = [row for row in report["checks"] if row["status"] == "FAIL"]
+    assert {"group": "environment", "name": "GPUs visible"}.items() <= failing[0].items()
+
+
+def test_bad_flags_and_plans_are_one_line_and_exit_2(tmp_path, capsys):
+    from dit_accel.cli import main as dit_accel
+
+    assert dit_accel(["doctor", "--plan", str(tmp_path / "none.json"), "--latents", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not found" in err and "dit-plan" in err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert dit_accel(["doctor", "--plan", str(tmp_path / "bad.json"), "--latents", str(tmp_path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert dit_accel(["doctor", "--plan", str(tmp_path / "bad.json")]) == 2
+    assert "--data-path DIR" in capsys.readouterr().err
+    assert dit_accel(["doctor", "--plan", "p.json", "--latents", "a", "--data-path", "b"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not allowed with" in err
+    write_plan(tmp_path, schema="dit-plan/0")
+    assert dit_accel(["doctor", "--plan", str(tmp_path / "plan.json"), "--latents", str(tmp_path)]) == 2
+    assert "schema 'dit-plan/0'" in capsys.readouterr().err

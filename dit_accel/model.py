@@ -1,0 +1,582 @@
+"""The DiT network: diffusers' `DiTTransformer2DModel`, built from the planner's spec, with ONE conditioning
+embedder (timestep MLP + class table) shared by every block.
+
+Stock diffusers gives each block its own copy of that embedder; trained separately the copies would drift
+apart and the model would no longer be the DiT of the paper (nor match the planner's parameter count). Here
+they are tied, and this module owns every way weights enter or leave the tied model:
+
+    build_model(spec)                 a fresh model with the DiT initialisation (adaLN-Zero)
+    load_model(folder)                diffusers layout (a transformer folder or a DiT pipeline folder)
+    save_model / export_diffusers     the diffusers layout again (embedder copied per block)
+    load_original_dit(path)           the original DiT repository's `.pt` state dict
+
+Two rules the rest of dit-accel relies on (docs/model.md has the reasoning):
+  * Class dropout for classifier-free guidance is NOT done inside the model (diffusers would redraw it in
+    every block); the trainer calls `drop_labels` once per batch before the forward.
+  * The timestep-frequency shift: models dit-accel builds use diffusers' shift (1), so the diffusers layout
+    is exact for stock diffusers. Models imported from original DiT checkpoints keep the original's shift
+    (0); it is stored in `dit_accel.json` beside the weights so dit-accel reloads it, and exporting such a
+    model for stock diffusers is refused unless explicitly allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import os
+import pickle
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from diffusers import DiTTransformer2DModel
+from diffusers.models.attention_processor import AttnProcessor2_0
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dit_accel.errors import UserError
+from planner.spec import FAMILY, LATENT_CHANNELS, PIXEL_CHANNELS, VAE_DOWNSAMPLE, DiTSpec
+
+DIFFUSERS_FREQ_SHIFT = 1  # diffusers' Timesteps(downscale_freq_shift=1)
+ORIGINAL_DIT_FREQ_SHIFT = 0  # the original DiT: frequencies exp(-ln(10000) * i / 128)
+LAYER_NORM_EPS = 1e-6  # the DiT's value for every layer norm (diffusers' default for norm3 is 1e-5)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+SIDECAR_NAME = "dit_accel.json"  # the spec and the timestep shift: what config.json cannot say
+SIDECAR_FORMAT = "dit-accel-model/1"
+_EMBEDDER_PREFIX = "norm1.emb."  # inside each transformer block
+
+
+# --- building ----------------------------------------------------------------------------------------
+
+
+def build_model(spec: DiTSpec, timestep_freq_shift: int = DIFFUSERS_FREQ_SHIFT, init: str = "dit") -> DiTTransformer2DModel:
+    """A DiT of the planner's family as a diffusers model with the conditioning embedder tied across blocks.
+
+    `init="dit"` applies the DiT paper's initialisation (adaLN-Zero: every block starts as the identity and
+    the output as zero); `init="torch"` keeps PyTorch's defaults (e.g. to overwrite with loaded weights).
+    Works under `torch.device("meta")` for parameter counting without memory.
+    """
+    if init not in ("dit", "torch"):
+        raise UserError(f"init must be 'dit' or 'torch', got {init!r}")
+    model = DiTTransformer2DModel(
+        num_attention_heads=spec.heads,
+        attention_head_dim=spec.head_dim,
+        in_channels=spec.in_channels,
+        out_channels=spec.out_channels,
+        num_layers=spec.depth,
+        sample_size=spec.latent_size,
+        patch_size=spec.patch,
+        num_embeds_ada_norm=spec.num_classes,
+        activation_fn="gelu-approximate",
+        attention_bias=True,
+        norm_type="ada_norm_zero",
+        norm_elementwise_affine=False,
+        norm_eps=LAYER_NORM_EPS,
+    )
+    _make_dit_accel_model(model, spec, timestep_freq_shift)
+    if init == "dit":
+        initialize_dit_weights(model)
+    return model
+
+
+def _make_dit_accel_model(model: DiTTransformer2DModel, spec: DiTSpec, timestep_freq_shift: int) -> None:
+    """Tie the embedders, switch off in-model label dropout, pin SDPA attention, remember the spec."""
+    shared = model.transformer_blocks[0].norm1.emb
+    for block in model.transformer_blocks[1:]:
+        block.norm1.emb = shared
+    # The table keeps its null row (index num_classes); only the per-block random drop is disabled.
+    shared.class_embedder.dropout_prob = 0.0
+    set_timestep_freq_shift(model, timestep_freq_shift)
+    for block in model.transformer_blocks:  # PyTorch SDPA (diffusers' default today; pinned, not assumed)
+        block.attn1.set_processor(AttnProcessor2_0())
+    model.dit_spec = spec
+
+
+def initialize_dit_weights(model: DiTTransformer2DModel) -> None:
+    """The DiT paper's initialisation, written for diffusers' module names.
+
+    Linear layers: Xavier-uniform weights, zero biases. Patch embedding: Xavier-uniform over the flattened
+    kernel. Class table and timestep MLP: normal(0, 0.02). adaLN-Zero: every block's modulation layer and
+    the final layer's modulation and projection start at zero, so each block is the identity at step 0.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            nn.init.zeros_(module.bias)
+    conv = model.pos_embed.proj
+    nn.init.xavier_uniform_(conv.weight.view(conv.weight.shape[0], -1))
+    nn.init.zeros_(conv.bias)
+    embedder = conditioning_embedder(model)
+    nn.init.normal_(embedder.class_embedder.embedding_table.weight, std=0.02)
+    nn.init.normal_(embedder.timestep_embedder.linear_1.weight, std=0.02)
+    nn.init.normal_(embedder.timestep_embedder.linear_2.weight, std=0.02)
+    for block in model.transformer_blocks:
+        nn.init.zeros_(block.norm1.linear.weight)
+        nn.init.zeros_(block.norm1.linear.bias)
+    for layer in (model.proj_out_1, model.proj_out_2):
+        nn.init.zeros_(layer.weight)
+        nn.init.zeros_(layer.bias)
+
+
+def conditioning_embedder(model: DiTTransformer2DModel) -> nn.Module:
+    """The (shared) CombinedTimestepLabelEmbeddings: timestep MLP + class table."""
+    return model.transformer_blocks[0].norm1.emb
+
+
+def embedders_tied(model: DiTTransformer2DModel) -> bool:
+    shared = conditioning_embedder(model)
+    return all(block.norm1.emb is shared for block in model.transformer_blocks)
+
+
+def count_trainable_params(model: nn.Module) -> int:
+    """Shared parameters counted once (nn.Module.parameters() de-duplicates them)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def timestep_freq_shift(model: DiTTransformer2DModel) -> int:
+    return int(conditioning_embedder(model).time_proj.downscale_freq_shift)
+
+
+def set_timestep_freq_shift(model: DiTTransformer2DModel, shift: int) -> None:
+    """1: diffusers' timestep frequencies; 0: the original DiT's. See docs/model.md, "The shift rule"."""
+    if shift not in (DIFFUSERS_FREQ_SHIFT, ORIGINAL_DIT_FREQ_SHIFT):
+        raise UserError(f"timestep_freq_shift must be 1 (diffusers) or 0 (original DiT), got {shift!r}")
+    for block in model.transformer_blocks:  # one module when tied; every copy when not
+        block.norm1.emb.time_proj.downscale_freq_shift = shift
+
+
+def null_class(model_or_spec) -> int:
+    """The class index that means "no class" (classifier-free guidance): the last row of the table."""
+    if isinstance(model_or_spec, DiTSpec):
+        return model_or_spec.num_classes
+    return int(model_or_spec.config.num_embeds_ada_norm)
+
+
+def drop_labels(labels: torch.Tensor, prob: float, num_classes: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Replace each label by the null class (`num_classes`) with probability `prob`, once per sample.
+
+    Call this in the training step, before the forward. (diffusers' LabelEmbedding would drop labels itself
+    in train mode, but every block calls the embedder, so each block would drop different labels.)
+    """
+    if not 0.0 <= prob <= 1.0:
+        raise UserError(f"class dropout probability must be in [0, 1], got {prob}")
+    device = generator.device if generator is not None else labels.device
+    dropped = torch.rand(labels.shape, generator=generator, device=device).to(labels.device) < prob
+    return torch.where(dropped, torch.full_like(labels, num_classes), labels)
+
+
+def as_model_fn(model: nn.Module):
+    """`(x_t, t, y) -> output` for the objective and the samplers (any wrapped model: DDP, compiled...)."""
+
+    def model_fn(x_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model(x_t, timestep=t, class_labels=y, return_dict=False)[0]
+
+    return model_fn
+
+
+# --- the spec a model was built from ----------------------------------------------------------------
+
+
+def spec_from_config(config) -> DiTSpec:
+    """The planner spec that a diffusers DiT config describes (latent mode from the input channels)."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    in_channels = get("in_channels", 4)
+    out_channels = get("out_channels", None) or in_channels
+    sample_size, patch = get("sample_size", 32), get("patch_size", 2)
+    if in_channels == LATENT_CHANNELS:
+        latents, resolution = "precomputed", sample_size * VAE_DOWNSAMPLE
+    elif in_channels == PIXEL_CHANNELS:
+        latents, resolution = "pixel", sample_size
+    else:
+        raise UserError(f"a DiT with {in_channels} input channels is not supported: expected 4 (VAE latents) or 3 (pixels)")
+    if out_channels not in (in_channels, 2 * in_channels):
+        raise UserError(f"out_channels {out_channels} is neither in_channels ({in_channels}) nor twice it (learned sigma)")
+    heads, head_dim, depth = get("num_attention_heads", 16), get("attention_head_dim", 72), get("num_layers", 28)
+    hidden = heads * head_dim
+    return DiTSpec(name=_family_name(depth, hidden, heads, patch), depth=depth, hidden=hidden, heads=heads, patch=patch,
+                   resolution=resolution, latents=latents, num_classes=get("num_embeds_ada_norm", 1000),
+                   learn_sigma=out_channels == 2 * in_channels)
+
+
+def _family_name(depth: int, hidden: int, heads: int, patch: int) -> str:
+    for size, shape in FAMILY.items():
+        if shape == (depth, hidden, heads):
+            return f"DiT-{size}/{patch}"
+    return "DiT-custom"
+
+
+def spec_from_model(model: DiTTransformer2DModel) -> DiTSpec:
+    """The spec the model was built or loaded with (or, failing that, the one its config describes)."""
+    return getattr(model, "dit_spec", None) or spec_from_config(model.config)
+
+
+# --- selective activation checkpointing -------------------------------------------------------------
+
+
+def set_checkpointed_blocks(model: DiTTransformer2DModel, n: int) -> None:
+    """Recompute the activations of exactly the first `n` blocks in backward (0 <= n <= depth).
+
+    The first blocks are chosen because every block costs the same, and checkpointing is non-reentrant
+    (`use_reentrant=False`): works with DDP, unused parameters and keyword arguments. The block's own
+    `forward` is swapped per instance (as Accelerate does for autocast), so parameter names do not change.
+    """
+    blocks = model.transformer_blocks
+    if not isinstance(n, int) or not 0 <= n <= len(blocks):
+        raise UserError(f"checkpointed_blocks must be an integer from 0 to {len(blocks)} (the depth), got {n!r}")
+    model.gradient_checkpointing = False  # diffusers' own switch is all-or-nothing: never both
+    for index, block in enumerate(blocks):
+        if index < n:
+            block.forward = functools.partial(_checkpointed_forward, block)
+        else:
+            block.__dict__.pop("forward", None)
+
+
+def checkpointed_blocks(model: DiTTransformer2DModel) -> int:
+    return sum("forward" in block.__dict__ for block in model.transformer_blocks)
+
+
+def _checkpointed_forward(block: nn.Module, *args, **kwargs):
+    forward = type(block).forward
+    if not torch.is_grad_enabled():
+        return forward(block, *args, **kwargs)
+    return checkpoint(forward, block, *args, use_reentrant=False, **kwargs)
+
+
+# --- diffusers layout: load ---------------------------------------------------------------------------
+
+
+def load_model(path: str | os.PathLike, *, timestep_freq_shift: int | None = None) -> DiTTransformer2DModel:
+    """A tied model from a diffusers-layout folder: a transformer folder (config.json + weights) or a DiT
+    pipeline folder (its `transformer/`). The per-block embedder copies must agree.
+
+    The timestep shift comes from `dit_accel.json` when the folder has one (written by `save_model`),
+    else it is diffusers' (1): a stock diffusers checkpoint is run exactly as diffusers runs it.
+    """
+    folder = transformer_folder(path)
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    sidecar = read_sidecar(folder)
+    if timestep_freq_shift is None:
+        timestep_freq_shift = sidecar.get("timestep_freq_shift", DIFFUSERS_FREQ_SHIFT)
+    model = DiTTransformer2DModel(**_dit_init_kwargs(config, folder))
+    spec = DiTSpec(**sidecar["spec"]) if "spec" in sidecar else spec_from_config(model.config)
+    _make_dit_accel_model(model, spec, timestep_freq_shift)
+    load_diffusers_state_dict(model, read_weights(folder))
+    return model
+
+
+def transformer_folder(path: str | os.PathLike) -> Path:
+    """The folder holding the transformer's config.json, given it or a pipeline folder above it."""
+    folder = Path(path)
+    if not folder.exists():
+        raise UserError(f"model path {folder} does not exist: pass a transformer folder or a DiT pipeline folder")
+    if not folder.is_dir():
+        raise UserError(f"{folder} is a file: pass the folder holding config.json (for an original DiT .pt, use import-dit)")
+    if not (folder / CONFIG_NAME).exists() and (folder / "transformer" / CONFIG_NAME).exists():
+        folder = folder / "transformer"
+    if not (folder / CONFIG_NAME).exists():
+        raise UserError(f"{folder} has no {CONFIG_NAME}: expected a diffusers transformer folder or a pipeline folder with transformer/")
+    return folder
+
+
+def read_sidecar(folder: Path) -> dict:
+    path = Path(folder) / SIDECAR_NAME
+    if not path.exists():
+        return {}
+    sidecar = json.loads(path.read_text())
+    if sidecar.get("format") != SIDECAR_FORMAT:
+        raise UserError(f"{path} has format {sidecar.get('format')!r}; this dit-accel reads {SIDECAR_FORMAT!r}: upgrade dit-accel")
+    return sidecar
+
+
+def _dit_init_kwargs(config: dict, folder: Path) -> dict:
+    """The constructor arguments of DiTTransformer2DModel found in a config.json (older hub configs name the
+    class Transformer2DModel and carry extra keys that a DiT does not use)."""
+    if config.get("norm_type", "ada_norm_zero") != "ada_norm_zero" or config.get("cross_attention_dim") is not None:
+        raise UserError(f"{folder / CONFIG_NAME} is not a class-conditional DiT (norm_type ada_norm_zero, no cross-attention)")
+    accepted = set(inspect.signature(DiTTransformer2DModel.__init__).parameters) - {"self"}
+    return {key: value for key, value in config.items() if key in accepted}
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """safetensors (single file or sharded with an index) or a legacy .bin, read on the CPU."""
+    folder = Path(folder)
+    single = folder / WEIGHTS_NAME
+    index = folder / (WEIGHTS_NAME + ".index.json")
+    legacy = folder / "diffusion_pytorch_model.bin"
+    if single.exists():
+        return load_file(str(single))
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(str(folder / shard)))
+        return state
+    if legacy.exists():
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    raise UserError(f"{folder} has no {WEIGHTS_NAME} (nor a sharded index or a .bin): the weights are missing")
+
+
+def load_diffusers_state_dict(model: DiTTransformer2DModel, state: dict[str, torch.Tensor]) -> None:
+    """Load a diffusers-layout state dict into the tied model.
+
+    Every block's embedder copy present must equal the first one present (else an error names the first
+    block that disagrees); copies left out (e.g. de-duplicated by a safetensors writer) are filled in.
+    """
+    state = dict(state)
+    depth = len(model.transformer_blocks)
+    suffixes = sorted({key.split(_EMBEDDER_PREFIX, 1)[1] for key in state if _EMBEDDER_PREFIX in key})
+    for suffix in suffixes:
+        copies = [(i, state.get(f"transformer_blocks.{i}.{_EMBEDDER_PREFIX}{suffix}")) for i in range(depth)]
+        present = [(i, tensor) for i, tensor in copies if tensor is not None]
+        reference_block, reference = present[0]
+        for i, tensor in present[1:]:
+            if tensor.shape != reference.shape or not torch.equal(tensor, reference):
+                raise UserError(
+                    f"block {i}'s embedder copy ({_EMBEDDER_PREFIX}{suffix}) differs from block {reference_block}'s: "
+                    "this checkpoint was trained with untied embedders and cannot load into the tied DiT exactly"
+                )
+        for i, tensor in copies:
+            if tensor is None:
+                state[f"transformer_blocks.{i}.{_EMBEDDER_PREFIX}{suffix}"] = reference
+    _strict_load(model, state)
+
+
+def _strict_load(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """load_state_dict with one readable line for missing, unexpected or mis-shaped tensors."""
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in state]
+    unexpected = [key for key in state if key not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
+        raise UserError(f"the weights do not fit this DiT: {'; '.join(parts)}; check the checkpoint matches the config")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise UserError(f"weight {key} has shape {tuple(tensor.shape)} but the model expects {tuple(expected[key].shape)}")
+    model.load_state_dict(state, strict=True)
+
+
+# --- diffusers layout: save ---------------------------------------------------------------------------
+
+
+def save_model(model: DiTTransformer2DModel, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """dit-accel's model checkpoint: the diffusers layout plus `dit_accel.json` (spec, timestep shift).
+
+    `load_model` restores it exactly, whatever the shift. A stock diffusers loader reads it too and gives the
+    same outputs when the shift is diffusers' (1); use `export_diffusers` to make that a guarantee.
+    """
+    return _write_diffusers_layout(model, Path(out_dir), overwrite)
+
+
+def export_diffusers(model: DiTTransformer2DModel, out_dir: str | os.PathLike, *, allow_freq_shift_change: bool = False,
+                     overwrite: bool = False) -> Path:
+    """The diffusers layout for stock `DiTTransformer2DModel.from_pretrained` (embedder copied per block).
+
+    A model with the original DiT's timestep shift (0) would run with diffusers' shift (1) there and give
+    different outputs, so it is refused unless `allow_freq_shift_change=True` (then it warns); the written
+    `dit_accel.json` still lets dit-accel reload it with shift 0.
+    """
+    if timestep_freq_shift(model) != DIFFUSERS_FREQ_SHIFT:
+        message = ("this model uses the original DiT's timestep frequency shift (0); stock diffusers always uses 1, "
+                   "so its outputs would differ slightly")
+        if not allow_freq_shift_change:
+            raise UserError(message + ": pass --allow-freq-shift-change (allow_freq_shift_change=True) to export anyway")
+        warnings.warn(message + " (exported anyway, as asked)", stacklevel=2)
+    return _write_diffusers_layout(model, Path(out_dir), overwrite)
+
+
+def diffusers_state_dict(model: DiTTransformer2DModel) -> dict[str, torch.Tensor]:
+    """The state dict with every block's embedder as its own tensor (safetensors refuses shared storage)."""
+    state, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        tensor = tensor.detach().contiguous()
+        pointer = (tensor.device, tensor.untyped_storage().data_ptr())
+        state[key] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    return state
+
+
+def _write_diffusers_layout(model: DiTTransformer2DModel, out_dir: Path, overwrite: bool) -> Path:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} exists and is a file: choose a folder path for the model")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"{out_dir} is not empty: choose a new folder or pass --overwrite")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        state = {key: tensor.to("cpu") for key, tensor in diffusers_state_dict(model).items()}
+        save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        model.save_config(str(staging))
+        sidecar = {"format": SIDECAR_FORMAT, "timestep_freq_shift": timestep_freq_shift(model),
+                   "spec": dataclasses.asdict(spec_from_model(model))}
+        (staging / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=2) + "\n")
+        _replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _replace_dir(staging: Path, out_dir: Path) -> None:
+    """Move a finished folder into place; an old one is moved aside first and removed only afterwards."""
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(staging, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+    os.replace(out_dir, old / out_dir.name)
+    os.replace(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --- original DiT checkpoints -----------------------------------------------------------------------------
+
+
+def load_original_dit(path_or_state_dict, spec: DiTSpec | None = None, *, heads: int | None = None,
+                      prefer: str = "ema", trust_pickle: bool = False) -> DiTTransformer2DModel:
+    """A tied model (timestep shift 0, layer-norm eps 1e-6) that reproduces an original DiT checkpoint.
+
+    Accepts a path to a `.pt` or an already-loaded dict: a plain state dict (the released checkpoints), or a
+    training checkpoint {"model": ..., "ema": ...} (the EMA weights unless `prefer="model"`); a DDP
+    "module." prefix is stripped. The spec is inferred from shapes (depth, hidden, patch, channels, latent
+    size, classes, learned sigma); the head count cannot be, so it comes from the DiT family table, `heads`,
+    or `spec`. Files are read with `weights_only=True`; `trust_pickle=True` allows other pickled objects.
+    """
+    state = original_state_dict(path_or_state_dict, prefer=prefer, trust_pickle=trust_pickle)
+    inferred = spec_from_original_state_dict(state, heads=heads if spec is None else spec.heads)
+    if spec is not None:
+        _check_same_network(spec, inferred)
+    else:
+        spec = inferred
+    model = build_model(spec, timestep_freq_shift=ORIGINAL_DIT_FREQ_SHIFT, init="torch")
+    _check_positional_table(state, model)
+    load_diffusers_state_dict(model, original_to_diffusers_state_dict(state, spec.depth))
+    return model
+
+
+def original_state_dict(path_or_state_dict, *, prefer: str = "ema", trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The network's tensors from an original DiT checkpoint file or dict (see `load_original_dit`)."""
+    if prefer not in ("ema", "model"):
+        raise UserError(f"prefer must be 'ema' or 'model', got {prefer!r}")
+    if isinstance(path_or_state_dict, dict):
+        raw = path_or_state_dict
+    else:
+        path = Path(path_or_state_dict)
+        if not path.is_file():
+            raise UserError(f"original DiT checkpoint {path} is not a file: pass the .pt state dict of the DiT repository")
+        try:
+            raw = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+        except pickle.UnpicklingError as error:
+            raise UserError(
+                f"{path} holds Python objects besides tensors (a training checkpoint's args?): pass --trust-checkpoint "
+                f"only if you trust where it came from ({str(error).splitlines()[0]})"
+            ) from None
+    if not isinstance(raw, dict):
+        raise UserError(f"an original DiT checkpoint is a dict of tensors, got {type(raw).__name__}")
+    if not any(isinstance(value, torch.Tensor) for value in raw.values()):
+        order = ("ema", "model") if prefer == "ema" else ("model", "ema")
+        found = [key for key in order if isinstance(raw.get(key), dict)]
+        if not found:
+            raise UserError(f"no state dict found in the checkpoint (top-level keys: {sorted(raw)[:6]}); expected tensors or 'ema'/'model'")
+        raw = raw[found[0]]
+    state = {key.removeprefix("module."): value for key, value in raw.items() if isinstance(value, torch.Tensor)}
+    if "x_embedder.proj.weight" not in state:
+        raise UserError("this is not an original DiT state dict (no x_embedder.proj.weight); for diffusers folders use load_model")
+    return state
+
+
+def spec_from_original_state_dict(state: dict[str, torch.Tensor], heads: int | None = None) -> DiTSpec:
+    """Depth, width, patch, channels, latent size, classes and learned sigma, read off the tensor shapes."""
+    hidden, in_channels, patch, _ = state["x_embedder.proj.weight"].shape
+    depth = len({key.split(".")[1] for key in state if key.startswith("blocks.")})
+    out_channels = state["final_layer.linear.weight"].shape[0] // (patch * patch)
+    num_classes = state["y_embedder.embedding_table.weight"].shape[0] - 1
+    if "pos_embed" not in state:
+        raise UserError("the checkpoint has no pos_embed, so its latent size is unknown: pass a spec (resolution)")
+    grid = math.isqrt(state["pos_embed"].shape[1])
+    latent_size = grid * patch
+    if heads is None:
+        matches = [shape[2] for shape in FAMILY.values() if shape[:2] == (depth, hidden)]
+        if not matches:
+            raise UserError(f"a DiT of depth {depth} and width {hidden} is not in the family table, so its head count "
+                            "is unknown: pass heads (--heads)")
+        heads = matches[0]
+    if in_channels == LATENT_CHANNELS:
+        latents, resolution = "precomputed", latent_size * VAE_DOWNSAMPLE
+    elif in_channels == PIXEL_CHANNELS:
+        latents, resolution = "pixel", latent_size
+    else:
+        raise UserError(f"a DiT with {in_channels} input channels is not supported: expected 4 (VAE latents) or 3 (pixels)")
+    if out_channels not in (in_channels, 2 * in_channels):
+        raise UserError(f"final layer gives {out_channels} channels for {in_channels} inputs: not a DiT output")
+    return DiTSpec(name=_family_name(depth, hidden, heads, patch), depth=depth, hidden=hidden, heads=heads, patch=patch,
+                   resolution=resolution, latents=latents, num_classes=num_classes,
+                   learn_sigma=out_channels == 2 * in_channels)
+
+
+def _check_same_network(spec: DiTSpec, inferred: DiTSpec) -> None:
+    for field in ("depth", "hidden", "heads", "patch", "in_channels", "out_channels", "latent_size", "num_classes"):
+        if getattr(spec, field) != getattr(inferred, field):
+            raise UserError(f"the checkpoint has {field} {getattr(inferred, field)} but the spec asks for "
+                            f"{getattr(spec, field)}: pass the spec the checkpoint was trained with (or none)")
+
+
+def _check_positional_table(state: dict[str, torch.Tensor], model: DiTTransformer2DModel) -> None:
+    """The original stores its fixed sin-cos table; diffusers recomputes it. They must agree."""
+    ours = model.pos_embed.pos_embed
+    theirs = state["pos_embed"].to(ours.dtype)
+    if theirs.shape != ours.shape or not torch.allclose(theirs, ours, atol=1e-5, rtol=0):
+        raise UserError("the checkpoint's pos_embed is not the fixed 2-D sin-cos table the DiT uses: "
+                        "this network is not a standard DiT and cannot be reproduced by diffusers' DiT")
+
+
+def original_to_diffusers_state_dict(state: dict[str, torch.Tensor], depth: int) -> dict[str, torch.Tensor]:
+    """Rename (and split the fused qkv of) an original DiT state dict into diffusers' DiT layout.
+
+    Block 0 carries the embedder; `load_diffusers_state_dict` fills the other blocks' (tied) copies. Every
+    original tensor except pos_embed (checked separately) must be used: leftovers are an error.
+    """
+    source = dict(state)
+    source.pop("pos_embed", None)
+    target: dict[str, torch.Tensor] = {}
+
+    def move(old: str, new: str) -> None:
+        for kind in ("weight", "bias"):
+            if f"{old}.{kind}" not in source:
+                raise UserError(f"the original DiT checkpoint lacks {old}.{kind}: the file is incomplete or not a DiT")
+            target[f"{new}.{kind}"] = source.pop(f"{old}.{kind}")
+
+    move("x_embedder.proj", "pos_embed.proj")
+    embedder = f"transformer_blocks.0.{_EMBEDDER_PREFIX}"
+    move("t_embedder.mlp.0", embedder + "timestep_embedder.linear_1")
+    move("t_embedder.mlp.2", embedder + "timestep_embedder.linear_2")
+    target[embedder + "class_embedder.embedding_table.weight"] = source.pop("y_embedder.embedding_table.weight")
+    for n in range(depth):
+        old, new = f"blocks.{n}", f"transformer_blocks.{n}"
+        move(f"{old}.adaLN_modulation.1", f"{new}.norm1.linear")  # same chunk order: shift, scale, gate x2
+        for kind in ("weight", "bias"):
+            fused = source.pop(f"{old}.attn.qkv.{kind}", None)
+            if fused is None:
+                raise UserError(f"the original DiT checkpoint lacks {old}.attn.qkv.{kind}")
+            for name, part in zip(("to_q", "to_k", "to_v"), fused.chunk(3, dim=0)):
+                target[f"{new}.attn1.{name}.{kind}"] = part.contiguous()
+        move(f"{old}.attn.proj", f"{new}.attn1.to_out.0")
+        move(f"{old}.mlp.fc1", f"{new}.ff.net.0.proj")
+        move(f"{old}.mlp.fc2", f"{new}.ff.net.2")
+    move("final_layer.adaLN_modulation.1", "proj_out_1")  # (shift, scale) in both
+    move("final_layer.linear", "proj_out_2")
+    if source:
+        raise UserError(f"the original DiT checkpoint has tensors this DiT does not use: {', '.join(sorted(source)[:4])}")
+    return target

@@ -23,6 +23,7 @@ Layout of one checkpoint folder (see docs/training.md):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -162,6 +163,17 @@ def rotate(run_dir: str | Path, keep_last: int) -> list[Path]:
             shutil.rmtree(entry, ignore_errors=True)
             deleted.append(entry)
     return deleted
+
+
+class _TiedWeightsNote(logging.Filter):
+    """accelerate warns on every save that it stored the tied embedder once; that is by design here
+    (safetensors stores shared storage once, and loading re-ties it)."""
+
+    def filter(self, record):
+        return "Removed shared tensor" not in record.getMessage()
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsNote())
 
 
 def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_state: dict, plan: dict,

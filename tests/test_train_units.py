@@ -1,0 +1,162 @@
+"""The trainer's pure parts, in-process and fast: data order, per-sample randomness, config, lr, EMA."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dit_accel.ema import EMA
+from dit_accel.errors import UserError
+from dit_accel.optim import build_optimizer, build_scheduler, effective_lr
+from dit_accel.train import KeyedSamples, SampleNoise, SampleOrder, seeded_global_rngs
+from dit_accel.train_config import TrainConfig, parse_config
+
+
+def _step_items(order: SampleOrder, step: int) -> list[tuple[int, int]]:
+    """Every (dataset index, sample number) of one optimizer step, over all ranks and micro-steps."""
+    items = []
+    for rank in range(order.world_size):
+        for micro_step in range(order.grad_accum):
+            items += order.micro_batch_items(step, micro_step, rank)
+    return items
+
+
+def test_layouts_with_the_same_global_batch_read_the_same_samples():
+    wide = SampleOrder(dataset_size=37, global_batch=8, micro_batch=2, grad_accum=2, world_size=2, seed=5)
+    flat = SampleOrder(dataset_size=37, global_batch=8, micro_batch=8, grad_accum=1, world_size=1, seed=5)
+    for step in range(9):  # across epoch boundaries (4 steps per epoch)
+        assert sorted(_step_items(wide, step)) == sorted(_step_items(flat, step))
+        numbers = [number for _, number in _step_items(wide, step)]
+        assert sorted(numbers) == list(range(step * 8, step * 8 + 8))
+
+
+def test_epochs_drop_the_partial_window_and_reshuffle():
+    order = SampleOrder(dataset_size=37, global_batch=8, micro_batch=4, grad_accum=1, world_size=2, seed=0)
+    assert order.steps_per_epoch == 4  # 32 of 37 samples; the last 5 are not padded into a short step
+    epoch0 = [index for step in range(4) for index, _ in _step_items(order, step)]
+    epoch1 = [index for step in range(4, 8) for index, _ in _step_items(order, step)]
+    assert len(set(epoch0)) == 32 and len(set(epoch1)) == 32  # no repeats within an epoch
+    assert epoch0 != epoch1
+    assert order.epoch_and_offset(6) == (1, 16)
+
+
+def test_batches_resume_where_they_stopped():
+    order = SampleOrder(dataset_size=50, global_batch=12, micro_batch=3, grad_accum=2, world_size=2, seed=1)
+    straight = order.batches(0, rank=1)
+    expected = [next(straight) for _ in range(20)]
+    resumed = order.batches(4, rank=1)  # 4 steps x 2 micro-steps already consumed
+    assert [next(resumed) for _ in range(12)] == expected[8:]
+
+
+def test_too_small_dataset_is_refused():
+    with pytest.raises(UserError, match="fewer than one global batch"):
+        SampleOrder(dataset_size=5, global_batch=8, micro_batch=8, grad_accum=1, world_size=1, seed=0)
+
+
+def test_sample_randomness_depends_only_on_the_sample_number():
+    noise = SampleNoise(seed=3, num_timesteps=1000, noise_shape=(4, 2, 2), class_dropout=0.5, posterior_shape=(4, 2, 2))
+    together = noise([10, 11, 12, 13])
+    apart = [noise([n]) for n in (12, 10, 13, 11)]
+    for position, number in enumerate([10, 11, 12, 13]):
+        single = apart[[12, 10, 13, 11].index(number)]
+        for key in ("t", "noise", "drop", "posterior_noise"):
+            assert torch.equal(together[key][position], single[key][0])
+    assert not torch.equal(together["noise"][0], together["noise"][1])
+    other_seed = SampleNoise(seed=4, num_timesteps=1000, noise_shape=(4, 2, 2), class_dropout=0.5)([10])
+    assert not torch.equal(other_seed["noise"][0], together["noise"][0])
+    many = SampleNoise(seed=0, num_timesteps=1000, noise_shape=(1,), class_dropout=0.1)(list(range(2000)))
+    assert 0.07 < many["drop"].float().mean() < 0.13
+    assert many["t"].min() >= 0 and many["t"].max() <= 999
+
+
+class _Augmenting(torch.utils.data.Dataset):
+    """A dataset whose item uses all three global RNGs, like an unseeded random flip."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return torch.tensor([random.random(), np.random.rand(), torch.rand(()).item()]), index
+
+
+def test_keyed_samples_make_augmentation_a_function_of_the_sample():
+    data = KeyedSamples(_Augmenting(), seed=9)
+    torch.manual_seed(0)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    first = data[(2, 77)][0][0]
+    torch.manual_seed(999)  # whatever the global state, the sample draws the same
+    assert torch.equal(data[(2, 77)][0][0], first)
+    assert not torch.equal(data[(2, 78)][0][0], first)
+    torch.manual_seed(0)
+    data[(2, 77)]
+    assert torch.equal(torch.get_rng_state(), before[2])  # the caller's RNG state is left as it was
+
+
+def test_seeded_global_rngs_restores_the_states():
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(()))
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    with seeded_global_rngs(42):
+        random.random(), np.random.rand(), torch.rand(())
+    assert (random.random(), np.random.rand(), torch.rand(())) == expected
+
+
+def test_config_flags_and_one_line_errors():
+    config = parse_config(["--plan", "p.json", "--data_path", "imgs", "--output-dir", "runs/a", "--max-steps", "7",
+                           "--betas", "0.8", "0.9", "--grad-clip", "1.5", "--no-tensorboard", "--scale-lr"])
+    assert (config.data_path, config.max_steps, config.betas, config.grad_clip) == ("imgs", 7, (0.8, 0.9), 1.5)
+    assert config.tensorboard is False and config.scale_lr is True
+    defaults = TrainConfig()
+    assert (defaults.lr, defaults.betas, defaults.weight_decay, defaults.ema_decay, defaults.class_dropout,
+            defaults.nan_policy) == (1e-4, (0.9, 0.999), 0.0, 0.9999, 0.1, "abort")
+    assert TrainConfig.from_json(config.to_json()) == config
+    for argv, message in [
+        (["--plan", "p", "--output-dir", "o"], "exactly one of --data-path"),
+        (["--plan", "p", "--output-dir", "o", "--latents", "l", "--data-path", "d"], "exactly one of --data-path"),
+        (["--output-dir", "o", "--latents", "l"], "--plan is required"),
+        (["--plan", "p", "--output-dir", "o", "--latents", "l", "--nan-policy", "retry"], "abort, skip"),
+        (["--plan", "p", "--output-dir", "o", "--latents", "l", "--max-steps", "x"], "invalid int"),
+        (["--plan", "p", "--output-dir", "o", "--latents", "l", "--bogus"], "unrecognized"),
+    ]:
+        with pytest.raises(UserError, match=message) as error:
+            parse_config(argv)
+        assert "\n" not in str(error.value)
+
+
+def test_lr_warmup_and_scaling_count_applied_steps():
+    model = nn.Linear(2, 2)
+    assert effective_lr(1e-4, 512, scale_lr=True) == pytest.approx(2e-4)
+    assert effective_lr(1e-4, 512, scale_lr=False) == 1e-4
+    optimizer = build_optimizer(model, lr=1e-3)
+    assert optimizer.defaults["fused"] in (None, False)  # fused only on CUDA
+    scheduler = build_scheduler(optimizer, warmup_steps=4)
+    seen = []
+    for _ in range(6):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    restored = build_scheduler(build_optimizer(model, lr=1e-3), warmup_steps=4)
+    restored.load_state_dict(scheduler.state_dict())
+    assert restored.get_last_lr() == scheduler.get_last_lr()
+
+
+def test_ema_is_fp32_and_follows_the_decay():
+    model = nn.Linear(3, 1).to(torch.bfloat16)
+    ema = EMA(model, decay=0.75)
+    start = {k: v.clone() for k, v in ema.shadow.items()}
+    assert all(v.dtype == torch.float32 for v in ema.shadow.values())
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(model)
+    expected = 0.75 * start["weight"] + 0.25 * model.weight.float()
+    assert torch.allclose(ema.shadow["weight"], expected, atol=1e-7)
+    target = nn.Linear(3, 1)
+    ema.copy_to(target)
+    assert torch.equal(target.weight, ema.shadow["weight"])

@@ -314,6 +314,71 @@ def test_images_for_a_latent_plan_fail_with_the_trainers_message(xl_plan, tmp_pa
     assert row.status is Status.FAIL and "precomputed latents" in row.reason and "--latents DIR" in row.fix
 
 
+def save_tiny_vae(folder: Path, seed: int) -> str:
+    """A 4-level AutoencoderKL (8x downsampling like SD's) with 8 channels: seconds to build and run."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=8,
+                        layers_per_block=1, sample_size=32)
+    vae.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def latent_cache(tmp_path_factory):
+    """A real cache of 12 images at 32 px (4x4x4 latents) by the data helper's extract_latents."""
+    from dit_accel.data.latents import ExtractConfig, extract_latents
+
+    root = tmp_path_factory.mktemp("cache")
+    vae = save_tiny_vae(root / "vae", seed=0)
+    extract_latents(ExtractConfig(data_path=str(make_folder(root / "images")), vae=vae, out=str(root / "latents"),
+                                  resolution=32, batch_size=12, shard_size=8, num_workers=0))
+    return root
+
+
+def latent_plan(tmp_path, **changes):
+    tiny = {"model": {"name": "DiT-custom", "resolution": 32, "latent_size": 4, "in_channels": 4, "tokens": 4,
+                      "params_trainable": 100_000, "fwd_flops_per_image": 10**6, "num_classes": 3},
+            "global_batch": 8, "decision__micro_batch": 4, "decision__grad_accum": 1,
+            "cluster": {"nodes": 1, "gpus_per_node": 2, "world_size": 2, "vram_bytes": 40 * 10**9, "gpu": None}}
+    return load_plan(write_plan(tmp_path / "latent-plan", **{**tiny, **changes}))
+
+
+def test_a_latent_cache_against_the_plan(latent_cache, tmp_path):
+    cache, vae = latent_cache / "latents", str(latent_cache / "vae")
+    plan = latent_plan(tmp_path)
+    good = check_data(plan, None, cache, vae, full=True)
+    assert [c.status for c in good] == [Status.PASS] * len(good), good
+    assert "every shard matches its sha256" in by_name(good, "latent checksums").reason
+    other_vae = save_tiny_vae(tmp_path / "other-vae", seed=1)
+    row = by_name(check_data(plan, None, cache, other_vae, full=False), "latent VAE")
+    assert row.status is Status.FAIL and "another VAE" in row.reason and "extract latents again" in row.fix
+    row = by_name(check_data(latent_plan(tmp_path, model__resolution=64, model__latent_size=8), None, cache, None, False),
+                  "latent resolution")
+    assert row.status is Status.FAIL and "made at 32 px but the run asks for 64 px" in row.reason
+    row = by_name(check_data(latent_plan(tmp_path, global_batch=16, decision__micro_batch=8), None, cache, None, False),
+                  "classes")
+    assert row.status is Status.FAIL and "12 images, fewer than one global batch of 16" in row.reason
+
+
+def test_an_incomplete_or_damaged_latent_cache_fails(latent_cache, tmp_path):
+    plan = latent_plan(tmp_path)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(latent_cache / "latents", damaged)
+    shard = sorted(damaged.glob("shard-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes: only the checksum sees it
+    shard.write_bytes(bytes(data))
+    assert by_name(check_data(plan, None, damaged, None, full=False), "latent cache").status is Status.PASS
+    row = by_name(check_data(plan, None, damaged, None, full=True), "latent checksums")
+    assert row.status is Status.FAIL and shard.name in row.reason
+    (damaged / "manifest.json").unlink()
+    row = by_name(check_data(plan, None, damaged, None, full=False), "latent cache")
+    assert row.status is Status.FAIL and "incomplete" in row.reason and "extract-latents" in row.fix
+
+
 # --- output --------------------------------------------------------------------------------------------------
 
 

@@ -36,8 +36,9 @@ def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | Non
     from dit_accel.train import check_data_mode as trainer_check
     from dit_accel.train_config import TrainConfig
 
+    # with a latent cache, --vae names the VAE to compare the cache with, not one the trainer loads
     config = TrainConfig(plan=str(plan.path), output_dir="-", data_path=str(data_path) if data_path else None,
-                         latents=str(latents) if latents else None, vae=vae)
+                         latents=str(latents) if latents else None, vae=vae if data_path else None)
     try:
         trainer_check({"decision": {"latents": plan.latents}}, config)
     except UserError as error:
@@ -49,6 +50,21 @@ def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | Non
 def _class_counts(images_per_class: dict[str, int]) -> str:
     counts = sorted(images_per_class.values())
     return f"{len(counts)} classes, {counts[0]}-{counts[-1]} images per class"
+
+
+def _class_check(plan: PlanFacts, images_per_class: dict[str, int], num_images: int) -> Check:
+    """Labels must fit the model's class table; an epoch must hold at least one global batch."""
+    smallest, largest = min(images_per_class.values()), max(images_per_class.values())
+    if len(images_per_class) > plan.num_classes:
+        return failed(GROUP, "classes", f"{_class_counts(images_per_class)}, but the model has {plan.num_classes} class labels",
+                      f"re-plan with --num-classes {len(images_per_class)}, or remove the extra classes")
+    if num_images < plan.global_batch:
+        return failed(GROUP, "classes", f"{num_images} images, fewer than one global batch of {plan.global_batch}: "
+                      "an epoch would hold no full step", "add images, or re-plan with a smaller --global-batch")
+    if largest > IMBALANCE_RATIO * smallest:
+        return warned(GROUP, "classes", f"{_class_counts(images_per_class)}: sampling follows images, so the largest "
+                      "classes dominate", "balance the classes if every class should be learnt equally")
+    return passed(GROUP, "classes", f"{_class_counts(images_per_class)}; {num_images // plan.global_batch} steps per epoch")
 
 
 def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Check]:
@@ -72,21 +88,7 @@ def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Che
         more = "" if full else " (--full decodes all)"
         checks.append(passed(GROUP, "decoding", f"{summary.images_decoded} images decoded ({decoded}){more}"))
 
-    counts = summary.images_per_class
-    num_classes = plan.num_classes
-    smallest, largest = min(counts.values()), max(counts.values())
-    if summary.num_classes > num_classes:
-        checks.append(failed(GROUP, "classes", f"{_class_counts(counts)}, but the model has {num_classes} class labels",
-                             f"re-plan with --num-classes {summary.num_classes}, or remove the extra class folders"))
-    elif summary.num_images < plan.global_batch:
-        checks.append(failed(GROUP, "classes", f"{summary.num_images} images, fewer than one global batch of "
-                             f"{plan.global_batch}: an epoch would hold no full step",
-                             "add images, or re-plan with a smaller --global-batch"))
-    elif largest > IMBALANCE_RATIO * smallest:
-        checks.append(warned(GROUP, "classes", f"{_class_counts(counts)}: sampling follows images, so the largest classes "
-                             "dominate", "balance the classes if every class should be learnt equally"))
-    else:
-        checks.append(passed(GROUP, "classes", _class_counts(counts)))
+    checks.append(_class_check(plan, summary.images_per_class, summary.num_images))
 
     sample = summary.listing.paths[:: max(1, len(summary.listing.paths) // SIZE_SAMPLE)][:SIZE_SAMPLE]
     small, sides = [], []
@@ -114,36 +116,50 @@ def check_data(plan: PlanFacts, data_path: Path | None, latents: Path | None, va
     if data_path is not None:
         checks += check_image_folder(plan, data_path, full)
     if latents is not None:
-        checks += check_latent_cache(plan, latents, vae)
+        checks += check_latent_cache(plan, latents, vae, full)
     return checks
 
 
-def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None) -> list[Check]:
-    """The cache's manifest against the plan: same resolution (latent size), same VAE, enough samples."""
-    import json
+def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None, full: bool) -> list[Check]:
+    """The cache's manifest against the plan: complete, same resolution and latent shape, the run's VAE,
+    enough samples, and with --full every shard against its checksum. The data helper's readers decide."""
+    from dit_accel.data.latents import check_cache_matches, read_manifest, verify_cache
 
-    manifest_path = latents / "manifest.json"
-    if not manifest_path.is_file():
-        return [failed(GROUP, "latent cache", f"{manifest_path} not found: {latents} is not a complete latent cache",
-                       "make one with `dit-accel extract-latents` (an interrupted extraction leaves no manifest)")]
-    manifest = json.loads(manifest_path.read_text())
-    checks = []
-    resolution, count = manifest.get("resolution"), manifest.get("count")
-    if resolution != plan.resolution:
-        checks.append(failed(GROUP, "latent resolution", f"the cache holds {resolution} px latents, the plan trains at {plan.resolution} px",
-                             f"extract latents at --resolution {plan.resolution}, or re-plan with --resolution {resolution}"))
+    try:
+        manifest = read_manifest(latents)
+    except UserError as error:
+        return [from_user_error("latent cache", error)]
+    count = int(manifest.get("count", 0))
+    checks = [passed(GROUP, "latent cache", f"{latents}: {count} images of {manifest.get('data_path', '?')}, "
+                     f"latents {manifest.get('latent_shape')} ({manifest.get('dtype')}), {len(manifest['shards'])} shard(s)")]
+    try:
+        check_cache_matches(manifest, plan.resolution)
+        shape = list(manifest.get("latent_shape", []))
+        if shape and shape != [plan.in_channels, plan.latent_size, plan.latent_size]:
+            raise UserError(f"the cache holds latents of shape {shape}, the plan's model takes "
+                            f"[{plan.in_channels}, {plan.latent_size}, {plan.latent_size}]; re-plan for this VAE's "
+                            "latents or extract again with the VAE the plan assumes")
+        checks.append(passed(GROUP, "latent resolution", f"{manifest['resolution']} px, latents {shape}, as planned"))
+    except UserError as error:
+        checks.append(from_user_error("latent resolution", error))
+    cached_vae = manifest.get("vae") or {}
+    if vae:
+        try:
+            check_cache_matches(manifest, plan.resolution, vae)
+            checks.append(passed(GROUP, "latent VAE", f"encoded with {vae} (config and weights hashes match)"))
+        except UserError as error:
+            checks.append(from_user_error("latent VAE", error))
+    elif plan.vae and cached_vae.get("source") and plan.vae != cached_vae.get("source"):
+        checks.append(warned(GROUP, "latent VAE", f"the plan names the VAE {plan.vae}, the cache was encoded with "
+                             f"{cached_vae.get('source')}", "pass --vae PATH to compare their weights, or re-extract with the plan's VAE"))
     else:
-        checks.append(passed(GROUP, "latent resolution", f"{resolution} px, as planned"))
-    wanted_vae = vae or plan.vae
-    cache_vae = manifest.get("vae")
-    if wanted_vae and cache_vae and str(cache_vae) != str(wanted_vae):
-        checks.append(failed(GROUP, "latent VAE", f"the cache was encoded with {cache_vae}, the run names {wanted_vae}",
-                             "re-extract with the run's VAE: latents of different VAEs live in different spaces"))
-    elif cache_vae:
-        checks.append(passed(GROUP, "latent VAE", f"encoded with {cache_vae}"))
-    if not isinstance(count, int) or count < plan.global_batch:
-        checks.append(failed(GROUP, "latent count", f"{count} latents, fewer than one global batch of {plan.global_batch}",
-                             "extract more images, or re-plan with a smaller --global-batch"))
-    else:
-        checks.append(passed(GROUP, "latent count", f"{count} latents = {count // plan.global_batch} steps per epoch"))
+        checks.append(passed(GROUP, "latent VAE", f"encoded with {cached_vae.get('source', '?')} "
+                             "(pass --vae PATH to compare weights)"))
+    checks.append(_class_check(plan, manifest.get("images_per_class") or {"all": count}, count))
+    if full:
+        try:
+            checked = verify_cache(latents)
+            checks.append(passed(GROUP, "latent checksums", f"every shard matches its sha256 ({checked / 2**20:.1f} MiB read)"))
+        except UserError as error:
+            checks.append(from_user_error("latent checksums", error))
     return checks

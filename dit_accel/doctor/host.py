@@ -91,10 +91,10 @@ class LoaderFacts:
 
 
 def loader_facts(plan: PlanFacts, workers_per_rank: int) -> LoaderFacts:
-    """A latent sample is float32 (C x s x s, twice for a mean/std pair); a pixel sample is float32 RGB."""
+    """A worker hands over float32 samples: a latent drawn from the cache (C x s x s) or RGB pixels."""
     side = plan.latent_size
     if plan.latents == "precomputed":
-        sample_bytes = 2 * plan.in_channels * side * side * 4
+        sample_bytes = plan.in_channels * side * side * 4
     else:
         sample_bytes = 3 * plan.resolution * plan.resolution * 4
     return LoaderFacts(workers_per_rank=workers_per_rank, sample_bytes=sample_bytes)

@@ -480,6 +480,8 @@ class _TqdmHandler(logging.Handler):
     def emit(self, record):
         from tqdm import tqdm
 
+        if getattr(record, "file_only", False):
+            return
         tqdm.write(("WARNING: " if record.levelno >= logging.WARNING else "") + record.getMessage(), file=sys.stdout)
 
 
@@ -765,8 +767,9 @@ def _main(argv) -> int:
     try:
         return train(config)
     except TrainingStopped as stopped:
-        print(f"dit_accel.train: stopped: {stopped}", file=sys.stderr)
-        log.error(str(stopped))
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank stops; one says why
+            print(f"dit_accel.train: stopped: {stopped}", file=sys.stderr)
+        log.error(str(stopped), extra={"file_only": True})
         return EXIT_STOPPED
 
 

@@ -15,6 +15,7 @@ What a tensor trace cannot see is listed in `UNSEEN` and printed beside every re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Hashable
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -406,60 +408,142 @@ def _describe(window: Hashable) -> str:
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
+# The Stable Diffusion VAE (sd-vae-ft-ema / -mse) that DiT encodes with: its architecture, no weights.
+SD_VAE_CONFIG = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 2, "norm_num_groups": 32,
+    "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4, "act_fn": "silu", "sample_size": 256, "scaling_factor": 0.18215,
+}
 
-def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str) -> StepParts:
-    """The trainer's components and step for `spec` (possibly shallower than the plan's), on fake tensors.
 
-    Must be called inside a FakeTensorMode: nothing it builds owns memory.
+class _AnswerScalars(TorchDispatchMode):
+    """Answers `.item()` on fake tensors that have no value: a bool is True, a number is 0.
+
+    (Fake tensors that do carry a value, e.g. AdamW's step counter, answer with it.) The trainer reads a few scalars (the schedule's validity check, the finiteness vote before applying a
+    step, the loss and grad norm for logging); these answers take the path of a healthy run: checks pass,
+    every value is finite, every step is applied. `.item()` allocates nothing, so the trace is unchanged.
     """
-    from dit_accel.ema import EMA
-    from dit_accel.model import build_model, set_checkpointed_blocks
-    from dit_accel.optim import build_optimizer
 
-    decision = plan["decision"]
-    device = torch.device(autocast_device)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            try:
+                return func(*args, **(kwargs or {}))
+            except DataDependentOutputException:
+                pass
+            tensor = args[0]
+            if tensor.dtype == torch.bool:
+                return True
+            return 0.0 if tensor.dtype.is_floating_point else 0
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _moves_in_place():
+    """`module.to(device)` on fake parameters that are already on `device` is a no-op rather than a failed
+    tensor swap (FakeTensorMode refuses to swap tensors it holds weak references to)."""
+    original = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = list(module.parameters()) + list(module.buffers())
+        if dtype is None and device is not None and all(t.device == torch.device(device) for t in tensors):
+            return module
+        return original(module, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
+def fake_batch(spec, micro_batch: int, device: torch.device, online: bool) -> dict:
+    """One micro-batch as the trainer's Collate makes it (fake tensors: shapes and dtypes only)."""
+    from dit_accel.train import Collate  # noqa: F401  (the format below is Collate's)
+
+    side = spec.resolution if online else spec.latent_size
+    channels = 3 if online else spec.in_channels
+    batch = {
+        "x": torch.randn(micro_batch, channels, side, side, device=device),
+        "y": torch.randint(0, spec.num_classes, (micro_batch,), device=device),
+        "sample_number": torch.arange(micro_batch, device=device),
+        "t": torch.randint(0, 1000, (micro_batch,), device=device),
+        "noise": torch.randn(micro_batch, spec.in_channels, spec.latent_size, spec.latent_size, device=device),
+        "drop": torch.zeros(micro_batch, dtype=torch.bool, device=device),
+    }
+    if online:
+        batch["posterior_noise"] = torch.randn_like(batch["noise"])
+    return batch
+
+
+def build_vae(vae_config: dict | None, device: torch.device):
+    """A frozen AutoencoderKL of the given architecture (default: the SD VAE), and its latent (shift, scale)."""
+    from diffusers import AutoencoderKL
+
     with device:
-        model = build_model(spec, init="torch")
-    model.train()
-    set_checkpointed_blocks(model, checkpointed_blocks)
-    ema = EMA(model) if decision.get("ema", True) else None
-    optimizer = build_optimizer(model, lr=1e-4, device=device)
-    dtype = AUTOCAST_DTYPES[decision["precision"]]
-    side = spec.latent_size
-    x = torch.randn(micro_batch, spec.in_channels, side, side, device=device)
-    y = torch.randint(0, spec.num_classes, (micro_batch,), device=device)
-    t = torch.randint(0, 1000, (micro_batch,), device=device)
-    noise = torch.randn_like(x)
-    grad_accum = int(decision["grad_accum"])
+        vae = AutoencoderKL.from_config(vae_config or SD_VAE_CONFIG)
+    vae.eval().requires_grad_(False)
+    return vae, (float(getattr(vae.config, "shift_factor", None) or 0.0), float(vae.config.scaling_factor))
+
+
+def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, device: str,
+                     vae_config: dict | None = None) -> StepParts:
+    """The trainer's components (`dit_accel.train.build_components`, bare device, no Accelerator) and its
+    `train_micro_step` / `optimizer_step` for `spec` (which may be shallower than the plan's network).
+
+    Inside a FakeTensorMode nothing it builds owns memory; outside one (`dit-accel calibrate`) it is real.
+    """
+    import copy
+    import logging
+
+    from dit_accel import train
+    from dit_accel.train_config import TrainConfig
+
+    variant = copy.deepcopy(plan)
+    decision = variant["decision"]
+    online = decision["latents"] == "online"
+    decision.update(checkpointed_blocks=checkpointed_blocks, micro_batch=micro_batch)
+    if online:  # the VAE comes from `vae_config` below, not from a weights folder
+        decision["latents"] = "precomputed"
+    config = TrainConfig(plan="(traced)", output_dir="(traced)", latents="(traced)")
+    device = torch.device(device)
+    quiet = logging.getLogger("dit_accel.train")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "fp16 needs a GPU, training fp32": the trace sets the autocast itself
+    try:
+        components = train.build_components(variant, config, device=device, spec=spec)
+    finally:
+        quiet.setLevel(level)
+    components.plan = plan
+    # The plan's autocast, even where the bare-device trainer would fall back (fp16 on a CPU): the trace
+    # is a proxy for the GPU run. Without an Accelerator there is no GradScaler (a few scalars).
+    components.autocast_dtype = AUTOCAST_DTYPES[plan["decision"]["precision"]]
+    if online:
+        components.vae, components.latent_shift_scale = build_vae(vae_config, device)
+    batch = fake_batch(spec, micro_batch, device, online)
+    losses = []
 
     def micro_step():
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-        with autocast:
-            x_t = x + noise
-            out = model(x_t, timestep=t, class_labels=y, return_dict=False)[0]
-        out = out.float()
-        eps, _ = out.chunk(2, dim=1)
-        loss = torch.nn.functional.mse_loss(eps, noise) / grad_accum
-        loss.backward()
+        losses.append(train.train_micro_step(components, batch))
 
     def optimizer_step():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if ema is not None:
-            ema.update(model)
+        train.optimizer_step(components, torch.stack(losses).sum())
+        losses.clear()
 
+    model = components.raw_model
     return StepParts(model=model, blocks=list(model.transformer_blocks),
-                     checkpointed=[i < checkpointed_blocks for i in range(spec.depth)],
-                     micro_step=micro_step, optimizer_step=optimizer_step, grad_accum=grad_accum,
-                     ema_tensors=list(ema.shadow.values()) if ema is not None else [],
-                     batch_tensors=[x, y, t, noise], optimizers=[optimizer])
+                     checkpointed=["forward" in block.__dict__ for block in model.transformer_blocks],
+                     micro_step=micro_step, optimizer_step=optimizer_step, grad_accum=components.grad_accum,
+                     ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
+                     vae=components.vae, batch_tensors=list(batch.values()), optimizers=[components.optimizer])
 
 
-def _trace_once(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str) -> tuple[StorageTracker, list]:
+def _trace_once(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str,
+                vae_config: dict | None = None) -> tuple[StorageTracker, list]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=False):
-        parts = build_step_parts(plan, spec, checkpointed_blocks, micro_batch, autocast_device)
+    with FakeTensorMode(allow_non_fake_inputs=False), _AnswerScalars(), _moves_in_place():
+        parts = build_step_parts(plan, spec, checkpointed_blocks, micro_batch, autocast_device, vae_config)
         tracker = StorageTracker()
         run_traced(parts, tracker)
     return tracker, parts.checkpointed

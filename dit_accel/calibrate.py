@@ -1,0 +1,357 @@
+"""`dit-accel calibrate`: measure the planned step on the real GPU and write what the planner assumed.
+
+The planner assumes a CUDA context size, the caching allocator's fragmentation and an MFU. Here real steps
+of the plan's configuration (the trainer's own step, random data) run at a few micro-batches; the peak
+allocated bytes are fitted as fixed + per_sample x micro_batch (least squares), the largest micro-batch
+that really fits is found by bisection up to an out-of-memory error (recovered from, not fatal), and the
+result is a calibration file that `dit-plan --calibration FILE` reads in place of its assumptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from dit_accel.errors import UserError, exits_cleanly
+
+SCHEMA = "dit-calibration/1"
+
+
+@dataclass
+class Measurement:
+    """One micro-batch measured on the GPU (bytes from torch.cuda's allocator statistics)."""
+
+    micro_batch: int
+    max_allocated_bytes: int
+    max_reserved_bytes: int
+    step_seconds: float  # one optimizer step (grad_accum micro-steps), median of the timed steps
+    device_used_bytes: int = 0  # total - free from cudaMemGetInfo at the peak: allocator + context + workspaces
+    grad_accum: int = 1
+
+    @property
+    def images_per_s(self) -> float:
+        """Per GPU: the micro-batches of one optimizer step over its duration."""
+        return self.micro_batch * self.grad_accum / self.step_seconds if self.step_seconds > 0 else 0.0
+
+
+class MeasureOOM(Exception):
+    """A micro-batch did not fit. `measure` functions raise it (calibrate maps torch's OOM onto it)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fitting and search: pure functions, tested on the CPU with recorded measurements
+# ---------------------------------------------------------------------------------------------------
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = intercept + slope * x. Needs two distinct x."""
+    if len(set(xs)) < 2:
+        raise UserError("fitting a per-sample slope needs at least two different micro-batches: pass e.g. --micro-batches 8,16,32")
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+    slope = sxy / sxx
+    return mean_y - slope * mean_x, slope
+
+
+def largest_fitting(measure: Callable[[int], Measurement], start: int, limit: int,
+                    known_fit: int = 0, known_oom: int | None = None, growth: float = 2.0,
+                    on_result: Callable[[int, Measurement | None], None] | None = None) -> tuple[int, int | None]:
+    """The largest micro-batch in [1, limit] for which `measure` does not raise MeasureOOM.
+
+    Grows from `start` by `growth` until an OOM (or `limit`), then bisects between the last fit and the
+    first OOM. Memory grows with the micro-batch, so "fits" is monotone and bisection is exact. Returns
+    (largest that fits, smallest that was seen to OOM or None). `on_result` sees every try.
+    """
+    def fits(micro_batch: int) -> bool:
+        try:
+            result = measure(micro_batch)
+        except MeasureOOM:
+            if on_result:
+                on_result(micro_batch, None)
+            return False
+        if on_result:
+            on_result(micro_batch, result)
+        return True
+
+    low, high = known_fit, known_oom
+    candidate = max(start, low + 1)
+    while high is None and candidate <= limit:
+        if fits(candidate):
+            low = candidate
+            candidate = min(max(candidate + 1, int(candidate * growth)), limit) if candidate < limit else limit + 1
+        else:
+            high = candidate
+    if high is None:
+        return low, None
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low, high
+
+
+def fit_calibration(measurements: list[Measurement], step_flops_per_image: float, peak_flops: float | None,
+                    tokens: int) -> dict:
+    """Fixed and per-sample bytes, fragmentation, non-allocator bytes and throughput from measurements."""
+    ok = sorted(measurements, key=lambda m: m.micro_batch)
+    xs = [m.micro_batch for m in ok]
+    fixed, per_sample = fit_line(xs, [m.max_allocated_bytes for m in ok])
+    reserved_fixed, reserved_per_sample = fit_line(xs, [m.max_reserved_bytes for m in ok])
+    residual = max(abs(m.max_allocated_bytes - (fixed + per_sample * m.micro_batch)) for m in ok)
+    largest = ok[-1]
+    ratio = largest.max_reserved_bytes / largest.max_allocated_bytes
+    outside = [m.device_used_bytes - m.max_reserved_bytes for m in ok if m.device_used_bytes]
+    images_per_s = largest.images_per_s
+    mfu = images_per_s * step_flops_per_image / peak_flops if peak_flops else None
+    # Throughput model of the planner: rate = saturated x n / (n + half), n = micro_batch x tokens.
+    # Two micro-batches give it exactly: 1/rate = (1 + half/n) / saturated is a line in 1/n.
+    half_tokens = None
+    if len(ok) >= 2:
+        inv_n = [1.0 / (m.micro_batch * tokens) for m in ok]
+        inv_rate = [1.0 / m.images_per_s for m in ok if m.images_per_s > 0]
+        if len(inv_rate) == len(ok) and len(set(inv_n)) >= 2:
+            intercept, slope = fit_line(inv_n, inv_rate)
+            if intercept > 0 and slope >= 0:
+                half_tokens = int(round(slope / intercept))
+    return {
+        "fixed_bytes": int(round(fixed)),
+        "per_sample_bytes": int(round(per_sample)),
+        "reserved_fixed_bytes": int(round(reserved_fixed)),
+        "reserved_per_sample_bytes": int(round(reserved_per_sample)),
+        "fit_residual_max_bytes": int(round(residual)),
+        "fragmentation": ratio,  # reserved / allocated at the largest measured micro-batch
+        "outside_allocator_bytes": int(max(outside)) if outside else None,  # CUDA context, cuBLAS, NCCL
+        "images_per_s": images_per_s,
+        "mfu": mfu,
+        "half_efficiency_tokens": half_tokens,
+    }
+
+
+def planner_assumptions(fitted: dict, precision: str) -> dict:
+    """The subset of planner.hardware.CALIBRATABLE this calibration measured, in the planner's units."""
+    out = {"fragmentation": max(0.0, fitted["fragmentation"] - 1.0)}  # planner: reserved beyond allocated
+    if fitted["outside_allocator_bytes"] is not None:
+        # cudaMemGetInfo cannot split the context from cuBLAS workspaces: all of it is the context here
+        out["cuda_context_bytes"] = fitted["outside_allocator_bytes"]
+        out["cublas_workspace_bytes"] = 0
+    if fitted["mfu"]:
+        out["mfu_fp32" if precision == "fp32" else "mfu_mixed"] = min(1.0, fitted["mfu"])
+    if fitted["half_efficiency_tokens"] is not None:
+        out["half_efficiency_tokens"] = fitted["half_efficiency_tokens"]
+    return out
+
+
+def write_json_atomically(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(handle, "w") as stream:
+        json.dump(data, stream, indent=2)
+        stream.write("\n")
+    os.replace(staging, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring on the GPU
+# ---------------------------------------------------------------------------------------------------
+
+
+def cuda_measure(plan: dict, spec, steps: int) -> Callable[[int], Measurement]:
+    """A `measure(micro_batch)` that runs `steps` optimizer steps of the trainer's step on the GPU."""
+    import torch
+
+    from dit_accel.memtrace import build_step_parts
+
+    def measure(micro_batch: int) -> Measurement:
+        parts = None
+        try:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            parts = build_step_parts(plan, spec, int(plan["decision"]["checkpointed_blocks"]), micro_batch, "cuda")
+            durations, device_used = [], 0
+            for step in range(steps + 1):  # the first step creates the optimizer state and warms kernels up
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(parts.grad_accum):
+                    parts.micro_step()
+                parts.optimizer_step()
+                torch.cuda.synchronize()
+                if step:
+                    durations.append(time.perf_counter() - started)
+                free, total = torch.cuda.mem_get_info()
+                device_used = max(device_used, total - free)
+            durations.sort()
+            return Measurement(micro_batch=micro_batch,
+                               max_allocated_bytes=torch.cuda.max_memory_allocated(),
+                               max_reserved_bytes=torch.cuda.max_memory_reserved(),
+                               step_seconds=durations[len(durations) // 2],
+                               device_used_bytes=device_used, grad_accum=parts.grad_accum)
+        except torch.cuda.OutOfMemoryError:
+            raise MeasureOOM(micro_batch) from None
+        finally:
+            del parts
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    return measure
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------
+
+
+def _micro_batches(text: str) -> list[int]:
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise UserError(f"--micro-batches takes comma-separated integers like 8,16,32, got {text!r}") from None
+    if len(values) < 2 or values[0] < 1:
+        raise UserError(f"--micro-batches needs at least two different positive sizes (e.g. 8,16,32), got {text!r}")
+    return values
+
+
+def _gpu_facts(torch) -> dict:
+    from planner.hardware import gpu_presets
+
+    properties = torch.cuda.get_device_properties(0)
+    name = properties.name
+    preset = None
+    lowered = name.lower().replace("nvidia ", "")
+    for candidate in gpu_presets().values():  # e.g. "NVIDIA H200" -> h200, "NVIDIA A100-SXM4-80GB" -> a100-80g
+        labels = [candidate.name, *candidate.aliases]
+        if any(label in lowered.replace(" ", "-") for label in labels):
+            if preset is None or len(candidate.name) > len(preset.name):
+                preset = candidate
+    return {"name": name, "total_bytes": int(properties.total_memory),
+            "capability": f"{properties.major}.{properties.minor}", "preset": preset.name if preset else None,
+            "_preset": preset}
+
+
+def calibrate(plan: dict, micro_batches: list[int], steps: int, max_micro_batch: int | None,
+              measure: Callable[[int], Measurement], gpu: dict, log=print,
+              probe: Callable[[int], Measurement] | None = None) -> dict:
+    """Measure, fit and search; returns the calibration dict (see docs/planner-accuracy.md for the format).
+
+    `measure` gives the fitted points; `probe` (default: `measure`) only has to tell fit from OOM in the
+    search for the largest micro-batch, so it may time fewer steps.
+    """
+    from dit_accel.train import spec_from_plan
+
+    spec = spec_from_plan(plan)
+    decision = plan["decision"]
+    measurements: dict[int, Measurement | None] = {}
+
+    def record(micro_batch: int, result: Measurement | None) -> None:
+        measurements[micro_batch] = result
+        if result is None:
+            log(f"micro-batch {micro_batch}: out of memory")
+        else:
+            log(f"micro-batch {micro_batch}: allocated {result.max_allocated_bytes / 2**30:.2f} GiB, reserved "
+                f"{result.max_reserved_bytes / 2**30:.2f} GiB, {result.images_per_s:.1f} img/s")
+
+    first_oom = None
+    for micro_batch in micro_batches:
+        try:
+            record(micro_batch, measure(micro_batch))
+        except MeasureOOM:
+            record(micro_batch, None)
+            first_oom = micro_batch
+            break
+    fitted_points = [m for m in measurements.values() if m is not None]
+    if len({m.micro_batch for m in fitted_points}) < 2:
+        raise UserError(f"fewer than two of --micro-batches {','.join(map(str, micro_batches))} fit on this GPU: "
+                        f"pass smaller ones (e.g. 1,2,4)")
+    known_fit = max(m.micro_batch for m in fitted_points)
+    # Where the fitted line meets the GPU's memory: a good first guess for the search.
+    fixed, per_sample = fit_line([m.micro_batch for m in fitted_points], [m.max_reserved_bytes for m in fitted_points])
+    guess = int((gpu["total_bytes"] - fixed) / per_sample) if per_sample > 0 else known_fit * 2
+    limit = max_micro_batch or max(known_fit * 2, guess * 2)
+    largest, smallest_oom = largest_fitting(probe or measure, start=max(known_fit + 1, min(guess, limit)), limit=limit,
+                                            known_fit=known_fit, known_oom=first_oom, growth=1.25, on_result=record)
+    # the fit uses the requested micro-batches only: probes time fewer steps
+    fitted_points = sorted((m for mb, m in measurements.items() if m is not None and mb in micro_batches),
+                           key=lambda m: m.micro_batch)
+    step_flops_per_image = 3 * spec.fwd_flops_per_image + (
+        spec.fwd_flops_per_image * int(decision["checkpointed_blocks"]) / spec.depth)
+    preset = gpu.get("_preset")
+    peak = preset.matmul_peak_flops(decision["precision"]) if preset else None
+    fitted = fit_calibration(fitted_points, step_flops_per_image, peak, spec.tokens)
+    planned_micro_batch = int(decision["micro_batch"])
+    memory = plan.get("memory", {})
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": {key: value for key, value in gpu.items() if not key.startswith("_")},
+        "software": _software(),
+        "model": {"name": spec.name, "resolution": spec.resolution, "depth": spec.depth, "hidden": spec.hidden,
+                  "heads": spec.heads, "patch": spec.patch, "params_trainable": spec.params_trainable},
+        "config": {"precision": decision["precision"], "checkpointed_blocks": int(decision["checkpointed_blocks"]),
+                   "latents": decision["latents"], "ema": bool(decision.get("ema", True)),
+                   "grad_accum": int(decision["grad_accum"]), "steps": steps},
+        "measurements": [dict(asdict(m), images_per_s=m.images_per_s) for m in fitted_points],
+        "out_of_memory_micro_batches": sorted(mb for mb, m in measurements.items() if m is None),
+        "fit": fitted,
+        "largest_micro_batch": largest,
+        "smallest_oom_micro_batch": smallest_oom,
+        "planned": {"micro_batch": planned_micro_batch, "peak_bytes": memory.get("peak_bytes"),
+                    "measured_reserved_at_planned_bytes": int(fitted["reserved_fixed_bytes"]
+                                                              + fitted["reserved_per_sample_bytes"] * planned_micro_batch)},
+        "assumptions": planner_assumptions(fitted, decision["precision"]),
+    }
+
+
+def _software() -> dict:
+    import accelerate
+    import diffusers
+    import torch
+
+    return {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "diffusers": diffusers.__version__, "accelerate": accelerate.__version__}
+
+
+@exits_cleanly("dit-accel calibrate")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dit-accel calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plan", required=True, help="plan.json written by dit-plan")
+    parser.add_argument("--micro-batches", default="8,16,32", help="micro-batches to measure and fit (default 8,16,32)")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per micro-batch, after one warm-up step")
+    parser.add_argument("--max-micro-batch", type=int, default=None, help="stop the search for the largest fit here")
+    parser.add_argument("--out", default="calibration.json", help="calibration file to write (default calibration.json)")
+    args = parser.parse_args(argv)
+    import torch
+
+    from dit_accel.train import read_plan
+
+    if not torch.cuda.is_available():
+        raise UserError("no CUDA GPU here: calibrate measures real steps on the GPU you will train on; run it there")
+    if args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    plan = read_plan(args.plan)
+    from dit_accel.train import spec_from_plan
+
+    gpu = _gpu_facts(torch)
+    result = calibrate(plan, _micro_batches(args.micro_batches), args.steps, args.max_micro_batch,
+                       cuda_measure(plan, spec_from_plan(plan), args.steps), gpu,
+                       probe=cuda_measure(plan, spec_from_plan(plan), 1))
+    write_json_atomically(Path(args.out), result)
+    fit = result["fit"]
+    print(f"fixed {fit['fixed_bytes'] / 2**30:.2f} GiB + {fit['per_sample_bytes'] / 2**20:.1f} MiB per sample; "
+          f"reserved/allocated {fit['fragmentation']:.3f}; largest micro-batch that fits: {result['largest_micro_batch']}; "
+          f"{fit['images_per_s']:.1f} img/s" + (f", MFU {fit['mfu']:.1%}" if fit["mfu"] else ""))
+    print(f"wrote {args.out}: use it with `dit-plan --calibration {args.out} ...`")
+    return 0

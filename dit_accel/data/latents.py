@@ -89,13 +89,19 @@ def load_vae(source: str):
         source = str(path.absolute())
     else:
         try:
-            vae = AutoencoderKL.from_pretrained(source)
+            # In offline mode only the local hub cache is searched: a clear error now instead of retries.
+            vae = AutoencoderKL.from_pretrained(source, local_files_only=_hub_offline())
         except Exception as error:  # noqa: BLE001 - hub failures come as many types; all mean the same here
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise UserError(f"cannot load the VAE {source!r} from the Hugging Face hub ({reason}); without "
                             f"network access pass a local folder written by AutoencoderKL.save_pretrained") from None
     vae.eval().requires_grad_(False)
     return vae, vae_identity(vae, source)
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def vae_identity(vae, source: str) -> dict:
@@ -181,14 +187,6 @@ def _collate(items):
     }
 
 
-def _shard_bounds(shard: int, shard_size: int, total: int) -> range:
-    return range(shard * shard_size, min((shard + 1) * shard_size, total))
-
-
-def _sources_sha256(listing: FolderListing, bounds: range) -> str:
-    return _sha256_json([[listing.paths[i], listing.labels[i]] for i in bounds])
-
-
 def _write_shard(out: Path, shard: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
     """Serialise in memory, hash, write to a temporary file, fsync, rename: a shard file is complete or absent."""
     metadata = dict(metadata, content_sha256=_sha256_tensors(tensors))
@@ -223,24 +221,6 @@ def _shard_record(shard: int, payload: bytes, metadata: dict[str, str]) -> dict:
     }
 
 
-def _reuse_shard(out: Path, shard: int, run_key: str, sources_sha256: str) -> dict | None:
-    """The record of a complete shard written by an earlier run with the same VAE, resolution, layout
-    and images; None when it is absent, damaged or made differently (it is then encoded again)."""
-    path = out / shard_name(shard)
-    try:
-        payload = path.read_bytes()
-        with safe_open(path, framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        tensors = safetensors.torch.load(payload)
-    except (OSError, ValueError, RuntimeError, safetensors.SafetensorError):
-        return None
-    if (metadata.get("format") != FORMAT or metadata.get("run_key") != run_key
-            or metadata.get("sources_sha256") != sources_sha256
-            or metadata.get("content_sha256") != _sha256_tensors(tensors)):
-        return None
-    return _shard_record(shard, payload, metadata)
-
-
 def extract_latents(config: ExtractConfig) -> ExtractResult:
     """Encode `config.data_path` into a latent cache at `config.out`; see the module docstring.
 
@@ -262,43 +242,40 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     if config.resolution % downsample:
         raise UserError(f"--resolution {config.resolution} is not a multiple of the VAE's downsampling "
                         f"factor {downsample}; pick e.g. {config.resolution // downsample * downsample or downsample}")
-    latent_size = config.resolution // downsample
-    latent_shape = [int(vae.config.latent_channels), latent_size, latent_size]
-    views = 2 if config.flip else 1
-
-    state = PartialState(cpu=not torch.cuda.is_available())
     out = Path(config.out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a folder for the latent cache")
+
+    state = PartialState(cpu=not torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
     vae.to(state.device)
+    layout = _Layout(
+        out=out, listing=listing, shard_size=config.shard_size, views=2 if config.flip else 1,
+        latent_shape=[int(vae.config.latent_channels)] + [config.resolution // downsample] * 2,
+        dtype=STORAGE_DTYPES[config.dtype], rank=state.process_index, world_size=state.num_processes,
+        run_key=_sha256_json({
+            "format": FORMAT, "vae": [identity["config_sha256"], identity["weights_sha256"]],
+            "resolution": config.resolution, "flip": config.flip, "dtype": config.dtype,
+            "shard_size": config.shard_size,
+        }))
 
-    run_key = _sha256_json({
-        "format": FORMAT, "vae": [identity["config_sha256"], identity["weights_sha256"]],
-        "resolution": config.resolution, "views": views, "dtype": config.dtype, "shard_size": config.shard_size,
-    })
-    num_shards = -(-len(listing) // config.shard_size)
-
-    # Rank 0 marks the cache incomplete and clears temporary files of a killed run before anyone writes.
-    existing: list[list[int]] = [[]]
+    # Rank 0 marks the cache incomplete and clears temporary files of a killed run before anyone writes,
+    # and tells everyone which shard files exist (one view of a shared filesystem for all nodes).
+    present: list[list[int]] = [[]]
     if state.is_main_process:
         (out / MANIFEST_NAME).unlink(missing_ok=True)
         for leftover in out.glob(".shard-*.tmp"):
             leftover.unlink(missing_ok=True)
-        existing = [[k for k in range(num_shards) if (out / shard_name(k)).is_file()]]
-    broadcast_object_list(existing)
+        present = [[k for k in range(layout.num_shards) if (out / shard_name(k)).is_file()]]
+    broadcast_object_list(present)
     state.wait_for_everyone()
-    present = existing[0]
-    missing = [k for k in range(num_shards) if k not in set(present)]
 
-    # Work is shared by what remains to do, so a resumed run stays balanced across ranks.
-    rank, world = state.process_index, state.num_processes
+    # Ranks share out what remains to do, so a resumed run stays balanced.
+    missing = sorted(set(range(layout.num_shards)) - set(present[0]))
     result = ExtractResult(out=out, count=0, is_main_process=state.is_main_process)
-    records = []
-    to_encode = list(missing[rank::world])
-    for shard in present[rank::world]:
-        bounds = _shard_bounds(shard, config.shard_size, len(listing))
-        record = _reuse_shard(out, shard, run_key, _sources_sha256(listing, bounds))
+    records, to_encode = [], missing[layout.rank::layout.world_size]
+    for shard in present[0][layout.rank::layout.world_size]:
+        record = _reuse_shard(layout, shard)
         if record is None:
             to_encode.append(shard)
         else:
@@ -307,106 +284,156 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     to_encode.sort()
 
     batches = [list(bounds[i:i + config.batch_size])
-               for shard in to_encode
-               for bounds in [_shard_bounds(shard, config.shard_size, len(listing))]
-               for i in range(0, len(bounds), config.batch_size)]
+               for bounds in map(layout.bounds, to_encode) for i in range(0, len(bounds), config.batch_size)]
     num_workers = config.num_workers
     if num_workers is None:
         num_workers = min(4, max(0, (os.cpu_count() or 1) // state.num_processes - 1))
     loader = torch.utils.data.DataLoader(
         _ImagesToEncode(listing, config.resolution), batch_sampler=batches, num_workers=num_workers,
         collate_fn=_collate, pin_memory=state.device.type == "cuda")
-
-    storage_dtype = STORAGE_DTYPES[config.dtype]
-    pending: dict[int, dict] = {}
     progress = tqdm(total=sum(map(len, batches)), unit="img", disable=not state.is_main_process,
-                    desc=f"encoding (rank 0 of {world})")
-    for batch in loader:
-        first = (batch["indices"][0].item() if len(batch["indices"]) else batch["bad"][0][0])
-        shard = first // config.shard_size
-        buffer = pending.setdefault(shard, {"mean": [], "std": [], "label": [], "source_index": [],
-                                            "skipped": [], "done": 0})
-        for index, problem in batch["bad"]:
-            if not config.skip_bad_images:
-                raise UserError(problem)
-            buffer["skipped"].append(listing.paths[index])
-        if batch["pixels"] is not None:
-            pixels = uint8_to_unit_range(batch["pixels"].to(state.device, non_blocking=True))
-            if config.flip:
-                pixels = torch.cat([pixels, pixels.flip(-1)])
-            mean, std = encode_posterior(vae, pixels)
-            # [views * b, C, h, w] -> [b, views, C, h, w]: row i holds image i and its mirror image
-            mean, std = (t.unflatten(0, (views, -1)).transpose(0, 1).to("cpu", storage_dtype) for t in (mean, std))
-            buffer["mean"].append(mean)
-            buffer["std"].append(std)
-            buffer["label"].append(batch["labels"])
-            buffer["source_index"].append(batch["indices"])
-        batch_size = len(batch["indices"]) + len(batch["bad"])
-        buffer["done"] += batch_size
-        progress.update(batch_size)
-
-        bounds = _shard_bounds(shard, config.shard_size, len(listing))
-        if buffer["done"] == len(bounds):
-            del pending[shard]
-            empty = torch.empty(0, views, *latent_shape, dtype=storage_dtype)
-            tensors = {
-                "mean": torch.cat(buffer["mean"]) if buffer["mean"] else empty,
-                "std": torch.cat(buffer["std"]) if buffer["std"] else empty.clone(),
-                "label": torch.cat(buffer["label"]) if buffer["label"] else torch.empty(0, dtype=torch.int64),
-                "source_index": (torch.cat(buffer["source_index"]) if buffer["source_index"]
-                                 else torch.empty(0, dtype=torch.int64)),
-            }
-            metadata = {
-                "format": FORMAT, "run_key": run_key, "sources_sha256": _sources_sha256(listing, bounds),
-                "shard": str(shard), "first_index": str(bounds.start), "planned": str(len(bounds)),
-                "count": str(len(tensors["label"])), "rank": str(rank), "world_size": str(world),
-                "skipped": json.dumps(buffer["skipped"]),
-            }
-            records.append(_write_shard(out, shard, tensors, metadata))
-            result.shards_written.append(shard)
-    progress.close()
+                    desc=f"encoding (rank 0 of {layout.world_size})")
+    try:
+        for record in _encode_shards(layout, loader, vae, config.skip_bad_images, progress):
+            records.append(record)
+            result.shards_written.append(record["shard"])
+    except BaseException:
+        progress.leave = False  # clear the bar so that the error is the last line a user sees
+        raise
+    finally:
+        progress.close()
 
     all_records = gather_object(records)
     if state.is_main_process:
-        all_records = sorted(all_records, key=lambda record: record["shard"])
-        if [record["shard"] for record in all_records] != list(range(num_shards)):
-            raise RuntimeError(f"shards {sorted(set(range(num_shards)) - {r['shard'] for r in all_records})} "
-                               f"were not written; the manifest is not written")
-        skipped = [rel for record in all_records for rel in record.pop("skipped")] + summary.bad_images
-        images_per_class = dict(summary.images_per_class)
-        for rel in skipped:
-            if rel not in summary.bad_images:  # validation already left those out of the counts
-                images_per_class[rel.split("/", 1)[0]] -= 1
-        for stale in out.glob("shard-*.safetensors"):  # from an earlier run over more images
-            if stale.name not in {record["file"] for record in all_records}:
-                stale.unlink()
-        write_classes_json(out, listing.classes)
-        manifest = {
-            "format": FORMAT,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "data_path": str(listing.root.absolute()),
-            "vae": identity,
-            "resolution": config.resolution,
-            "latent_shape": latent_shape,
-            "scale_factor": float(vae.config.scaling_factor),
-            "shift_factor": float(getattr(vae.config, "shift_factor", None) or 0.0),
-            "dtype": config.dtype,
-            "flip": config.flip,
-            "views": views,
-            "count": sum(record["count"] for record in all_records),
-            "skipped": skipped,
-            "classes": listing.classes,
-            "images_per_class": images_per_class,
-            "shard_size": config.shard_size,
-            "world_size": world,
-            "run_key": run_key,
-            "shards": all_records,
-        }
-        write_json_atomically(out / MANIFEST_NAME, manifest)
-        result.count = manifest["count"]
-        result.skipped = skipped
+        manifest = _write_manifest(layout, sorted(all_records, key=lambda r: r["shard"]), summary, identity,
+                                   config, vae.config)
+        result.count, result.skipped = manifest["count"], manifest["skipped"]
     state.wait_for_everyone()  # no rank exits before the manifest exists
     return result
+
+
+@dataclass
+class _Layout:
+    """Where each image goes: shard k holds listing entries [k * shard_size, (k + 1) * shard_size)."""
+
+    out: Path
+    listing: FolderListing
+    shard_size: int
+    views: int
+    latent_shape: list[int]
+    dtype: torch.dtype
+    rank: int
+    world_size: int
+    run_key: str  # what must match for a shard to be reused: VAE, resolution, flip, dtype, shard size
+
+    @property
+    def num_shards(self) -> int:
+        return -(-len(self.listing) // self.shard_size)
+
+    def bounds(self, shard: int) -> range:
+        return range(shard * self.shard_size, min((shard + 1) * self.shard_size, len(self.listing)))
+
+    def sources_sha256(self, shard: int) -> str:
+        """The images a shard is made of, so a shard of a changed folder is not reused."""
+        return _sha256_json([[self.listing.paths[i], self.listing.labels[i]] for i in self.bounds(shard)])
+
+
+def _reuse_shard(layout: _Layout, shard: int) -> dict | None:
+    """The record of a complete shard written by an earlier run with the same VAE, resolution, layout
+    and images; None when it is damaged or was made differently (it is then encoded again)."""
+    path = layout.out / shard_name(shard)
+    try:
+        payload = path.read_bytes()
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = safetensors.torch.load(payload)
+    except (OSError, ValueError, RuntimeError, safetensors.SafetensorError):
+        return None
+    if (metadata.get("format") != FORMAT or metadata.get("run_key") != layout.run_key
+            or metadata.get("sources_sha256") != layout.sources_sha256(shard)
+            or metadata.get("content_sha256") != _sha256_tensors(tensors)):
+        return None
+    return _shard_record(shard, payload, metadata)
+
+
+def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress):
+    """Encode the loader's batches (which never straddle shards) and write each shard as it completes;
+    yields the shard records."""
+    pending: dict[int, dict[str, list]] = {}
+    for batch in loader:
+        first = batch["indices"][0].item() if len(batch["indices"]) else batch["bad"][0][0]
+        shard = first // layout.shard_size
+        parts = pending.setdefault(shard, {"mean": [], "std": [], "label": [], "source_index": [], "skipped": []})
+        for index, problem in batch["bad"]:
+            if not skip_bad_images:
+                raise UserError(problem)
+            parts["skipped"].append(layout.listing.paths[index])
+        if batch["pixels"] is not None:
+            pixels = uint8_to_unit_range(batch["pixels"].to(vae.device, non_blocking=True))
+            if layout.views == 2:
+                pixels = torch.cat([pixels, pixels.flip(-1)])
+            mean, std = encode_posterior(vae, pixels)
+            # [views * b, C, h, w] -> [b, views, C, h, w]: row i holds image i, then its mirror image
+            for name, value in (("mean", mean), ("std", std)):
+                parts[name].append(value.unflatten(0, (layout.views, -1)).transpose(0, 1).to("cpu", layout.dtype))
+            parts["label"].append(batch["labels"])
+            parts["source_index"].append(batch["indices"])
+        progress.update(len(batch["indices"]) + len(batch["bad"]))
+
+        bounds = layout.bounds(shard)
+        if sum(map(len, parts["label"])) + len(parts["skipped"]) == len(bounds):
+            del pending[shard]
+            no_rows = {"mean": (layout.views, *layout.latent_shape), "std": (layout.views, *layout.latent_shape),
+                       "label": (), "source_index": ()}  # a shard whose images were all skipped
+            tensors = {name: torch.cat(parts[name]) if parts[name] else
+                       torch.empty(0, *shape, dtype=layout.dtype if shape else torch.int64)
+                       for name, shape in no_rows.items()}
+            metadata = {
+                "format": FORMAT, "run_key": layout.run_key, "sources_sha256": layout.sources_sha256(shard),
+                "shard": str(shard), "first_index": str(bounds.start), "planned": str(len(bounds)),
+                "count": str(len(tensors["label"])), "rank": str(layout.rank),
+                "world_size": str(layout.world_size), "skipped": json.dumps(parts["skipped"]),
+            }
+            yield _write_shard(layout.out, shard, tensors, metadata)
+
+
+def _write_manifest(layout: _Layout, records: list[dict], summary, identity: dict, config: ExtractConfig,
+                    vae_config) -> dict:
+    """Rank 0, after every rank is done: the manifest is what makes the cache complete."""
+    if [record["shard"] for record in records] != list(range(layout.num_shards)):
+        lost = sorted(set(range(layout.num_shards)) - {record["shard"] for record in records})
+        raise RuntimeError(f"shards {lost} were not written; the manifest is not written")
+    skipped = summary.bad_images + [rel for record in records for rel in record.pop("skipped")]
+    images_per_class = dict(summary.images_per_class)
+    for rel in skipped[len(summary.bad_images):]:  # validation already left its own out of the counts
+        images_per_class[rel.split("/", 1)[0]] -= 1
+    for stale in layout.out.glob("shard-*.safetensors"):  # from an earlier run over more images
+        if stale.name not in {record["file"] for record in records}:
+            stale.unlink()
+    write_classes_json(layout.out, layout.listing.classes)
+    manifest = {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "data_path": str(layout.listing.root.absolute()),
+        "vae": identity,
+        "resolution": config.resolution,
+        "latent_shape": layout.latent_shape,
+        "scale_factor": float(vae_config.scaling_factor),
+        "shift_factor": float(getattr(vae_config, "shift_factor", None) or 0.0),
+        "dtype": config.dtype,
+        "flip": config.flip,
+        "views": layout.views,
+        "count": sum(record["count"] for record in records),
+        "skipped": skipped,
+        "classes": layout.listing.classes,
+        "images_per_class": images_per_class,
+        "shard_size": layout.shard_size,
+        "world_size": layout.world_size,
+        "run_key": layout.run_key,
+        "shards": records,
+    }
+    write_json_atomically(layout.out / MANIFEST_NAME, manifest)
+    return manifest
 
 
 def build_parser() -> argparse.ArgumentParser:

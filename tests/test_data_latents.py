@@ -1,0 +1,264 @@
+"""The latent cache, with a tiny real AutoencoderKL saved by the test and demo images: what is stored is
+the VAE's posterior, the reader samples and scales it, an interrupted extraction resumes, a cache made
+differently is refused, and two real `accelerate launch` processes write separate shards."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from accelerate.state import PartialState
+from diffusers import AutoencoderKL
+from PIL import Image
+from safetensors import safe_open
+
+from dit_accel.data.demo import write_demo_data
+from dit_accel.data.latents import (
+    LatentCache, build_parser, check_cache_matches, extract_latents, ExtractConfig, load_vae, main,
+    read_manifest, verify_cache,
+)
+from dit_accel.errors import UserError
+
+RESOLUTION = 32
+CLASSES, PER_CLASS = 3, 6  # 18 images; shard_size 4 -> 5 shards, the last one short
+
+
+def _tiny_vae(seed):
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
+        norm_num_groups=4, layers_per_block=1, sample_size=RESOLUTION)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("latent_assets")
+    _tiny_vae(0).save_pretrained(root / "vae")
+    _tiny_vae(1).save_pretrained(root / "other_vae")
+    write_demo_data(root / "images", classes=CLASSES, per_class=PER_CLASS, resolution=RESOLUTION, seed=3)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """extract_latents creates accelerate's process-wide PartialState; leave none behind for other tests."""
+    yield
+    PartialState._reset_state()
+
+
+def _extract(assets, out, **overrides):
+    config = ExtractConfig(data_path=str(assets / "images"), vae=str(assets / "vae"), out=str(out),
+                           resolution=RESOLUTION, batch_size=3, shard_size=4, num_workers=0)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return extract_latents(config)
+
+
+def _pixels(path):
+    """A demo image as the VAE sees it; demo images are already RESOLUTION px, so the crop is the identity."""
+    array = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(array).permute(2, 0, 1) / 127.5 - 1
+
+
+@pytest.mark.parametrize("dtype, flip", [("float32", True), ("float16", False)])
+def test_stored_mean_and_std_are_the_vae_posterior(assets, tmp_path, dtype, flip):
+    result = _extract(assets, tmp_path / "cache", dtype=dtype, flip=flip)
+    assert result.count == CLASSES * PER_CLASS and result.shards_written == [0, 1, 2, 3, 4]
+    manifest = read_manifest(tmp_path / "cache")
+    assert manifest["latent_shape"] == [4, RESOLUTION // 2, RESOLUTION // 2]
+    assert manifest["views"] == (2 if flip else 1) and manifest["dtype"] == dtype
+    assert manifest["scale_factor"] == pytest.approx(0.18215)
+    assert [s["count"] for s in manifest["shards"]] == [4, 4, 4, 4, 2]
+    assert manifest["images_per_class"] == {name: PER_CLASS for name in manifest["classes"]}
+
+    vae = AutoencoderKL.from_pretrained(assets / "vae").eval()
+    files = sorted((assets / "images").glob("*/*.png"))
+    pixels = torch.stack([_pixels(path) for path in files])
+    with torch.no_grad():
+        expected = [vae.encode(pixels).latent_dist]
+        if flip:
+            expected.append(vae.encode(pixels.flip(-1)).latent_dist)
+    cache = LatentCache(tmp_path / "cache")
+    assert cache.labels.tolist() == [i // PER_CLASS for i in range(len(files))]
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-3, atol=2e-3)
+    for index in range(len(files)):
+        for view, posterior in enumerate(expected):
+            mean, std = cache.posterior(index, view)
+            torch.testing.assert_close(mean, posterior.mean[index], **tolerance)
+            torch.testing.assert_close(std, posterior.std[index], **tolerance)
+    if flip:  # the mirror image's latent is not simply the mirrored latent: it was really encoded
+        assert not torch.allclose(cache.posterior(0, 1)[0], cache.posterior(0, 0)[0].flip(-1), atol=1e-3)
+
+
+def test_reader_draws_scaled_posterior_samples(assets, tmp_path):
+    _extract(assets, tmp_path / "cache", dtype="float32")
+    cache = LatentCache(tmp_path / "cache", flip=False)
+    mean, std = cache.posterior(5, 0)
+    draws = torch.stack([cache[5][0] for _ in range(800)])
+    scale = cache.scale_factor
+    # latent = (mean + std * noise) * scale: the draws' moments, within 5 standard errors
+    assert (draws.mean(0) - scale * mean).abs().max() < 5 * (scale * std).max() / 800 ** 0.5
+    assert torch.allclose(draws.std(0), scale * std, rtol=0.25)
+    assert cache[5][1].dtype == torch.int64 and cache[5][1].item() == 5 // PER_CLASS
+
+
+def test_seeded_reads_are_reproducible_across_workers_and_flip_at_random(assets, tmp_path):
+    _extract(assets, tmp_path / "cache", dtype="float32")
+    cache = LatentCache(tmp_path / "cache", seed=11)
+    in_process = [cache[i][0] for i in range(len(cache))]
+    loader = torch.utils.data.DataLoader(cache, batch_size=4, num_workers=2)  # workers open their own maps
+    through_workers = torch.cat([latents for latents, _ in loader])
+    assert torch.equal(torch.stack(in_process), through_workers)
+    cache.set_epoch(1)
+    assert not torch.equal(cache[0][0], in_process[0])
+
+    def nearer_to_mirror(latent, index):
+        mean0, mean1 = (cache.posterior(index, view)[0] * cache.scale_factor for view in (0, 1))
+        return (latent - mean1).norm() < (latent - mean0).norm()
+
+    mirrored = sum(nearer_to_mirror(latent, i) for i, latent in enumerate(in_process))
+    assert 3 <= mirrored <= len(cache) - 3
+
+
+def _contents(out):
+    """Shard name -> hash of its tensors (file bytes differ between writes: metadata order is not fixed)."""
+    return {p.name: safe_open(p, "pt").metadata()["content_sha256"] for p in sorted(out.glob("shard-*"))}
+
+
+def test_resume_after_a_kill_keeps_complete_shards(assets, tmp_path):
+    out = tmp_path / "cache"
+    _extract(assets, out)
+    original = _contents(out)
+    kept_inode = (out / "shard-00000.safetensors").stat().st_ino
+
+    # The state a kill leaves: no manifest, a shard never renamed into place, one missing, one damaged.
+    (out / "manifest.json").unlink()
+    (out / "shard-00002.safetensors").rename(out / ".shard-00002.safetensors.abc123.tmp")
+    (out / "shard-00001.safetensors").unlink()
+    damaged = bytearray((out / "shard-00003.safetensors").read_bytes())
+    damaged[-10] ^= 0xFF
+    (out / "shard-00003.safetensors").write_bytes(bytes(damaged))
+    with pytest.raises(UserError, match="incomplete .*re-run the same `dit-accel extract-latents"):
+        LatentCache(out)
+
+    PartialState._reset_state()
+    result = _extract(assets, out)
+    assert result.shards_reused == [0, 4] and result.shards_written == [1, 2, 3]
+    assert (out / "shard-00000.safetensors").stat().st_ino == kept_inode
+    assert not list(out.glob(".*.tmp"))
+    assert _contents(out) == original  # the re-encoded shards hold the same tensors
+    assert verify_cache(out) > 0 and len(LatentCache(out)) == CLASSES * PER_CLASS
+
+    # A different resolution is a different cache: nothing is reused.
+    PartialState._reset_state()
+    assert _extract(assets, out, resolution=16).shards_reused == []
+
+
+def test_damaged_or_missing_shards_are_refused(assets, tmp_path):
+    out = tmp_path / "cache"
+    _extract(assets, out)
+    shard = out / "shard-00001.safetensors"
+    payload = bytearray(shard.read_bytes())
+    payload[-1] ^= 0x01
+    shard.write_bytes(bytes(payload))
+    read_manifest(out)  # same size: the cheap check passes, the checksum does not
+    with pytest.raises(UserError, match="shard-00001.safetensors does not match its checksum"):
+        verify_cache(out)
+    shard.unlink()
+    with pytest.raises(UserError, match="damaged: shard-00001.safetensors is missing; re-run"):
+        LatentCache(out)
+
+
+def test_cache_made_with_another_vae_or_resolution_is_refused(assets, tmp_path):
+    _extract(assets, tmp_path / "cache")
+    manifest = read_manifest(tmp_path / "cache")
+    with pytest.raises(UserError, match="made at 32 px but the run asks for 64 px"):
+        check_cache_matches(manifest, 64)
+    with pytest.raises(UserError, match="another VAE"):
+        check_cache_matches(tmp_path / "cache", RESOLUTION, str(assets / "other_vae"))
+    moved = tmp_path / "moved_vae"
+    shutil.copytree(assets / "vae", moved)
+    check_cache_matches(LatentCache(tmp_path / "cache"), RESOLUTION, str(moved))  # same weights: accepted
+    check_cache_matches(manifest, RESOLUTION, load_vae(str(assets / "vae"))[1])
+
+
+def test_vae_that_cannot_be_loaded_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="VAE folder .*nope does not exist"):
+        load_vae(str(tmp_path / "nope"))
+    with pytest.raises(UserError, match="cannot load the VAE 'someone/tiny-vae' from the Hugging Face hub"):
+        load_vae("someone/tiny-vae")  # HF_HUB_OFFLINE=1 (conftest): the network is refused
+
+
+def test_bad_image_stops_the_cli_or_is_skipped_and_counted(assets, tmp_path, capsys):
+    images = tmp_path / "images"
+    shutil.copytree(assets / "images", images)
+    bad = sorted(images.glob("01_*/*.png"))[2]  # not the first of its class: the sample check passes
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    args = ["--data_path", str(images), "--vae", str(assets / "vae"), "--resolution", str(RESOLUTION),
+            "--out", str(tmp_path / "cache"), "--shard-size", "4", "--num-workers", "1"]
+    assert main(args) == 2
+    stderr = capsys.readouterr().err
+    last_line = [line for line in re.split(r"[\r\n]", stderr) if line.strip()][-1]
+    assert last_line.startswith(f"dit-accel extract-latents: error: cannot decode image {bad}: ")
+    assert last_line.endswith("or pass --skip-bad-images to skip such files") and "Traceback" not in stderr
+    assert not (tmp_path / "cache" / "manifest.json").exists()
+
+    PartialState._reset_state()
+    assert main(args + ["--skip-bad-images"]) == 0
+    manifest = read_manifest(tmp_path / "cache")
+    relative = f"{bad.parent.name}/{bad.name}"
+    assert manifest["skipped"] == [relative] and manifest["count"] == CLASSES * PER_CLASS - 1
+    assert manifest["images_per_class"][bad.parent.name] == PER_CLASS - 1
+    shard = tmp_path / "cache" / f"shard-{(PER_CLASS + 2) // 4:05d}.safetensors"  # listing index // shard size
+    assert json.loads(safe_open(shard, "pt").metadata()["skipped"]) == [relative]
+    assert "17 images x 2 views, 1 undecodable images skipped" in capsys.readouterr().out
+
+
+def test_cli_accepts_both_spellings_of_every_option():
+    for spelling in (["--data-path", "D", "--batch-size", "8", "--no-flip"],
+                     ["--data_path", "D", "--batch_size", "8", "--no_flip"]):
+        args = build_parser().parse_args(spelling + ["--vae", "V", "--out", "O"])
+        assert (args.data_path, args.batch_size, args.flip) == ("D", 8, False)
+
+
+ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+mixed_precision: 'no'
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_under_accelerate_launch_write_their_own_shards(assets, tmp_path):
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(ACCELERATE_CONFIG)
+    out = tmp_path / "cache"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--num_processes", "2", "--main_process_port", "0", "-m", "dit_accel.data.latents",
+               "--data-path", str(assets / "images"), "--vae", str(assets / "vae"),
+               "--resolution", str(RESOLUTION), "--out", str(out), "--shard-size", "4", "--batch-size", "3",
+               "--num-workers", "0", "--dtype", "float32"]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    manifest = read_manifest(out)
+    assert manifest["world_size"] == 2 and manifest["count"] == CLASSES * PER_CLASS
+    assert [(s["shard"], s["rank"], s["world_size"]) for s in manifest["shards"]] == [
+        (0, 0, 2), (1, 1, 2), (2, 0, 2), (3, 1, 2), (4, 0, 2)]
+    assert run.stdout.count("latent cache") == 1  # rank 0 reports; rank 1 stays quiet
+
+    # The same latents as one process computes.
+    _extract(assets, tmp_path / "single", dtype="float32")
+    two, one = LatentCache(out), LatentCache(tmp_path / "single")
+    assert torch.equal(two.labels, one.labels)
+    for index in range(len(one)):
+        torch.testing.assert_close(two.posterior(index, 1), one.posterior(index, 1), rtol=1e-5, atol=1e-6)

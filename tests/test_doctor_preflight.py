@@ -389,11 +389,17 @@ def test_a_tiny_disk_quota_fails(xl_plan, tmp_path):
     row = by_name(checks, "disk space")
     one = checkpoint_bytes(xl_plan)
     assert one == 674_834_720 * 16  # fp32 weights + EMA + two AdamW moments
-    assert row.status is Status.FAIL and "5.0 GiB free" in row.reason and "keeping 3 needs 40.2 GiB" in row.reason
+    assert row.status is Status.FAIL and "5.0 GiB free" in row.reason and "keeping 3 needs 40.2 GiB more" in row.reason
     assert by_name(checks, "write permission").status is Status.PASS
     assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == [tmp_path / "plan"]  # nothing left behind
     roomy = lambda path: usage._replace(free=100 * GiB)  # noqa: E731
     assert by_name(check_output(xl_plan, tmp_path / "runs", 3, roomy), "disk space").status is Status.PASS
+    for step in (1000, 2000, 3000):  # a run to resume: its 3 checkpoints already take their space
+        (tmp_path / "runs" / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (tmp_path / "runs" / "checkpoints" / f"step_{step:08d}" / "COMPLETE").write_text("{}")
+    quota = lambda path: usage._replace(free=15 * GiB)  # noqa: E731 - room for exactly one more
+    row = by_name(check_output(xl_plan, tmp_path / "runs", 3, quota), "disk space")
+    assert row.status is Status.WARN and "needs 10.1 GiB more" in row.reason and "(3 already there)" in row.reason
 
 
 def test_an_output_dir_under_a_file_cannot_be_written(xl_plan, tmp_path):

@@ -87,13 +87,23 @@ def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list
     return checks
 
 
+RANK_LOG_TAIL_BYTES = 256 * 1024  # the end of each rank's log holds its last steps; the start is history
+
+
 def read_log(args: argparse.Namespace) -> list[Check]:
+    """The launcher's output, preceded by the tail of every per-rank log of the run when --output-dir is given."""
     try:
         text = args.log.read_text(errors="replace")
     except OSError as error:
         raise UserError(f"cannot read log {args.log}: {error.strerror or error}; pass the file the launcher's output went to")
+    rank_logs = sorted((args.output_dir / "logs").glob("rank*.log")) if args.output_dir else []
+    tails = []
+    for path in rank_logs:
+        with open(path, "rb") as stream:
+            stream.seek(max(0, path.stat().st_size - RANK_LOG_TAIL_BYTES))
+            tails.append(stream.read().decode(errors="replace"))
     plan = load_plan(args.plan) if args.plan else None
-    return diagnose(text, plan, args.output_dir)
+    return diagnose("\n".join(tails + [text]), plan, args.output_dir)
 
 
 def run(argv: list[str] | None = None, probes: Probes | None = None) -> int:

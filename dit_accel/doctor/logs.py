@@ -69,7 +69,9 @@ class RankFailure:
     @property
     def who(self) -> str:
         exit_text = f"exitcode {self.exitcode}" + (f" ({self.signal_name})" if self.signal_name else "")
-        return f"rank {self.rank} (local_rank {self.local_rank}, pid {self.pid}) on {self.host} at {self.time}: {exit_text}"
+        where = [f"local_rank {self.local_rank}"] + ([f"pid {self.pid}"] if self.pid else [])
+        place = f" on {self.host} at {self.time}" if self.host != "?" else ""
+        return f"rank {self.rank} ({', '.join(where)}){place}: {exit_text}"
 
 
 def clean(text: str) -> str:
@@ -94,16 +96,43 @@ def parse_failures(text: str) -> list[RankFailure]:
     return sorted(unique, key=lambda f: (not f.root_cause, f.time, f.rank))
 
 
+# the launcher's own traceback that reports a rank's death: never the rank's exception
+_LAUNCHER_EXCEPTIONS = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError", "subprocess.CalledProcessError")
+
+
+_AGENT_LINE = re.compile(r"failed \(exitcode: (?P<exitcode>-?\d+)\) local_rank: (?P<local_rank>\d+) \(pid: (?P<pid>\d+)\)")
+_SIMPLE_LAUNCHER = re.compile(r"subprocess\.CalledProcessError: Command .* (?:died with <Signals\.(?P<signal>\w+): (?P<number>\d+)>"
+                              r"|returned non-zero exit status (?P<status>\d+))")
+
+
+def parse_fallback_failures(text: str) -> list[RankFailure]:
+    """Without a failure table (a cut log, or `accelerate launch` of one process, which runs the script
+    as a plain subprocess): the elastic agent's error line, or subprocess.CalledProcessError."""
+    unknown = "?"
+    agent = _AGENT_LINE.search(text)
+    if agent:
+        return [RankFailure(unknown, unknown, int(agent["local_rank"]), int(agent["local_rank"]), int(agent["exitcode"]),
+                            int(agent["pid"]), unknown, unknown, root_cause=True)]
+    simple = _SIMPLE_LAUNCHER.search(text)
+    if simple:
+        exitcode = -int(simple["number"]) if simple["number"] else int(simple["status"])
+        return [RankFailure(unknown, unknown, 0, 0, exitcode, 0, unknown, unknown, root_cause=True)]
+    return []
+
+
 def last_exception_line(text: str) -> str | None:
-    """The line that names the exception of the last Python traceback: what a reader wants first."""
+    """The line naming the exception of the last traceback a rank printed: what a reader wants first."""
     lines = clean(text).splitlines()
-    starts = [i for i, line in enumerate(lines) if line.strip() == "Traceback (most recent call last):"]
-    if not starts:
-        return None
-    for line in lines[starts[-1] + 1:]:
-        if line and not line[0].isspace() and not line.startswith("Traceback"):
-            return line.strip()
-    return None
+    found = None
+    for start, line in enumerate(lines):
+        if line.strip() != "Traceback (most recent call last):":
+            continue
+        for candidate in lines[start + 1:]:
+            if candidate and not candidate[0].isspace() and not candidate.startswith("Traceback"):
+                if not candidate.startswith(_LAUNCHER_EXCEPTIONS):
+                    found = candidate.strip()
+                break
+    return found
 
 
 # --- the classic messages ------------------------------------------------------------------------------
@@ -143,10 +172,15 @@ def _host_estimate(plan: PlanFacts | None) -> str:
             "`dit-accel doctor --plan ...` compares it with the node's.")
 
 
-def _rank_logs(output_dir: Path | None) -> str:
+RANK_LOG = "logs/rank{rank}.log"  # the trainer's per-rank log, relative to the run folder (train.setup_logging)
+
+
+def _rank_logs(output_dir: Path | None, rank: int | None = None) -> str:
     if output_dir is None:
-        return "the per-rank logs in the run's output folder"
-    return f"the per-rank logs under {output_dir}"
+        return f"the run's per-rank logs (RUN/{RANK_LOG.format(rank='N')})"
+    if rank is None:
+        return f"the per-rank logs {output_dir / RANK_LOG.format(rank='N')}"
+    return f"{output_dir / RANK_LOG.format(rank=rank)} (that rank's own log)"
 
 
 def explain_signal_kill(failure: RankFailure, text: str, plan: PlanFacts | None, output_dir: Path | None) -> Check:
@@ -155,7 +189,7 @@ def explain_signal_kill(failure: RankFailure, text: str, plan: PlanFacts | None,
               "(host RAM, not GPU memory, ran out) or the job scheduler killing a job over its memory limit." + confirm +
               f" Check `dmesg -T | grep -i 'killed process'` or `journalctl -k | grep -i 'out of memory'` on {failure.host} "
               f"(look for pid {failure.pid}), or the scheduler's job record (e.g. `sacct -j JOBID -o State,MaxRSS`). "
-              + _host_estimate(plan) + f" See also {_rank_logs(output_dir)}.")
+              + _host_estimate(plan) + f" See also {_rank_logs(output_dir, failure.rank)}.")
     fix = ("fewer data-loader workers per rank, precomputed latents (dit-accel extract-latents), loading weights once "
            "per node, or more host RAM (or a larger job memory request)")
     return failed(GROUP, "exitcode -9 (SIGKILL)", reason, fix)
@@ -193,10 +227,10 @@ def explain_exit(failure: RankFailure, text: str, plan: PlanFacts | None, output
                           "fix what that line names, then run `dit-accel doctor` on every node before relaunching")
         if last:
             return failed(GROUP, f"exitcode {failure.exitcode}", f"{failure.who}. Python exception: {last}",
-                          f"read the full traceback above it (and {_rank_logs(output_dir)})")
+                          f"read the full traceback above it (and {_rank_logs(output_dir, failure.rank)})")
         return failed(GROUP, f"exitcode {failure.exitcode}", f"{failure.who}. The rank's traceback is not in this log "
                       f"(error_file: {failure.error_file})",
-                      f"read {_rank_logs(output_dir)}; decorate the entry point with torch.distributed.elastic's @record to get it here")
+                      f"read {_rank_logs(output_dir, failure.rank)}; decorate the entry point with torch.distributed.elastic's @record to get it here")
     return None
 
 
@@ -208,9 +242,9 @@ def find_cuda_oom(text: str) -> Check | None:
     figures = f"tried to allocate {match['tried']}"
     if capacity:
         figures += f" on GPU {capacity['gpu']} ({capacity['total']} total, {capacity['free']} free)"
-    others = [f"pid {m['pid']} ({m['used']})" for m in _OTHER_PROCESS.finditer(text, match.start(), match.start() + 2000)]
-    if len(others) > 1:  # the first is this process itself in PyTorch's message
-        figures += "; other processes on the GPU: " + ", ".join(others[1:])
+    holders = [f"pid {m['pid']} ({m['used']})" for m in _OTHER_PROCESS.finditer(text, match.start(), match.start() + 2000)]
+    if holders:  # PyTorch lists every process NVML sees on the GPU, this one included
+        figures += "; processes holding the GPU: " + ", ".join(holders)
     steps = [int(m["step"]) for m in _STEP.finditer(text, 0, match.start())]
     last_step = max(steps, default=0)
     if last_step <= 1:
@@ -271,7 +305,7 @@ def find_worker_killed(text: str) -> Check | None:
 def diagnose(text: str, plan: PlanFacts | None = None, output_dir: Path | None = None) -> list[Check]:
     """Every recognised failure in a log, the root cause first; a PASS row when the log shows none."""
     text = clean(text)
-    failures = parse_failures(text)
+    failures = parse_failures(text) or parse_fallback_failures(text)
     checks: list[Check] = []
     if failures:
         root = failures[0]

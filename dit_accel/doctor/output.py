@@ -40,11 +40,16 @@ def check_disk(plan: PlanFacts, output_dir: Path, keep_last: int,
     name = "disk space"
     where = _existing_ancestor(output_dir)
     free_bytes = disk_usage(str(where)).free
+    from dit_accel.checkpoint import complete_checkpoints
+
     one = checkpoint_bytes(plan)
-    # the newest checkpoint is written before the oldest is removed, so keep_last + 1 exist for a moment
-    need = one * (keep_last + 1)
+    # the trainer commits the new checkpoint before rotating, so keep_last + 1 exist for a moment;
+    # checkpoints already in the run folder (a resume) are already off the free space
+    existing = len(complete_checkpoints(output_dir)) if output_dir.is_dir() else 0
+    need = one * max(1, keep_last + 1 - existing)
     what = (f"{gib(free_bytes)} free at {where}; a checkpoint of {plan.model_name} (weights + EMA + AdamW, fp32) is "
-            f"{gib(one)}, keeping {keep_last} needs {gib(need)} while the next one is written")
+            f"{gib(one)}, keeping {keep_last} needs {gib(need)} more while the next one is written"
+            + (f" ({existing} already there)" if existing else ""))
     fix = "free space, point --output-dir at a larger disk, or keep fewer checkpoints"
     if free_bytes < need:
         return failed(GROUP, name, what, fix)

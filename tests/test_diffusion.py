@@ -329,6 +329,17 @@ def test_samplers_are_deterministic_under_a_generator(diffusion):
     assert not torch.equal(draw(0, ddim_sample, eta=1.0), draw(1, ddim_sample, eta=1.0))
 
 
+def test_per_sample_generators_make_samples_independent_of_the_batch(diffusion):
+    model_fn = point_mass_denoiser(torch.zeros(1, 1, 1, 1))
+    shifted = lambda x, t, y: model_fn(x, t, y) + 0.1  # noqa: E731  (so the chain is not a point mass)
+    y = torch.zeros(3, dtype=torch.long)
+    seeds = [5, 6, 7]
+    batch = ddpm_sample(shifted, diffusion, (3, 1, 2, 2), y, num_steps=10,
+                        generator=[torch.Generator().manual_seed(s) for s in seeds])
+    alone = ddpm_sample(shifted, diffusion, (1, 1, 2, 2), y[:1], num_steps=10, generator=[torch.Generator().manual_seed(6)])
+    torch.testing.assert_close(batch[1:2], alone, rtol=0, atol=0)
+
+
 # --- classifier-free guidance -----------------------------------------------------------------------------
 
 

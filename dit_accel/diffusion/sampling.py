@@ -4,6 +4,9 @@ classifier-free guidance; and a sampler that reproduces diffusers' DiTPipeline l
 Every sampler takes a `model_fn(x_t, t, y) -> output` (see `dit_accel.model.as_model_fn`), calls it with the
 ORIGINAL timestep indices, draws all its noise from the given torch.Generator (so a seed fixes the result),
 and returns the final x_0 (latents, or pixels for a pixel-space DiT) without any scaling.
+
+`generator` may also be a list with one generator per sample (diffusers' randn_tensor convention): each
+sample's noise then depends only on its own seed, not on the batch it was drawn in (sharded FID runs).
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def _steps(chain: Diffusion, progress: bool):
 
 @torch.no_grad()
 def ddpm_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y: torch.Tensor, *, num_steps: int = 250,
-                spacing: str = "even", generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
+                spacing: str = "even", generator: torch.Generator | list[torch.Generator] | None = None, noise: torch.Tensor | None = None,
                 clip_denoised: bool = False, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
                 progress: bool = False) -> torch.Tensor:
     """Ancestral sampling x_T -> x_0 with the model's learned variance on a `num_steps` respaced chain.
@@ -106,7 +109,7 @@ def ddpm_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y
 
 @torch.no_grad()
 def ddim_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y: torch.Tensor, *, num_steps: int = 50,
-                eta: float = 0.0, spacing: str = "even", generator: torch.Generator | None = None,
+                eta: float = 0.0, spacing: str = "even", generator: torch.Generator | list[torch.Generator] | None = None,
                 noise: torch.Tensor | None = None, clip_denoised: bool = False, device: torch.device | str | None = None,
                 dtype: torch.dtype = torch.float32, progress: bool = False) -> torch.Tensor:
     """DDIM (Song et al.): deterministic for eta = 0; eta = 1 has DDPM's fixed-small variance. The learned
@@ -133,7 +136,7 @@ def ddim_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y
 @torch.no_grad()
 def sample_with_scheduler(model_fn: ModelFn, scheduler, y: torch.Tensor, *, latent_channels: int, latent_size: int,
                           num_inference_steps: int = 50, guidance_scale: float = 4.0, null_class: int = 1000,
-                          generator: torch.Generator | None = None, device: torch.device | str | None = None,
+                          generator: torch.Generator | list[torch.Generator] | None = None, device: torch.device | str | None = None,
                           dtype: torch.dtype = torch.float32, progress: bool = False) -> torch.Tensor:
     """The latents diffusers' DiTPipeline produces (before `1 / scaling_factor` and the VAE), for the same
     generator, scheduler, step count and guidance scale.

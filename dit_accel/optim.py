@@ -19,11 +19,22 @@ def effective_lr(base_lr: float, global_batch: int, scale_lr: bool) -> float:
 
 
 def build_optimizer(model: nn.Module, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
-                    device: torch.device | str = "cpu") -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; fused on CUDA (one kernel, no foreach temporary)."""
+                    device: torch.device | str = "cpu", implementation: str | None = None) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters.
+
+    `implementation` is the plan's `decision.adamw`: "fused" (one kernel, no temporary) or "foreach" (a
+    temporary of about 4 bytes/param at the step, which the planner then counts). Unset: fused where the
+    device has it (CUDA), PyTorch's default elsewhere. fused on a CPU falls back to the default, which
+    is what a CPU run of a GPU plan is for: checking the flow, not the kernels.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = torch.device(device).type == "cuda"
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=fused or None)
+    on_cuda = torch.device(device).type == "cuda"
+    if implementation not in (None, "fused", "foreach"):
+        raise ValueError(f"AdamW implementation must be fused or foreach, got {implementation!r}")
+    fused = on_cuda and implementation in (None, "fused")
+    foreach = True if (implementation == "foreach" and on_cuda) else None
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=fused or None,
+                             foreach=foreach)
 
 
 class WarmupConstant:

@@ -93,6 +93,11 @@ def spec_from_plan(plan: dict):
 
 
 def check_launch(plan: dict, world_size: int, plan_path: str) -> None:
+    sharding = plan["decision"].get("sharding", "ddp")
+    if sharding != "ddp":
+        raise UserError(f"{plan_path} shards the model ({sharding}, FSDP), which this trainer does not run yet: "
+                        f"re-plan with `dit-plan --sharding ddp` (more memory per GPU: a smaller micro-batch or "
+                        f"more checkpointed blocks), or use GPUs with more memory")
     planned = plan["cluster"]["world_size"]
     if planned != world_size:
         raise UserError(f"{plan_path} is planned for {planned} processes but {world_size} were launched: re-plan with "
@@ -341,7 +346,7 @@ def build_components(plan: dict, config: TrainConfig, accelerator=None, device: 
     model.to(device)
     model.train()
     lr = effective_lr(config.lr, plan["global_batch"], config.scale_lr)
-    optimizer = build_optimizer(model, lr, config.betas, config.weight_decay, device)
+    optimizer = build_optimizer(model, lr, config.betas, config.weight_decay, device, decision.get("adamw"))
     scheduler = build_scheduler(optimizer, config.warmup_steps)
     autocast_dtype = None
     if accelerator is not None:
@@ -463,7 +468,9 @@ def setup_logging(run_dir: Path, rank: int, is_main: bool) -> Path:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / f"rank{rank}.log"
-    log.handlers.clear()
+    for handler in list(log.handlers):  # a second run in the same process (tests) starts clean
+        handler.close()
+        log.removeHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
     file_handler = logging.FileHandler(path)
@@ -509,6 +516,7 @@ def parameter_checksum(model: nn.Module) -> str:
 
 
 def make_accelerator(plan: dict, config: TrainConfig, run_dir: Path):
+    """The Accelerator the plan describes; on a machine without CUDA the same config runs on the CPU."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
@@ -528,8 +536,9 @@ def make_accelerator(plan: dict, config: TrainConfig, run_dir: Path):
         gradient_accumulation_steps=int(plan["decision"]["grad_accum"]),
         log_with=log_with,
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
-        # gradient_as_bucket_view: DDP's buckets ARE the .grad tensors, saving 4 bytes/param (DESIGN.md).
-        kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
+        # As planned: with gradient_as_bucket_view DDP's buckets ARE the .grad tensors (4 bytes/param less).
+        kwargs_handlers=[DistributedDataParallelKwargs(
+            gradient_as_bucket_view=bool(plan["decision"].get("gradient_as_bucket_view", False)))],
     )
 
 

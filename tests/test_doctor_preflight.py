@@ -424,6 +424,19 @@ def test_a_busy_rendezvous_port_fails_and_a_free_one_passes(xl_plan):
     assert refused.status is Status.PASS and "nothing listens" in refused.reason
 
 
+def test_the_launch_flags_override_the_configs_port(ready, capsys):
+    argv, probes = ready
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert run(argv + ["--format", "json"], probes) == 0  # the config's port 0: any free port
+        capsys.readouterr()
+        assert run(argv + ["--format", "json", "--main-process-port", str(port)], probes) == 2
+        [row] = [r for r in json.loads(capsys.readouterr().out)["checks"] if r["status"] == "FAIL"]
+        assert row["name"] == "rendezvous port" and str(port) in row["reason"]
+
+
 def test_multi_node_addresses(tmp_path):
     plan = load_plan(write_plan(tmp_path, cluster={"nodes": 2, "gpus_per_node": 8, "world_size": 16,
                                                    "vram_bytes": 40 * 10**9, "gpu": None}))

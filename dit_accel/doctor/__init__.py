@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the run's data-loader workers per rank (the trainer's default: {defaults.num_workers})")
     parser.add_argument("--keep-last", "--keep_last", dest="keep_last", type=int, default=defaults.keep_last,
                         help=f"the run's checkpoints kept (the trainer's default: {defaults.keep_last})")
+    parser.add_argument("--main-process-ip", "--main_process_ip", dest="main_process_ip",
+                        help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's)")
+    parser.add_argument("--main-process-port", "--main_process_port", dest="main_process_port", type=int,
+                        help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's, else 29500)")
     parser.add_argument("--full", action="store_true", help="decode every image, not one per class")
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     parser.add_argument("--format", choices=("table", "json"), default="table")
@@ -83,7 +87,8 @@ def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list
                              "pass --output-dir runs/NAME to check disk space and write permission"))
     else:
         checks += check_output(plan, args.output_dir, args.keep_last, probes.disk_usage)
-    checks += check_distributed(plan, read_rendezvous(config_path), probes.connect_timeout_s)
+    rendezvous = read_rendezvous(config_path, plan, args.main_process_ip, args.main_process_port)
+    checks += check_distributed(plan, rendezvous, probes.connect_timeout_s)
     return checks
 
 

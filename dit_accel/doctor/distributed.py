@@ -28,17 +28,20 @@ class Rendezvous:
     port: int
 
 
-def read_rendezvous(config_path: Path) -> Rendezvous:
-    """main_process_ip / main_process_port from the Accelerate YAML (defaults when it is unreadable)."""
+def read_rendezvous(config_path: Path, plan: PlanFacts | None = None, address: str | None = None,
+                    port: int | None = None) -> Rendezvous:
+    """Where the ranks meet, as the launch will see it: the launch flags, else the Accelerate YAML, else
+    plan.json's cluster section, else torch's default port."""
     try:
         config = yaml.safe_load(config_path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         config = {}
     if not isinstance(config, dict):
         config = {}
-    port = config.get("main_process_port")
-    return Rendezvous(address=config.get("main_process_ip") or None,
-                      port=int(port) if isinstance(port, int) or str(port).isdigit() else DEFAULT_PORT)
+    ports = [port, config.get("main_process_port"), plan.main_process_port if plan else None, DEFAULT_PORT]
+    addresses = [address, config.get("main_process_ip"), plan.main_process_ip if plan else None]
+    return Rendezvous(address=next((a for a in addresses if a), None),
+                      port=int(next(p for p in ports if isinstance(p, int) or str(p).isdigit())))
 
 
 def _bind(address: str, port: int) -> OSError | None:

@@ -100,7 +100,7 @@ def loader_facts(plan: PlanFacts, workers_per_rank: int) -> LoaderFacts:
     return LoaderFacts(workers_per_rank=workers_per_rank, sample_bytes=sample_bytes)
 
 
-def check_ram(plan: PlanFacts, host: HostFacts) -> Check:
+def check_ram(plan: PlanFacts, host: HostFacts, workers_per_rank: int) -> Check:
     name = "host RAM"
     limit, source = host.mem_available_bytes, "available (MemAvailable)"
     if host.cgroup_limit_bytes is not None and host.cgroup_limit_bytes < limit:
@@ -108,18 +108,22 @@ def check_ram(plan: PlanFacts, host: HostFacts) -> Check:
     figures = f"{gib(host.mem_total_bytes)} total, {gib(host.mem_available_bytes)} available"
     if host.cgroup_limit_bytes is not None:
         figures += f", cgroup limit {gib(host.cgroup_limit_bytes)}"
-    estimate = plan.host_bytes
+    estimate = plan.host_bytes_for_workers(workers_per_rank)
     if estimate is None:
         return warned(GROUP, name, figures + "; the plan has no per-node host RAM estimate to compare with",
                       "re-make the plan with this version's dit-plan")
-    fix = ("fewer data-loader workers per rank, precomputed latents (dit-accel extract-latents), loading weights once "
-           "per node, or a node (or job memory request) with more RAM")
+    need = f"the plan needs about {gib(estimate)} per node"
+    if plan.loader_workers is not None and plan.loader_workers != workers_per_rank:
+        need += (f" (its {gib(plan.host_bytes)} assumed {plan.loader_workers} data-loader workers per rank; "
+                 f"rescaled to the run's {workers_per_rank})")
+    fix = ("fewer data-loader workers per rank (--num-workers), precomputed latents (dit-accel extract-latents), "
+           "loading weights once per node, or a node (or job memory request) with more RAM")
     if estimate > limit:
-        return failed(GROUP, name, f"the plan needs about {gib(estimate)} per node, {gib(limit)} {source} ({figures}): "
+        return failed(GROUP, name, f"{need}, {gib(limit)} {source} ({figures}): "
                       "the kernel's OOM killer (or the scheduler) would kill ranks with exitcode -9", fix)
     if estimate > RAM_WARN_FRACTION * limit:
-        return warned(GROUP, name, f"the plan needs about {gib(estimate)} per node, close to the {gib(limit)} {source} ({figures})", fix)
-    return passed(GROUP, name, f"the plan needs about {gib(estimate)} per node; {figures}")
+        return warned(GROUP, name, f"{need}, close to the {gib(limit)} {source} ({figures})", fix)
+    return passed(GROUP, name, f"{need}; {figures}")
 
 
 def shm_needed_bytes(plan: PlanFacts, loader: LoaderFacts) -> int:
@@ -173,5 +177,5 @@ def check_cpus(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> Check:
 
 
 def check_host(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> list[Check]:
-    return [check_ram(plan, host), check_shm(plan, host, loader), check_open_files(plan, host, loader),
+    return [check_ram(plan, host, loader.workers_per_rank), check_shm(plan, host, loader), check_open_files(plan, host, loader),
             check_cpus(plan, host, loader)]

@@ -41,6 +41,8 @@ class PlanFacts:
     host: dict = field(default_factory=dict)  # the plan's per-node host RAM estimate, as written
     inputs: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
 
     @property
     def host_bytes(self) -> int | None:
@@ -49,6 +51,23 @@ class PlanFacts:
             if isinstance(self.host.get(key), (int, float)):
                 return int(self.host[key])
         return None
+
+    @property
+    def loader_workers(self) -> int | None:
+        """Data-loader workers per rank the plan's host estimate assumed."""
+        value = self.host.get("loader_workers_per_rank")
+        return int(value) if isinstance(value, int) else None
+
+    def host_bytes_for_workers(self, workers: int) -> int | None:
+        """The per-node host estimate rescaled to the run's worker count: the workers' resident memory and
+        their prefetched batches grow with it, the rest does not."""
+        estimate, assumed = self.host_bytes, self.loader_workers
+        per_rank = self.host.get("per_rank")
+        if estimate is None or not assumed or not isinstance(per_rank, dict):
+            return estimate
+        worker_bytes = sum(int(per_rank.get(key, 0)) for key in ("loader_workers", "loader_prefetch"))
+        ranks = int(self.host.get("ranks_per_node", self.gpus_per_node))
+        return estimate + ranks * worker_bytes * (workers - assumed) // assumed
 
     @property
     def num_classes(self) -> int:
@@ -117,4 +136,6 @@ def load_plan(path: str | Path) -> PlanFacts:
         host=host if isinstance(host, dict) else {},
         inputs=plan.get("inputs") if isinstance(plan.get("inputs"), dict) else {},
         model=plan["model"],
+        main_process_ip=plan["cluster"].get("main_process_ip"),
+        main_process_port=plan["cluster"].get("main_process_port"),
     )

@@ -189,20 +189,26 @@ def spec_from_config(config) -> DiTSpec:
     """The planner spec that a diffusers DiT config describes (latent mode from the input channels)."""
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
     in_channels = get("in_channels", 4)
-    out_channels = get("out_channels", None) or in_channels
-    sample_size, patch = get("sample_size", 32), get("patch_size", 2)
+    heads, head_dim = get("num_attention_heads", 16), get("attention_head_dim", 72)
+    return _spec_from_shapes(depth=get("num_layers", 28), hidden=heads * head_dim, heads=heads, patch=get("patch_size", 2),
+                             in_channels=in_channels, out_channels=get("out_channels", None) or in_channels,
+                             latent_size=get("sample_size", 32), num_classes=get("num_embeds_ada_norm", 1000))
+
+
+def _spec_from_shapes(depth: int, hidden: int, heads: int, patch: int, in_channels: int, out_channels: int,
+                      latent_size: int, num_classes: int) -> DiTSpec:
+    """The planner spec of a network's shapes: 4 input channels are VAE latents (x8 pixels), 3 are pixels."""
     if in_channels == LATENT_CHANNELS:
-        latents, resolution = "precomputed", sample_size * VAE_DOWNSAMPLE
+        latents, resolution = "precomputed", latent_size * VAE_DOWNSAMPLE
     elif in_channels == PIXEL_CHANNELS:
-        latents, resolution = "pixel", sample_size
+        latents, resolution = "pixel", latent_size
     else:
         raise UserError(f"a DiT with {in_channels} input channels is not supported: expected 4 (VAE latents) or 3 (pixels)")
     if out_channels not in (in_channels, 2 * in_channels):
-        raise UserError(f"out_channels {out_channels} is neither in_channels ({in_channels}) nor twice it (learned sigma)")
-    heads, head_dim, depth = get("num_attention_heads", 16), get("attention_head_dim", 72), get("num_layers", 28)
-    hidden = heads * head_dim
+        raise UserError(f"the network outputs {out_channels} channels for {in_channels} inputs: a DiT outputs "
+                        "the same number, or twice it with learned sigma")
     return DiTSpec(name=_family_name(depth, hidden, heads, patch), depth=depth, hidden=hidden, heads=heads, patch=patch,
-                   resolution=resolution, latents=latents, num_classes=get("num_embeds_ada_norm", 1000),
+                   resolution=resolution, latents=latents, num_classes=num_classes,
                    learn_sigma=out_channels == 2 * in_channels)
 
 
@@ -455,13 +461,15 @@ def load_original_dit(path_or_state_dict, spec: DiTSpec | None = None, *, heads:
     or `spec`. Files are read with `weights_only=True`; `trust_pickle=True` allows other pickled objects.
     """
     state = original_state_dict(path_or_state_dict, prefer=prefer, trust_pickle=trust_pickle)
-    inferred = spec_from_original_state_dict(state, heads=heads if spec is None else spec.heads)
+    inferred = spec_from_original_state_dict(state, heads=heads if spec is None else spec.heads,
+                                             latent_size=None if spec is None else spec.latent_size)
     if spec is not None:
         _check_same_network(spec, inferred)
     else:
         spec = inferred
     model = build_model(spec, timestep_freq_shift=ORIGINAL_DIT_FREQ_SHIFT, init="torch")
-    _check_positional_table(state, model)
+    if "pos_embed" in state:
+        _check_positional_table(state, model)
     load_diffusers_state_dict(model, original_to_diffusers_state_dict(state, spec.depth))
     return model
 
@@ -497,33 +505,26 @@ def original_state_dict(path_or_state_dict, *, prefer: str = "ema", trust_pickle
     return state
 
 
-def spec_from_original_state_dict(state: dict[str, torch.Tensor], heads: int | None = None) -> DiTSpec:
-    """Depth, width, patch, channels, latent size, classes and learned sigma, read off the tensor shapes."""
+def spec_from_original_state_dict(state: dict[str, torch.Tensor], heads: int | None = None,
+                                  latent_size: int | None = None) -> DiTSpec:
+    """Depth, width, patch, channels, latent size, classes and learned sigma, read off the tensor shapes
+    (`heads`, and `latent_size` when the state dict has no pos_embed, must be given where they cannot be)."""
     hidden, in_channels, patch, _ = state["x_embedder.proj.weight"].shape
     depth = len({key.split(".")[1] for key in state if key.startswith("blocks.")})
     out_channels = state["final_layer.linear.weight"].shape[0] // (patch * patch)
     num_classes = state["y_embedder.embedding_table.weight"].shape[0] - 1
-    if "pos_embed" not in state:
+    if "pos_embed" in state:
+        latent_size = math.isqrt(state["pos_embed"].shape[1]) * patch
+    elif latent_size is None:
         raise UserError("the checkpoint has no pos_embed, so its latent size is unknown: pass a spec (resolution)")
-    grid = math.isqrt(state["pos_embed"].shape[1])
-    latent_size = grid * patch
     if heads is None:
         matches = [shape[2] for shape in FAMILY.values() if shape[:2] == (depth, hidden)]
         if not matches:
             raise UserError(f"a DiT of depth {depth} and width {hidden} is not in the family table, so its head count "
                             "is unknown: pass heads (--heads)")
         heads = matches[0]
-    if in_channels == LATENT_CHANNELS:
-        latents, resolution = "precomputed", latent_size * VAE_DOWNSAMPLE
-    elif in_channels == PIXEL_CHANNELS:
-        latents, resolution = "pixel", latent_size
-    else:
-        raise UserError(f"a DiT with {in_channels} input channels is not supported: expected 4 (VAE latents) or 3 (pixels)")
-    if out_channels not in (in_channels, 2 * in_channels):
-        raise UserError(f"final layer gives {out_channels} channels for {in_channels} inputs: not a DiT output")
-    return DiTSpec(name=_family_name(depth, hidden, heads, patch), depth=depth, hidden=hidden, heads=heads, patch=patch,
-                   resolution=resolution, latents=latents, num_classes=num_classes,
-                   learn_sigma=out_channels == 2 * in_channels)
+    return _spec_from_shapes(depth=depth, hidden=hidden, heads=heads, patch=patch, in_channels=in_channels,
+                             out_channels=out_channels, latent_size=latent_size, num_classes=num_classes)
 
 
 def _check_same_network(spec: DiTSpec, inferred: DiTSpec) -> None:

@@ -427,6 +427,10 @@ def test_original_checkpoint_errors():
     incomplete = {k: v for k, v in sd.items() if not k.startswith("blocks.1.mlp.fc2")}
     with pytest.raises(UserError, match="lacks blocks.1.mlp.fc2.weight"):
         load_original_dit(incomplete, heads=4)
+    no_table = {k: v for k, v in sd.items() if k != "pos_embed"}
+    with pytest.raises(UserError, match="latent size is unknown"):
+        load_original_dit(no_table, heads=4)
+    assert spec_from_model(load_original_dit(no_table, spec=tiny_spec())).latent_size == 8
     with pytest.raises(UserError, match="not an original DiT"):
         load_original_dit({"weight": torch.ones(1)})
 

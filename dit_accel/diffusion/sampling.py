@@ -74,6 +74,13 @@ def _start(shape: Sequence[int], noise: torch.Tensor | None, generator, device, 
     return randn_tensor(tuple(shape), generator=generator, device=torch.device(device), dtype=dtype)
 
 
+def _predict(model_fn: ModelFn, chain: Diffusion, x: torch.Tensor, k: int, y: torch.Tensor, clip_denoised: bool):
+    """The model's reverse-step prediction at step k of `chain` (called with the original timestep)."""
+    t = torch.full((x.shape[0],), k, device=x.device, dtype=torch.long)
+    output = model_fn(x, chain.model_timesteps(t), y)
+    return t, chain.p_mean_variance(output.to(x.dtype), x, t, clip_denoised=clip_denoised)
+
+
 def _steps(chain: Diffusion, progress: bool):
     steps = range(chain.num_timesteps - 1, -1, -1)
     if progress:
@@ -97,9 +104,7 @@ def ddpm_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y
     chain = respaced(diffusion, num_steps, spacing)
     x = _start(shape, noise, generator, device, dtype)
     for k in _steps(chain, progress):
-        t = torch.full((x.shape[0],), k, device=device, dtype=torch.long)
-        output = model_fn(x, chain.model_timesteps(t), y)
-        step = chain.p_mean_variance(output.to(dtype), x, t, clip_denoised=clip_denoised)
+        _, step = _predict(model_fn, chain, x, k, y, clip_denoised)
         if k > 0:
             x = step["mean"] + torch.exp(0.5 * step["log_variance"]) * randn_tensor(x.shape, generator=generator, device=x.device, dtype=dtype)
         else:
@@ -122,9 +127,7 @@ def ddim_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y
     chain = respaced(diffusion, num_steps, spacing)
     x = _start(shape, noise, generator, device, dtype)
     for k in _steps(chain, progress):
-        t = torch.full((x.shape[0],), k, device=device, dtype=torch.long)
-        output = model_fn(x, chain.model_timesteps(t), y)
-        step = chain.p_mean_variance(output.to(dtype), x, t, clip_denoised=clip_denoised)
+        t, step = _predict(model_fn, chain, x, k, y, clip_denoised)
         alpha_bar, alpha_bar_prev = chain.coef("alphas_cumprod", t, x), chain.coef("alphas_cumprod_prev", t, x)
         sigma = eta * ((1 - alpha_bar_prev) / (1 - alpha_bar)).sqrt() * (1 - alpha_bar / alpha_bar_prev).sqrt()
         x = alpha_bar_prev.sqrt() * step["pred_x0"] + (1 - alpha_bar_prev - sigma**2).sqrt() * step["eps"]

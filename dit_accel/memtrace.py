@@ -75,7 +75,10 @@ class StorageTracker(TorchDispatchMode):
         self.window_peaks: dict[Hashable, tuple[int, dict[str, int]]] = {}
         self.phase = "forward"  # "forward" | "optimizer"; backward is read from autograd itself
         self.in_vae = 0
-        self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref]
+        self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref, what made it]
+        self.record_peak_storages = False  # debugging: keep every live storage at the peak (slow)
+        self.peak_storages: list[tuple[str, int, str]] = []
+        self._made_by = "setup"
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def _storage(self, tensor: torch.Tensor):
@@ -89,7 +92,7 @@ class StorageTracker(TorchDispatchMode):
         if info is None:
             nbytes = storage.nbytes()
             ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
-            self._info[key] = [nbytes, component, ref]
+            self._info[key] = [nbytes, component, ref, f"{self._made_by} {tuple(tensor.shape)} {tensor.dtype}"]
             self.current[component] += nbytes
             self.total_bytes += nbytes
             self._note_peak()
@@ -114,6 +117,8 @@ class StorageTracker(TorchDispatchMode):
         # is reported rather than its first.
         if total >= self.peak_bytes:
             self.peak_bytes, self.peak_components, self.peak_window = total, dict(self.current), self.window
+            if self.record_peak_storages:
+                self.peak_storages = [(info[1], info[0], info[3]) for info in self._info.values()]
         best = self.window_peaks.get(self.window)
         if best is None or total >= best[0]:
             self.window_peaks[self.window] = (total, dict(self.current))
@@ -140,6 +145,7 @@ class StorageTracker(TorchDispatchMode):
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if outputs:
             component = None
+            self._made_by = str(func.overloadpacket.__name__)
             for tensor in outputs:
                 if id(self._storage(tensor)) not in self._info:
                     component = component or self._component_for_new(func, args)
@@ -605,3 +611,163 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
                        depth=spec.depth, checkpointed_blocks=checkpointed, micro_batch=micro_batch,
                        precision=decision["precision"], autocast_device=autocast_device,
                        traced_depths=traced_depths, seconds=round(time.perf_counter() - started, 2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The planner's estimate of the same step, and the comparison
+# ---------------------------------------------------------------------------------------------------
+
+# Planner components a tensor trace can check; "overhead" (CUDA context, NCCL, fragmentation) it cannot.
+COMPARED = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries")
+
+
+def traced_optimizer_kind(device: str) -> str:
+    """The AdamW implementation the trainer gets on `device` (dit_accel.optim.build_optimizer): fused on
+    CUDA; on a CPU PyTorch's default, the per-tensor loop (its temporaries are one parameter's worth)."""
+    return "fused" if device == "cuda" else "single"
+
+
+def planner_estimate(plan: dict, autocast_device: str) -> tuple[int, dict[str, int], str]:
+    """The planner's traceable peak for this plan as a single process would trace it: (bytes, components
+    at the planner's peak moment without overhead, that moment). World size 1: no DDP buckets."""
+    from dataclasses import fields
+
+    from dit_accel.train import spec_from_plan
+    from planner.hardware import Assumptions
+    from planner.memory import Cluster, Decision, step_memory
+
+    spec = spec_from_plan(plan)
+    decision = plan["decision"]
+    known = {f.name for f in fields(Decision)}
+    values = {key: value for key, value in decision.items() if key in known}
+    values.update(sharding="ddp", adamw=traced_optimizer_kind(autocast_device))
+    assumptions = Assumptions()
+    recorded = {key: value for key, value in plan.get("assumptions", {}).items() if hasattr(assumptions, key)}
+    assumptions = assumptions.replace(**recorded).replace(autocast_device=autocast_device)
+    cluster = Cluster(nodes=1, gpus_per_node=1, vram_bytes=int(plan.get("cluster", {}).get("vram_bytes") or 2**50))
+    estimate = step_memory(spec, Decision(**values), cluster, assumptions)
+    best_phase, best = None, -1
+    for phase, components in estimate.phases.items():
+        traceable = sum(components[name] for name in COMPARED)
+        if traceable > best:
+            best_phase, best = phase, traceable
+    return best, {name: estimate.phases[best_phase][name] for name in COMPARED}, best_phase
+
+
+@dataclass
+class Comparison:
+    """Traced vs planned bytes, component by component, and the peak."""
+
+    rows: list  # (name, traced_bytes, planned_bytes or None, relative error or None)
+    traced_peak_bytes: int
+    planned_peak_bytes: int
+    planned_phase: str
+
+    @property
+    def peak_error(self) -> float:
+        return relative_error(self.planned_peak_bytes, self.traced_peak_bytes)
+
+    def component_error(self, name: str) -> float | None:
+        return next(row[3] for row in self.rows if row[0] == name)
+
+
+def relative_error(planned: int, traced: int) -> float:
+    """(planned - traced) / traced; 0 when both are 0, infinite when only the trace is 0."""
+    if traced == 0:
+        return 0.0 if planned == 0 else math.inf
+    return (planned - traced) / traced
+
+
+def traced_as_planner_components(result: TraceResult) -> dict[str, int]:
+    """The trace's components under the planner's names: the positional buffer is in the planner's weights;
+    the micro-batch itself (inputs, noise, labels) the planner does not count separately."""
+    traced = {name: result.components.get(name, 0) for name in COMPARED}
+    traced["weights"] += result.components.get("buffers", 0)
+    return traced
+
+
+def compare(result: TraceResult, plan: dict) -> Comparison:
+    planned_peak, planned, phase = planner_estimate(plan, result.autocast_device)
+    traced = traced_as_planner_components(result)
+    rows = [(name, traced[name], planned[name], relative_error(planned[name], traced[name])) for name in COMPARED]
+    rows.append(("batch (inputs, noise, labels)", result.components.get("batch", 0), None, None))
+    return Comparison(rows=rows, traced_peak_bytes=result.peak_bytes, planned_peak_bytes=planned_peak,
+                      planned_phase=phase)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dit-accel verify
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gib(num_bytes: float | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 2**30:.3f} GiB"
+
+
+def _percent(error: float | None) -> str:
+    if error is None:
+        return "-"
+    return "n/a (trace 0)" if math.isinf(error) else f"{error:+.1%}"
+
+
+def format_report(result: TraceResult, comparison: Comparison, plan_path: str = "plan.json") -> str:
+    """The traced step beside the planner's estimate, and what the trace cannot see."""
+    from tabulate import tabulate
+
+    rows = [(name, _gib(traced), _gib(planned), _percent(error)) for name, traced, planned, error in comparison.rows]
+    rows.append(("traceable peak", _gib(result.peak_bytes), _gib(comparison.planned_peak_bytes),
+                 _percent(comparison.peak_error)))
+    depths = ("full depth" if result.traced_depths == [result.depth]
+              else f"traced at depths {', '.join(map(str, result.traced_depths))}, extrapolated per block")
+    lines = [
+        f"traced training step of {plan_path}: micro-batch {result.micro_batch}, {result.precision} "
+        f"({result.autocast_device} autocast), {result.checkpointed_blocks}/{result.depth} blocks checkpointed "
+        f"({depths}; {result.seconds:.1f} s, nothing allocated)",
+        f"traced peak: {_gib(result.peak_bytes)} during {result.peak_at}; "
+        f"planner's peak moment: {comparison.planned_phase.replace('_', ' ')}; planner figures are for one process "
+        f"as traced (the plan's own adds DDP buckets when world_size > 1)",
+        "",
+        tabulate(rows, headers=["component (live at the peak)", "traced", "planner", "planner error"],
+                 tablefmt="simple", disable_numparse=True),
+        "",
+        "not seen by a tensor trace (the planner adds these as overhead, not checked here):",
+    ]
+    lines += [f"  - {item}" for item in result.unseen]
+    return "\n".join(lines)
+
+
+@exits_cleanly("dit-accel verify")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dit-accel verify",
+        description="Trace one real training step of the plan on fake tensors (nothing is allocated) and compare "
+                    "its peak memory, component by component, with the planner's estimate.")
+    parser.add_argument("plan", help="plan.json written by dit-plan")
+    parser.add_argument("--depth-extrapolate", choices=("auto", "off"), default="auto",
+                        help="auto: trace at most 5 blocks and extrapolate per block (exact); off: trace every block")
+    parser.add_argument("--device-autocast", choices=("cpu", "cuda"), default=None,
+                        help="whose autocast casts the ops: cuda needs a CUDA build of torch (default: cuda if "
+                             "available, else cpu)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="trace this micro-batch instead of the plan's")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the trace and comparison here")
+    args = parser.parse_args(argv)
+    from dit_accel.train import read_plan
+
+    plan = read_plan(args.plan)
+    if args.micro_batch is not None:
+        if args.micro_batch < 1:
+            raise UserError(f"--micro-batch must be positive, got {args.micro_batch}")
+        plan["decision"]["micro_batch"] = args.micro_batch
+    result = trace_training_step(plan, depth_extrapolate=args.depth_extrapolate, autocast_device=args.device_autocast)
+    comparison = compare(result, plan)
+    print(format_report(result, comparison, args.plan))
+    if args.json_out:
+        from dit_accel.calibrate import write_json_atomically
+
+        write_json_atomically(Path(args.json_out), {
+            "trace": result.to_json(),
+            "planner": {"peak_bytes": comparison.planned_peak_bytes, "phase": comparison.planned_phase,
+                        "components": {row[0]: row[2] for row in comparison.rows if row[2] is not None}},
+            "peak_error": comparison.peak_error,
+        })
+    return 0

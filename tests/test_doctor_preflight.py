@@ -174,6 +174,12 @@ def test_zero_stage_must_match_the_plans_sharding(tmp_path):
     assert check_accelerate_config(load_plan(plan_path), tmp_path / "accelerate_config.yaml").status is Status.PASS
 
 
+def test_a_plan_the_trainer_cannot_run_fails_with_the_trainers_reason(tmp_path):
+    plan = load_plan(write_plan(tmp_path, decision__sharding="zero3"))
+    row = by_name(check_environment(plan, env(), tmp_path / "accelerate_config.yaml"), "trainer")
+    assert row.status is Status.FAIL and "FSDP" in row.reason and "--sharding ddp" in row.fix
+
+
 def test_missing_accelerate_yaml_fails(xl_plan, tmp_path):
     row = check_accelerate_config(xl_plan, tmp_path / "nowhere.yaml")
     assert row.status is Status.FAIL and "not found" in row.reason
@@ -439,7 +445,7 @@ def test_the_launch_flags_override_the_configs_port(ready, capsys):
 
 def test_multi_node_addresses(tmp_path):
     plan = load_plan(write_plan(tmp_path, cluster={"nodes": 2, "gpus_per_node": 8, "world_size": 16,
-                                                   "vram_bytes": 40 * 10**9, "gpu": None}))
+                                                   "vram_bytes": 40 * 10**9, "gpu": None}, decision__grad_accum=1))
     assert check_distributed(plan, Rendezvous(None, 29500))[0].status is Status.FAIL
     loopback = check_distributed(plan, Rendezvous("127.0.0.1", 29500))[0]
     assert loopback.status is Status.FAIL and "loopback" in loopback.reason

@@ -132,14 +132,13 @@ def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None, full: bo
     count = int(manifest.get("count", 0))
     checks = [passed(GROUP, "latent cache", f"{latents}: {count} images of {manifest.get('data_path', '?')}, "
                      f"latents {manifest.get('latent_shape')} ({manifest.get('dtype')}), {len(manifest['shards'])} shard(s)")]
-    try:
-        check_cache_matches(manifest, plan.resolution)
-        shape = list(manifest.get("latent_shape", []))
-        if shape and shape != [plan.in_channels, plan.latent_size, plan.latent_size]:
-            raise UserError(f"the cache holds latents of shape {shape}, the plan's model takes "
-                            f"[{plan.in_channels}, {plan.latent_size}, {plan.latent_size}]; re-plan for this VAE's "
-                            "latents or extract again with the VAE the plan assumes")
-        checks.append(passed(GROUP, "latent resolution", f"{manifest['resolution']} px, latents {shape}, as planned"))
+    try:  # the trainer's own check: resolution, latent shape, classes against the plan's model
+        from dit_accel.data.latents import LatentCache
+        from dit_accel.train import check_latent_cache as trainer_check, spec_from_plan
+
+        trainer_check(LatentCache(latents), spec_from_plan(plan.raw), str(latents))
+        checks.append(passed(GROUP, "latent resolution", f"{manifest['resolution']} px, latents "
+                             f"{manifest.get('latent_shape')}, {len(manifest.get('classes', []))} classes, as planned"))
     except UserError as error:
         checks.append(from_user_error("latent resolution", error))
     cached_vae = manifest.get("vae") or {}

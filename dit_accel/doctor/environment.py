@@ -18,6 +18,7 @@ import yaml
 
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
+from dit_accel.errors import UserError
 
 GROUP = "environment"
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 tensor cores
@@ -331,8 +332,21 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
                   f"mixed_precision {mixed}, as planned")
 
 
+def check_trainer_runs_plan(plan: PlanFacts) -> Check:
+    """The trainer's own launch check (e.g. it refuses sharded plans it cannot run yet), before the launch."""
+    from dit_accel.train import check_launch
+
+    try:
+        check_launch(plan.raw, plan.world_size, str(plan.path))
+    except UserError as error:
+        reason, _, fix = str(error).partition(": ")
+        return failed(GROUP, "trainer", reason, fix or "re-plan with dit-plan")
+    return passed(GROUP, "trainer", f"dit_accel.train runs this plan: {plan.sharding}, {plan.world_size} process(es), "
+                  f"micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = global batch {plan.global_batch}")
+
+
 def check_environment(plan: PlanFacts, facts: EnvironmentFacts, config_path: Path) -> list[Check]:
-    checks = [check_versions(plan, facts), check_gpus_visible(plan, facts)]
+    checks = [check_trainer_runs_plan(plan), check_versions(plan, facts), check_gpus_visible(plan, facts)]
     if facts.gpus and not cpu_requested(facts):
         checks += check_gpu_memory(plan, facts)
         checks += [check_bf16(plan, facts), check_tf32(plan, facts)]

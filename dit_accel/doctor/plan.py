@@ -6,13 +6,10 @@ reported on one line with the fix (re-run dit-plan), never a KeyError.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dit_accel.errors import UserError
-
-KNOWN_SCHEMAS = ("dit-plan/1",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +40,7 @@ class PlanFacts:
     model: dict = field(default_factory=dict)
     main_process_ip: str | None = None
     main_process_port: int | None = None
+    raw: dict = field(default_factory=dict, repr=False)  # the whole plan, for the trainer's own checks
 
     @property
     def host_bytes(self) -> int | None:
@@ -93,22 +91,15 @@ def _get(plan: dict, dotted: str, path: Path):
 
 
 def load_plan(path: str | Path) -> PlanFacts:
-    """Read and check a plan.json; any problem is one UserError line naming the file and the fix."""
+    """Read a plan.json exactly as the trainer does (same refusals, same messages), then the keys the
+    checks compare against this machine; any problem is one UserError line with the fix."""
+    from dit_accel.train import read_plan
+
     path = Path(path)
     try:
-        plan = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"plan {path} not found: make one with `dit-plan ... --out {path.parent}` or pass --plan PATH") from None
+        plan = read_plan(path)
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read plan {path}: {error}") from None
-    except json.JSONDecodeError as error:
-        raise UserError(f"plan {path} is not valid JSON (line {error.lineno}): re-make it with dit-plan") from None
-    if not isinstance(plan, dict):
-        raise UserError(f"plan {path} is not a JSON object: re-make it with dit-plan")
-    schema = plan.get("schema")
-    if schema not in KNOWN_SCHEMAS:
-        raise UserError(f"plan {path} has schema {schema!r}, this doctor reads {', '.join(KNOWN_SCHEMAS)}: "
-                        "re-make the plan with this version's dit-plan")
     get = lambda key: _get(plan, key, path)  # noqa: E731 - a short reader bound to this plan's path
     host = plan.get("host")
     return PlanFacts(
@@ -138,4 +129,5 @@ def load_plan(path: str | Path) -> PlanFacts:
         model=plan["model"],
         main_process_ip=plan["cluster"].get("main_process_ip"),
         main_process_port=plan["cluster"].get("main_process_port"),
+        raw=plan,
     )

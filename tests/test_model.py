@@ -244,6 +244,18 @@ def test_stock_untied_folder_and_pipeline_folder_load_tied(tmp_path):
     torch.testing.assert_close(run(model.eval(), x, t, y), run(stock, x, t, y), rtol=0, atol=0)
 
 
+def test_deduplicated_state_dict_loads(tmp_path):
+    """Accelerate's save_state drops shared tensors: only one block keeps the embedder."""
+    from dit_accel.model import load_diffusers_state_dict
+
+    source, target = tiny_model(seed=0), tiny_model(seed=1)
+    state = {k: v for k, v in source.state_dict().items() if not k.startswith("transformer_blocks.0.norm1.emb.")}
+    load_diffusers_state_dict(target, state)
+    assert embedders_tied(target)
+    x, t, y = inputs()
+    torch.testing.assert_close(run(target, x, t, y), run(source, x, t, y), rtol=0, atol=0)
+
+
 def test_disagreeing_embedder_copies_are_refused_naming_the_block(tmp_path):
     torch.manual_seed(3)
     stock = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=3,

@@ -59,7 +59,7 @@ def gpu_presets() -> dict[str, GPUPreset]:
             peak_flops={k: (float(v) * 1e12 if v is not None else None) for k, v in entry["peak_tflops"].items()},
             intra_node_busbw_bytes_per_s=float(entry["intra_node_busbw_gbps"]) * 1e9,
             source=entry["source"],
-            aliases=tuple(entry.get("aliases", ())),
+            aliases=tuple(str(alias) for alias in entry.get("aliases", ())),
         )
     return presets
 

@@ -53,3 +53,18 @@ def format_bytes(n_bytes: float, unit: str = "GiB") -> str:
 
 def gib(n_bytes: float) -> float:
     return n_bytes / 2**30
+
+
+def parse_headroom(text, vram_bytes: int) -> int:
+    """Headroom kept free on each GPU: '5%' or 0.05 (a share of VRAM), or a size like '2GiB'."""
+    raw = str(text).strip()
+    try:
+        if raw.endswith("%"):
+            fraction = float(raw[:-1]) / 100
+        else:
+            fraction = float(raw)
+    except ValueError:
+        return parse_bytes(raw, "--headroom")
+    if not 0 <= fraction < 1:
+        raise PlanError(f"--headroom {raw} must be a share of VRAM below 100% (e.g. 5%) or a size (e.g. 2GiB)")
+    return int(fraction * vram_bytes)

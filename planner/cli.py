@@ -1,0 +1,215 @@
+"""`dit-plan`: plan GPU memory for DiT training and write the Accelerate config, plan.json and plan.md.
+
+    dit-plan --gpus 8 --vram 40G --global-batch 256
+    dit-plan --gpu a100-40g,a100-80g,h100-80g --gpus 8,16 --global-batch 256     # a sweep: one row each
+
+Bad input prints one line naming the flag and the fix and exits 2, without a traceback or any file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+
+from planner.errors import PlanError
+from planner.hardware import Assumptions, assumption_names, assumption_types
+from planner.outputs import check_out_dir, write_plan_dir
+from planner.plan import make_plan
+from planner.report import FORMATS, render, render_sweep, sweep_row
+from planner.units import UNIT_RULE, parse_bytes
+
+PROG = "dit-plan"
+SWEEPABLE = ("gpus", "vram", "gpu", "global_batch", "model", "resolution")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors become one PlanError line (no usage block)."""
+
+    def error(self, message):
+        raise PlanError(f"{message} (see dit-plan --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                epilog=f"Sizes: {UNIT_RULE}. Comma-separated --gpus/--vram/--gpu/--global-batch/--model/--resolution "
+                       "make a sweep: one table row per combination, no files written.")
+    hw = p.add_argument_group("cluster")
+    hw.add_argument("--gpus", help="GPUs per node (comma list sweeps)")
+    hw.add_argument("--nodes", default="1", help="nodes (default 1)")
+    hw.add_argument("--vram", help="memory per GPU with a unit: 40GB, 40GiB, 80000MiB (comma list sweeps)")
+    hw.add_argument("--gpu", help="GPU preset: a100-40g, a100-80g, h100-80g, h200, l40s, rtx4090, v100-32g, ...")
+    hw.add_argument("--host-ram", help="host RAM per node (e.g. 512GiB): warn before the OOM killer's exitcode -9")
+    hw.add_argument("--main-process-ip", help="multi-node: address of the first node")
+    hw.add_argument("--main-process-port", help="multi-node: rendezvous port (default 29500)")
+    tr = p.add_argument_group("training")
+    tr.add_argument("--global-batch", default="256", help="images per optimizer step (default 256, the DiT recipe)")
+    tr.add_argument("--round-global-batch", action="store_true", help="use the nearest global batch the GPUs divide")
+    tr.add_argument("--model", default="DiT-XL/2", help="DiT-{S,B,L,XL}/{2,4,8} (default DiT-XL/2)")
+    tr.add_argument("--resolution", default="256", help="image side in pixels (default 256)")
+    tr.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    tr.add_argument("--latents", default="precomputed", choices=["precomputed", "online", "pixel"])
+    tr.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True, help="keep an EMA copy (default on)")
+    tr.add_argument("--adamw", default="foreach", choices=["foreach", "fused"], help="AdamW implementation")
+    tr.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP grads alias the buckets (-4 B/param)")
+    ch = p.add_argument_group("the choice")
+    ch.add_argument("--sharding", default="auto", choices=["auto", "ddp", "zero2", "zero3"])
+    ch.add_argument("--checkpointing", default="auto", help="auto | none | all | N blocks")
+    ch.add_argument("--headroom", default="5%", help="VRAM kept free: a share (5%%) or a size (2GiB)")
+    ch.add_argument("--max-micro-batch", help="largest micro-batch to consider")
+    cu = p.add_argument_group("custom model sizes (research variants, tiny test networks)")
+    for flag in ("depth", "hidden", "heads", "patch", "num-classes"):
+        cu.add_argument(f"--{flag}", help=f"override the --model's {flag.replace('-', ' ')}")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", help="directory for accelerate_config.yaml, plan.json, plan.md (default ./plan)")
+    out.add_argument("--format", default="table", choices=FORMATS, help="terminal output format")
+    out.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
+                     help="override an assumed constant (repeatable); --list-assumptions shows them")
+    out.add_argument("--list-assumptions", action="store_true", help="print the assumed constants and exit")
+    return p
+
+
+def _int(text: str, flag: str) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise PlanError(f"{flag} {text!r} is not a whole number: e.g. {flag} 8") from None
+    if value <= 0:
+        raise PlanError(f"{flag} must be positive, got {value}")
+    return value
+
+
+def _list(text: str | None) -> list[str | None]:
+    if text is None:
+        return [None]
+    items = [item.strip() for item in str(text).split(",")]
+    if any(not item for item in items):
+        raise PlanError(f"empty item in {text!r}: separate values with single commas, e.g. 8,16")
+    return items
+
+
+def parse_assumptions(pairs: list[str]) -> dict:
+    """--assume NAME=VALUE pairs, typed like the Assumptions field; byte fields take sizes (1GiB)."""
+    types, out = assumption_types(), {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip()
+        if not sep or name not in types:
+            raise PlanError(f"--assume {pair!r}: write NAME=VALUE with NAME one of {', '.join(assumption_names())}")
+        kind = types[name]
+        try:
+            if kind is int and name.endswith("_bytes"):
+                out[name] = int(value) if value.strip().isdigit() else parse_bytes(value, f"--assume {name}")
+            elif kind is int:
+                out[name] = int(value)
+            elif kind is float:
+                out[name] = float(value)
+            else:
+                out[name] = value.strip()
+        except ValueError:
+            raise PlanError(f"--assume {name}={value!r} is not a {kind.__name__}") from None
+    Assumptions().replace(**out)  # validate now, once
+    return out
+
+
+def combinations(args) -> list[dict]:
+    """Every combination of the sweepable flags, as make_plan keyword arguments."""
+    if args.gpus is None:
+        raise PlanError("give --gpus N, the GPUs per node (e.g. --gpus 8)")
+    if args.vram is None and args.gpu is None:
+        raise PlanError("give the GPU memory: --vram 40GB (or 40GiB), or a preset with --gpu a100-40g")
+    if args.vram is not None and args.gpu is not None and ("," in args.vram or "," in args.gpu):
+        raise PlanError("sweep either --vram or --gpu, not both: with --gpu the memory is the preset's")
+    grid = {
+        "gpus": [_int(v, "--gpus") for v in _list(args.gpus)],
+        "vram": _list(args.vram),
+        "gpu": _list(args.gpu),
+        "global_batch": [_int(v, "--global-batch") for v in _list(args.global_batch)],
+        "model": _list(args.model),
+        "resolution": [_int(v, "--resolution") for v in _list(args.resolution)],
+    }
+    for vram in grid["vram"]:  # fail on a bad size before planning anything
+        if vram is not None:
+            parse_bytes(vram, "--vram")
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def common_kwargs(args) -> dict:
+    checkpointing = args.checkpointing.strip().lower()
+    if checkpointing not in ("auto", "none", "all"):
+        try:
+            checkpointing = int(checkpointing)
+        except ValueError:
+            raise PlanError(f"--checkpointing must be auto, none, all or a number of blocks, got {args.checkpointing!r}") from None
+        if checkpointing < 0:
+            raise PlanError(f"--checkpointing {checkpointing}: a block count is 0 or more")
+    custom = {name: _int(getattr(args, name), f"--{name.replace('_', '-')}")
+              for name in ("depth", "hidden", "heads", "patch", "num_classes") if getattr(args, name) is not None}
+    return dict(
+        nodes=_int(args.nodes, "--nodes"),
+        precision=args.precision, latents=args.latents, ema=args.ema, sharding=args.sharding,
+        checkpointing=checkpointing, headroom=args.headroom,
+        max_micro_batch=_int(args.max_micro_batch, "--max-micro-batch") if args.max_micro_batch else None,
+        host_ram=args.host_ram, round_global_batch=args.round_global_batch, adamw=args.adamw,
+        gradient_as_bucket_view=args.gradient_as_bucket_view,
+        main_process_ip=args.main_process_ip,
+        main_process_port=_int(args.main_process_port, "--main-process-port") if args.main_process_port else None,
+        assumptions=parse_assumptions(args.assume) or None,
+        **custom,
+    )
+
+
+def list_assumptions(fmt: str) -> str:
+    from tabulate import tabulate
+
+    from planner.report import TABLEFMT
+
+    rows = [[f.name, getattr(Assumptions(), f.name)] for f in dataclasses.fields(Assumptions)]
+    if fmt == "json":
+        import json
+
+        return json.dumps(dict(rows), indent=2) + "\n"
+    return tabulate(rows, headers=["assumption", "default"], tablefmt=TABLEFMT[fmt]) + "\n"
+
+
+def run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_assumptions:
+        sys.stdout.write(list_assumptions(args.format))
+        return 0
+    combos = combinations(args)
+    kwargs = common_kwargs(args)
+    if len(combos) > 1:
+        if args.out is not None:
+            raise PlanError("a sweep prints one table and writes no files: drop --out, or plan one combination")
+        rows = []
+        for combo in combos:
+            try:
+                rows.append(sweep_row(dict(combo, nodes=kwargs["nodes"]), make_plan(**combo, **kwargs), None))
+            except PlanError as error:
+                rows.append(sweep_row(dict(combo, nodes=kwargs["nodes"]), None, str(error)))
+        sys.stdout.write(render_sweep(rows, args.format))
+        if all("micro_batch" not in row for row in rows):
+            raise PlanError("no combination of the sweep can be planned: see the notes above")
+        return 0
+    out = check_out_dir(args.out or "plan")
+    plan = make_plan(**combos[0], **kwargs)
+    written = write_plan_dir(plan, out)
+    sys.stdout.write(render(plan, args.format))
+    note = "wrote " + ", ".join(str(path) for path in written)
+    print(note, file=sys.stderr if args.format == "json" else sys.stdout)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: PlanError -> one line on stderr and exit code 2."""
+    try:
+        return run(argv)
+    except PlanError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Host RAM per node: what kills ranks with `exitcode: -9` (the kernel's OOM killer) before a GPU ever fills.
+
+Every rank on a node is its own process holding its own CPU copies while it starts or resumes, and each
+spawns its own data-loader workers. The estimate is per rank, times the GPUs of a node.
+"""
+
+from __future__ import annotations
+
+from planner.hardware import Assumptions
+from planner.memory import FP32_BYTES, Cluster, Decision
+from planner.spec import DiTSpec
+from planner.units import format_bytes
+
+WARN_FRACTION = 0.9  # warn when the estimate comes this close to --host-ram
+
+
+def sample_bytes(spec: DiTSpec, latents: str) -> int:
+    """One sample as a worker hands it over: an fp32 latent from the cache, or fp32 RGB pixels."""
+    if latents == "precomputed":
+        return FP32_BYTES * spec.in_channels * spec.latent_size**2
+    return FP32_BYTES * 3 * spec.resolution**2
+
+
+def per_rank_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) -> dict[str, int]:
+    """Host bytes of one rank at its worst moment (resuming), by part.
+
+    model_states: the fp32 model built on the CPU, the EMA copy, and on resume the optimizer state that
+    `load_state` reads to the CPU (8 B/param) plus the model and EMA state dicts; the larger of start and
+    resume. vae: online latents load the VAE on the CPU first.
+    """
+    params = spec.params_trainable
+    ema = FP32_BYTES * params if decision.ema else 0
+    start = FP32_BYTES * params + ema
+    resume = FP32_BYTES * params + 2 * FP32_BYTES * params + ema
+    batch = decision.micro_batch * sample_bytes(spec, decision.latents)
+    return {
+        "process": assumptions.host_process_bytes,
+        "model_states": max(start, resume),
+        "vae": assumptions.vae_params * FP32_BYTES if decision.latents == "online" else 0,
+        "loader_workers": assumptions.loader_workers * assumptions.loader_worker_bytes,
+        "loader_prefetch": assumptions.loader_workers * assumptions.prefetch_factor * batch,
+        "pinned_batches": assumptions.pinned_batches * batch,
+    }
+
+
+def host_estimate(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions,
+                  host_ram_bytes: int | None) -> tuple[dict, list[str]]:
+    """The plan's `host` section and its warnings (with the fix) when --host-ram is too small."""
+    parts = per_rank_bytes(spec, decision, assumptions)
+    rank_total = sum(parts.values())
+    node_total = rank_total * cluster.gpus_per_node
+    host = {
+        "per_rank": parts,
+        "per_rank_bytes": rank_total,
+        "ranks_per_node": cluster.gpus_per_node,
+        "per_node_bytes": node_total,
+        "host_ram_bytes": host_ram_bytes,
+        "fits": None if host_ram_bytes is None else node_total <= host_ram_bytes,
+        "loader_workers_per_rank": assumptions.loader_workers,
+    }
+    warnings = []
+    if host_ram_bytes is not None and node_total > WARN_FRACTION * host_ram_bytes:
+        largest = max(parts, key=parts.get)
+        verdict = "exceeds" if node_total > host_ram_bytes else "is close to"
+        fixes = [f"fewer data-loader workers (now {assumptions.loader_workers} per rank: --assume loader_workers=N)",
+                 "loading the weights once per node instead of once per rank"]
+        if decision.latents != "precomputed":
+            fixes.append("precomputed latents (dit-accel extract-latents)")
+        warnings.append(
+            f"host RAM: {cluster.gpus_per_node} ranks need about {format_bytes(node_total)} per node (largest part: "
+            f"{largest.replace('_', ' ')}), which {verdict} --host-ram {format_bytes(host_ram_bytes)}; the kernel kills "
+            f"ranks with exitcode -9 when it runs out. Fix: " + "; ".join(fixes)
+        )
+    return host, warnings

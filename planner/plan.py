@@ -1,0 +1,255 @@
+"""`make_plan(...)`: every input in, the plan.json object (schema "dit-plan/1", DESIGN.md's contract) out.
+
+This is the one entry point other code uses (the CLI, the trainer's and doctor's tests):
+
+    from planner.plan import make_plan
+    plan = make_plan(gpus=8, vram="40G", global_batch=256)                       # DiT-XL/2 @ 256
+    plan = make_plan(gpus=2, vram="8G", global_batch=8, model="DiT-S/2", depth=2, hidden=32, heads=2,
+                     resolution=64, num_classes=4)                                # a tiny test network
+
+Sizes are strings with units ("40G", "40GiB") or ints in bytes. Raises PlanError (one line, with the fix)
+for bad or contradictory input and when nothing fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from planner.errors import PlanError
+from planner.hardware import Assumptions, gpu_preset
+from planner.host import host_estimate
+from planner.memory import COMPONENTS, Cluster, element_bytes, saved_activation_bytes
+from planner.search import (
+    SearchSpace,
+    alternatives,
+    check_global_batch,
+    choose,
+    comm_bytes_per_gpu,
+    nearest_valid_global_batches,
+)
+from planner.spec import model_spec
+from planner.units import UNIT_RULE, format_bytes, parse_bytes, parse_headroom
+
+SCHEMA = "dit-plan/1"
+ACCELERATE_MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+FSDP_STRATEGY = {"zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
+DEFAULT_MAIN_PROCESS_PORT = 29500
+
+
+def _positive_int(value, flag: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{flag} must be a positive whole number, got {value!r}")
+    return value
+
+
+def _bytes(value, flag: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise PlanError(f"{flag} must be a positive size, got {value}")
+        return value
+    return parse_bytes(value, flag)
+
+
+def resolve_precision(precision: str, gpu) -> str:
+    """auto: bf16 where the GPU has it (or is unknown), else fp16 with loss scaling."""
+    if precision == "auto":
+        return "bf16" if gpu is None or gpu.bf16 else "fp16"
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise PlanError(f"--precision must be auto, bf16, fp16 or fp32, got {precision!r}")
+    if gpu is not None and precision == "bf16" and not gpu.bf16:
+        raise PlanError(f"--precision bf16: {gpu.name} has no bf16 tensor cores; use --precision fp16 (or auto)")
+    return precision
+
+
+def _checkpointing(value) -> str | int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", "none", "all"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise PlanError(f"--checkpointing must be auto, none, all or a number of blocks, got {value!r}")
+
+
+def _assumptions(value) -> Assumptions:
+    if value is None:
+        return Assumptions()
+    if isinstance(value, Assumptions):
+        value.validate()
+        return value
+    return Assumptions().replace(**dict(value))
+
+
+def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | None = None, nodes: int = 1,
+              model: str = "DiT-XL/2", resolution: int = 256, precision: str = "auto", latents: str = "precomputed",
+              ema: bool = True, sharding: str = "auto", checkpointing="auto", headroom="5%",
+              max_micro_batch: int | None = None, host_ram=None, round_global_batch: bool = False,
+              adamw: str = "foreach", gradient_as_bucket_view: bool = False, depth: int | None = None,
+              hidden: int | None = None, heads: int | None = None, patch: int | None = None,
+              num_classes: int | None = None, main_process_ip: str | None = None,
+              main_process_port: int | None = None, assumptions=None) -> dict:
+    """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring)."""
+    inputs = {k: v for k, v in locals().items() if k != "assumptions"}
+    inputs["assumptions"] = dict(assumptions) if isinstance(assumptions, dict) else None
+
+    gpus_per_node = _positive_int(gpus, "--gpus")
+    nodes = _positive_int(nodes, "--nodes")
+    global_batch = _positive_int(global_batch, "--global-batch")
+    resolution = _positive_int(resolution, "--resolution")
+    if max_micro_batch is not None:
+        _positive_int(max_micro_batch, "--max-micro-batch")
+    if adamw not in ("foreach", "fused"):
+        raise PlanError(f"--adamw must be foreach or fused, got {adamw!r}")
+    if main_process_ip and nodes == 1:
+        raise PlanError("--main-process-ip only matters with --nodes 2 or more: drop it, or give --nodes")
+    if main_process_port is not None and not 0 < int(main_process_port) < 65536:
+        raise PlanError(f"--main-process-port must be a TCP port 1..65535, got {main_process_port}")
+    assumed = _assumptions(assumptions)
+
+    preset = gpu_preset(gpu) if gpu else None
+    if vram is None and preset is None:
+        raise PlanError("give the GPU memory: --vram 40GB (or 40GiB), or a preset with --gpu a100-40g")
+    vram_bytes = _bytes(vram, "--vram") if vram is not None else preset.memory_bytes
+    if preset is not None and vram_bytes > preset.memory_bytes:
+        raise PlanError(f"--vram {format_bytes(vram_bytes)} is more than {preset.name}'s {format_bytes(preset.memory_bytes)}: "
+                        f"drop --vram, or choose the --gpu that has it")
+    headroom_bytes = parse_headroom(headroom, vram_bytes)
+    budget_bytes = vram_bytes - headroom_bytes
+    host_ram_bytes = _bytes(host_ram, "--host-ram") if host_ram is not None else None
+
+    overrides = {"depth": depth, "hidden": hidden, "heads": heads, "patch": patch, "num_classes": num_classes}
+    spec = model_spec(model, resolution, latents, **{k: v for k, v in overrides.items() if v is not None})
+    cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node, vram_bytes=vram_bytes, gpu=preset)
+    warnings = []
+
+    world = cluster.world_size
+    if global_batch % world and round_global_batch:
+        below, above = nearest_valid_global_batches(global_batch, world)
+        rounded = above if below is None or above - global_batch <= global_batch - below else below
+        warnings.append(f"--global-batch {global_batch} rounded to {rounded}, the nearest multiple of {world} GPUs "
+                        f"(--round-global-batch); the learning rate is the recipe's, not rescaled")
+        global_batch = rounded
+    check_global_batch(global_batch, world)
+
+    resolved_precision = resolve_precision(precision, preset)
+    space = SearchSpace(global_batch=global_batch, precision=resolved_precision, latents=latents, ema=bool(ema),
+                        sharding=sharding, checkpointing=_checkpointing(checkpointing), max_micro_batch=max_micro_batch,
+                        adamw=adamw, gradient_as_bucket_view=bool(gradient_as_bucket_view))
+    best, path = choose(spec, space, cluster, assumed, budget_bytes)
+    decision, memory, throughput = best.decision, best.memory, best.throughput
+    others = alternatives(spec, space, cluster, assumed, budget_bytes, decision)
+    host, host_warnings = host_estimate(spec, decision, cluster, assumed, host_ram_bytes)
+    warnings += host_warnings
+    warnings += _advice(spec, decision, cluster, preset, precision, main_process_ip, others, throughput)
+
+    return {
+        "schema": SCHEMA,
+        "inputs": inputs,
+        "units": UNIT_RULE,
+        "model": {
+            "name": spec.name, "resolution": spec.resolution, "latent_size": spec.latent_size,
+            "in_channels": spec.in_channels, "out_channels": spec.out_channels, "tokens": spec.tokens,
+            "depth": spec.depth, "hidden": spec.hidden, "heads": spec.heads, "patch": spec.patch,
+            "num_classes": spec.num_classes, "params_trainable": spec.params_trainable,
+            "fwd_flops_per_image": spec.fwd_flops_per_image,
+        },
+        "cluster": {
+            "nodes": nodes, "gpus_per_node": gpus_per_node, "world_size": world, "vram_bytes": vram_bytes,
+            "gpu": preset.name if preset else None, "gpu_description": preset.description if preset else None,
+            "main_process_ip": main_process_ip,
+            "main_process_port": int(main_process_port) if main_process_port is not None else DEFAULT_MAIN_PROCESS_PORT,
+        },
+        "global_batch": global_batch,
+        "decision": {
+            **{f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)},
+            "mixed_precision": ACCELERATE_MIXED_PRECISION[decision.precision],
+            "fsdp_sharding_strategy": FSDP_STRATEGY.get(decision.sharding),
+            "sync_each_batch": decision.sharded,  # FSDP: reduce-scatter every micro-step, grads stay sharded
+        },
+        "memory": {
+            **{name: memory.components[name] for name in COMPONENTS},
+            "peak_bytes": memory.peak_bytes,
+            "budget_bytes": budget_bytes,
+            "vram_bytes": vram_bytes,
+            "headroom_bytes": headroom_bytes,
+            "peak_phase": memory.peak_phase,
+            "phases": {phase: dict(parts, total_bytes=sum(parts.values())) for phase, parts in memory.phases.items()},
+            "activation_breakdown": activation_breakdown(spec, decision, assumed),
+        },
+        "throughput": {
+            "step_flops": throughput.step_flops,
+            "est_images_per_s": throughput.images_per_s,
+            "assumed_mfu": throughput.assumed_mfu,
+            "step_time_s": throughput.step_time_s,
+            "compute_time_s": throughput.compute_time_s,
+            "exposed_comm_time_s": throughput.exposed_comm_time_s,
+            "small_batch_efficiency": throughput.efficiency,
+            "peak_flops_per_gpu": throughput.peak_flops_per_gpu,
+            "comm_bytes_per_gpu": comm_bytes_per_gpu(spec, decision, cluster),
+        },
+        "host": host,
+        "alternatives": [
+            {**{f.name: getattr(c.decision, f.name) for f in dataclasses.fields(c.decision)},
+             "peak_bytes": c.memory.peak_bytes, "est_images_per_s": c.throughput.images_per_s}
+            for c in others
+        ],
+        "search": {
+            "rule": "furthest point that fits on a fixed path from the leanest configuration; each step takes the move "
+                    "(larger micro-batch | one checkpointed block fewer | less sharding) with the most img/s per byte",
+            "path": [[c.decision.sharding, c.decision.micro_batch, c.decision.checkpointed_blocks, c.memory.peak_bytes,
+                      round(c.throughput.images_per_s, 2)] for c in path],
+        },
+        "assumptions": dataclasses.asdict(assumed),
+        "warnings": warnings,
+    }
+
+
+def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
+    """The activation component's terms, for plan.md's arithmetic and for checks against traces."""
+    from planner import memory
+
+    eb = element_bytes(decision.precision, assumed.autocast_device)
+    b, c = decision.micro_batch, decision.checkpointed_blocks
+    block = sum(memory.block_saved_bytes(spec, b, eb, assumed.attention).values())
+    return {
+        "autocast_device": assumed.autocast_device,
+        "attention": assumed.attention,
+        "stored_blocks": spec.depth - c,
+        "stored_block_bytes": block,
+        "bytes_per_token_hidden_block": block / (b * spec.tokens * spec.hidden),
+        "checkpointed_blocks": c,
+        "checkpointed_block_bytes": memory.checkpointed_block_saved_bytes(spec, b, eb),
+        "head_and_tail_bytes": memory.head_and_tail_saved_bytes(spec, b, eb),
+        "saved_bytes": saved_activation_bytes(spec, b, eb, c, assumed.attention),
+        "recompute_bytes": memory.recompute_bytes(spec, b, eb, c, assumed.attention),
+        "loss_bytes": memory.loss_saved_bytes(spec, b, assumed.loss_tensors),
+    }
+
+
+def _advice(spec, decision, cluster, preset, asked_precision, main_process_ip, others, throughput) -> list[str]:
+    notes = []
+    if preset is None:
+        notes.append("throughput assumes an A100-class peak (312 TFLOP/s bf16) because only --vram was given: "
+                     "pass --gpu for the real rates")
+        if asked_precision == "auto":
+            notes.append("--precision auto chose bf16 assuming a GPU with bf16 (Ampere or newer); "
+                         "for V100 or T4 pass --precision fp16 or --gpu")
+    if cluster.nodes > 1 and not main_process_ip:
+        notes.append("no --main-process-ip: the SLURM script takes the first node's address; with another launcher "
+                     "pass --main_process_ip to every `accelerate launch`")
+    if decision.precision == "fp16":
+        notes.append("fp16 trains with dynamic loss scaling (Accelerate's GradScaler); bf16 needs none where available")
+    if decision.latents == "online":
+        notes.append("--latents online runs the VAE encoder on every image of every step; precomputed latents "
+                     "(dit-accel extract-latents) save its compute and memory")
+    if decision.sharded:
+        notes.append(f"{decision.sharding} shards with FSDP ({FSDP_STRATEGY[decision.sharding]}): the shared embedder "
+                     f"must sit in the root FSDP unit, and grads are reduce-scattered every micro-step (sync_each_batch)")
+    faster = [c for c in others if c.throughput.images_per_s > throughput.images_per_s * 1.03]
+    if faster:
+        f = faster[0].decision
+        notes.append(f"an off-path choice estimates {faster[0].throughput.images_per_s / throughput.images_per_s - 1:.0%} "
+                     f"faster ({f.sharding}, micro-batch {f.micro_batch}, {f.checkpointed_blocks} checkpointed): "
+                     f"pin it with --sharding/--checkpointing/--max-micro-batch if you trust the throughput model")
+    return notes

@@ -1,0 +1,272 @@
+"""Tables of a plan for people: the terminal, markdown/github/latex for reviews, and plan.md."""
+
+from __future__ import annotations
+
+import json
+
+from tabulate import tabulate
+
+from planner.memory import COMPONENTS
+from planner.units import format_bytes, gib
+
+FORMATS = ("table", "markdown", "github", "latex", "json")
+TABLEFMT = {"table": "simple", "markdown": "pipe", "github": "github", "latex": "latex"}
+
+DESCRIBE = {
+    "weights": "fp32 master weights and the positional table",
+    "grads": "fp32 gradients",
+    "optimizer": "AdamW exp_avg + exp_avg_sq, fp32",
+    "ema": "EMA weights, fp32",
+    "activations": "tensors saved for backward",
+    "autocast_cache": "bf16/fp16 weight copies the linears save",
+    "vae": "VAE weights (+ encoder working set)",
+    "temporaries": "short-lived buffers",
+    "overhead": "CUDA context, cuBLAS, NCCL, fragmentation",
+}
+PHASE_NAMES = {"start_of_backward": "start of backward", "optimizer_step": "optimizer step", "vae_encode": "VAE encode"}
+
+
+def _gib(n: float) -> str:
+    return f"{gib(n):.2f}"
+
+
+def _share(n: float, whole: float) -> str:
+    return f"{100 * n / whole:.1f}%"
+
+
+def describe(plan: dict, component: str) -> str:
+    d, m = plan["decision"], plan["memory"]
+    text = DESCRIBE[component]
+    if component == "weights" and d["sharding"] != "ddp":
+        text = f"fp32 master shard (1/{plan['cluster']['world_size']}) + FSDP gathered {d['precision']} params"
+    elif component == "grads":
+        if d["sharding"] != "ddp":
+            text = f"fp32 gradient shard (1/{plan['cluster']['world_size']})"
+        elif plan["cluster"]["world_size"] > 1:
+            text += " in DDP buckets" if d["gradient_as_bucket_view"] else " + DDP all-reduce buckets"
+        if d["grad_accum"] > 1 and m["peak_phase"] == "start_of_backward":
+            text += "; kept across accumulation"
+    elif component == "activations":
+        a = m["activation_breakdown"]
+        text = f"saved for backward: {a['stored_blocks']} blocks stored, {a['checkpointed_blocks']} checkpointed"
+        if a["recompute_bytes"]:
+            text += " (+1 recomputed)"
+    elif component == "temporaries":
+        text = {"optimizer_step": "foreach AdamW intermediate" if d["adamw"] == "foreach" else "none (fused AdamW)",
+                "start_of_backward": "activation gradients in flight"}.get(m["peak_phase"], text)
+    elif component == "overhead":
+        a = plan["assumptions"]
+        text = f"CUDA context, cuBLAS{', NCCL' if plan['cluster']['world_size'] > 1 else ''}, fragmentation {a['fragmentation']:.0%}"
+    return text
+
+
+def title(plan: dict) -> str:
+    c, m = plan["cluster"], plan["model"]
+    nodes = f"{c['nodes']} node{'s' if c['nodes'] > 1 else ''}"
+    memory = f"{format_bytes(c['vram_bytes'])} = {format_bytes(c['vram_bytes'], 'GB')}"
+    gpu = f"{c['gpu']} GPUs ({memory})" if c["gpu"] else f"GPUs of {memory}"
+    return (f"{m['name']} @ {m['resolution']} px ({m['params_trainable']:,} params) on {nodes} x "
+            f"{c['gpus_per_node']} {gpu}, global batch {plan['global_batch']}")
+
+
+def decision_rows(plan: dict) -> tuple[list, list]:
+    d, t, m = plan["decision"], plan["throughput"], plan["memory"]
+    headers = ["micro-batch", "grad accum", "checkpointed blocks", "precision", "sharding", "latents", "EMA",
+               "peak GiB", "% VRAM", "est. img/s"]
+    row = [d["micro_batch"], d["grad_accum"], f"{d['checkpointed_blocks']} / {plan['model']['depth']}", d["precision"],
+           d["sharding"], d["latents"], "on" if d["ema"] else "off", _gib(m["peak_bytes"]),
+           _share(m["peak_bytes"], m["vram_bytes"]), f"{t['est_images_per_s']:.0f}"]
+    return headers, [row]
+
+
+def memory_rows(plan: dict) -> tuple[list, list]:
+    m = plan["memory"]
+    vram = m["vram_bytes"]
+    rows = [[name, _gib(m[name]), _share(m[name], vram), describe(plan, name)] for name in COMPONENTS if m[name]]
+    rows.append(["peak", _gib(m["peak_bytes"]), _share(m["peak_bytes"], vram),
+                 f"at the {PHASE_NAMES[m['peak_phase']]}"])
+    rows.append(["budget", _gib(m["budget_bytes"]), _share(m["budget_bytes"], vram),
+                 f"VRAM {format_bytes(vram)} minus {format_bytes(m['headroom_bytes'])} headroom"])
+    return ["component", "GiB", "% VRAM", "what"], rows
+
+
+def phase_rows(plan: dict) -> tuple[list, list]:
+    phases = plan["memory"]["phases"]
+    headers = ["component"] + [PHASE_NAMES[p] + " GiB" for p in phases]
+    rows = [[name] + [_gib(phases[p][name]) for p in phases] for name in COMPONENTS]
+    rows.append(["total"] + [_gib(phases[p]["total_bytes"]) for p in phases])
+    return headers, rows
+
+
+def alternative_rows(plan: dict) -> tuple[list, list]:
+    headers = ["micro-batch", "grad accum", "checkpointed blocks", "sharding", "peak GiB", "% VRAM", "est. img/s"]
+    vram = plan["memory"]["vram_bytes"]
+    rows = [[a["micro_batch"], a["grad_accum"], a["checkpointed_blocks"], a["sharding"], _gib(a["peak_bytes"]),
+             _share(a["peak_bytes"], vram), f"{a['est_images_per_s']:.0f}"] for a in plan["alternatives"]]
+    return headers, rows
+
+
+def host_rows(plan: dict) -> tuple[list, list]:
+    h = plan["host"]
+    rows = [[name.replace("_", " "), _gib(v)] for name, v in h["per_rank"].items() if v]
+    rows.append(["per rank", _gib(h["per_rank_bytes"])])
+    rows.append([f"per node ({h['ranks_per_node']} ranks)", _gib(h["per_node_bytes"])])
+    if h["host_ram_bytes"]:
+        rows.append(["--host-ram", _gib(h["host_ram_bytes"])])
+    return ["host RAM", "GiB"], rows
+
+
+def render(plan: dict, fmt: str = "table") -> str:
+    """The terminal view of one plan in any --format."""
+    if fmt == "json":
+        return json.dumps(plan, indent=2)
+    tablefmt = TABLEFMT[fmt]
+    sections = [("Decision", decision_rows(plan)), (f"Memory per GPU at its peak", memory_rows(plan)),
+                ("Alternatives (fastest first)", alternative_rows(plan))]
+    heading = {"table": "{}", "markdown": "### {}", "github": "### {}", "latex": "% {}"}[fmt]
+    out = [heading.format(title(plan)), f"units: {plan['units']}", ""]
+    for name, (headers, rows) in sections:
+        if not rows:
+            continue
+        out += [heading.format(name), tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True), ""]
+    if plan["warnings"]:
+        out.append(heading.format("Warnings"))
+        out += [("- " if fmt in ("markdown", "github") else "% " if fmt == "latex" else "! ") + w for w in plan["warnings"]]
+    return "\n".join(out).rstrip() + "\n"
+
+
+SWEEP_HEADERS = ["nodes x gpus", "gpu / vram", "global batch", "model", "res", "micro-batch", "grad accum",
+                 "ckpt blocks", "sharding", "precision", "peak GiB", "% VRAM", "est. img/s", "note"]
+
+
+def sweep_row(combo: dict, plan: dict | None, error: str | None) -> dict:
+    """One sweep row as a dict (JSON) whose values `render_sweep` lays out."""
+    gpu = combo.get("gpu") or combo.get("vram")
+    row = {"nodes": combo["nodes"], "gpus": combo["gpus"], "gpu_or_vram": gpu, "global_batch": combo["global_batch"],
+           "model": combo["model"], "resolution": combo["resolution"]}
+    if plan is not None:
+        d, m = plan["decision"], plan["memory"]
+        row.update(global_batch=plan["global_batch"], micro_batch=d["micro_batch"], grad_accum=d["grad_accum"],
+                   checkpointed_blocks=d["checkpointed_blocks"], sharding=d["sharding"], precision=d["precision"],
+                   peak_bytes=m["peak_bytes"], vram_bytes=m["vram_bytes"],
+                   est_images_per_s=plan["throughput"]["est_images_per_s"], note="")
+    else:
+        row.update(note=error)
+    return row
+
+
+def render_sweep(rows: list[dict], fmt: str = "table") -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    table = []
+    for r in rows:
+        planned = "micro_batch" in r
+        table.append([
+            f"{r['nodes']} x {r['gpus']}", r["gpu_or_vram"], r["global_batch"], r["model"], r["resolution"],
+            r.get("micro_batch", "-"), r.get("grad_accum", "-"), r.get("checkpointed_blocks", "-"),
+            r.get("sharding", "-"), r.get("precision", "-"),
+            _gib(r["peak_bytes"]) if planned else "-", _share(r["peak_bytes"], r["vram_bytes"]) if planned else "-",
+            f"{r['est_images_per_s']:.0f}" if planned else "-", r["note"],
+        ])
+    return tabulate(table, headers=SWEEP_HEADERS, tablefmt=TABLEFMT[fmt], disable_numparse=True) + "\n"
+
+
+# --- plan.md -----------------------------------------------------------------------------------------
+
+def _md(headers, rows) -> str:
+    return tabulate(rows, headers=headers, tablefmt="pipe", disable_numparse=True)
+
+
+def plan_markdown(plan: dict) -> str:
+    """The design-review document: inputs, decision, memory, alternatives, assumptions, and the arithmetic."""
+    m, d, t, mod, c = plan["memory"], plan["decision"], plan["throughput"], plan["model"], plan["cluster"]
+    a = m["activation_breakdown"]
+    P = mod["params_trainable"]
+    b, s, h = d["micro_batch"], mod["tokens"], mod["hidden"]
+    inputs = [[k, json.dumps(v)] for k, v in plan["inputs"].items() if v is not None]
+    lines = [
+        f"# Training plan: {title(plan)}",
+        "",
+        f"Units: {plan['units']}. Memory is per GPU; `dit-plan` wrote this with schema `{plan['schema']}`.",
+        "",
+        "## Inputs",
+        "",
+        _md(["input", "value"], inputs),
+        "",
+        "## Decision",
+        "",
+        _md(*decision_rows(plan)),
+        "",
+        f"`micro_batch x grad_accum x world_size = {b} x {d['grad_accum']} x {c['world_size']} = {plan['global_batch']}`"
+        f" (the global batch, exactly). Accelerate: `mixed_precision: {d['mixed_precision']}`"
+        + (f", FSDP `{d['fsdp_sharding_strategy']}`" if d["fsdp_sharding_strategy"] else "") + ".",
+        "",
+        f"## Memory per GPU at its peak ({PHASE_NAMES[m['peak_phase']]})",
+        "",
+        _md(*memory_rows(plan)),
+        "",
+        "### At each moment of the step",
+        "",
+        _md(*phase_rows(plan)),
+        "",
+        "### The arithmetic",
+        "",
+        f"- Parameters P = {P:,} (trainable; the {s} x {h} positional table is a fixed buffer).",
+        f"- weights = 4 B x P{' / ' + str(c['world_size']) + ' + gathered copies' if d['sharding'] != 'ddp' else ''}"
+        f" + buffer = {format_bytes(m['weights'])} at the peak.",
+        f"- optimizer = 8 B x P{' / ' + str(c['world_size']) if d['sharding'] != 'ddp' else ''} = {format_bytes(m['optimizer'])};"
+        f" EMA = {'4 B x P' if d['ema'] else 'off'}"
+        f"{' / ' + str(c['world_size']) if d['sharding'] != 'ddp' and d['ema'] else ''} = {format_bytes(m['ema'])}.",
+        f"- One stored block saves {a['bytes_per_token_hidden_block']:.1f} B per token x hidden "
+        f"({a['autocast_device'].upper()} {d['precision']} {'autocast' if d['precision'] != 'fp32' else ''}, "
+        f"{a['attention']} attention): {b} images x {s} tokens x {h} x {a['bytes_per_token_hidden_block']:.1f} B = "
+        f"{format_bytes(a['stored_block_bytes'])} per block.",
+        f"- activations = {a['stored_blocks']} stored x {format_bytes(a['stored_block_bytes'])} + "
+        f"{a['checkpointed_blocks']} checkpointed x {format_bytes(a['checkpointed_block_bytes'])} (their inputs) + "
+        f"patch embedding and final layer {format_bytes(a['head_and_tail_bytes'])}"
+        + (f" + one block recomputed {format_bytes(a['recompute_bytes'])}" if a["recompute_bytes"] else "")
+        + f" + loss {format_bytes(a['loss_bytes'])} = {format_bytes(m['phases']['start_of_backward']['activations'])}.",
+        f"- overhead = CUDA context {format_bytes(plan['assumptions']['cuda_context_bytes'])} + cuBLAS "
+        f"{format_bytes(plan['assumptions']['cublas_workspace_bytes'])}"
+        + (f" + NCCL {format_bytes(plan['assumptions']['nccl_buffer_bytes'])}" if c["world_size"] > 1 else "")
+        + f" + {plan['assumptions']['fragmentation']:.0%} fragmentation of the allocated bytes.",
+        f"- peak = the largest moment, {PHASE_NAMES[m['peak_phase']]}: {format_bytes(m['peak_bytes'])} of a "
+        f"{format_bytes(m['budget_bytes'])} budget ({_share(m['peak_bytes'], m['vram_bytes'])} of VRAM).",
+        "",
+        "## Throughput estimate",
+        "",
+        f"- FLOPs per image = 3 x forward ({mod['fwd_flops_per_image'] / 1e9:.1f} GFLOP)"
+        + (f" + {d['checkpointed_blocks']} recomputed blocks" if d["checkpointed_blocks"] else "")
+        + (" + the VAE encoder" if d["latents"] == "online" else "")
+        + f"; one optimizer step = {t['step_flops'] / 1e12:.1f} TFLOP over {plan['global_batch']} images.",
+        f"- per GPU: {t['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s peak x MFU {t['assumed_mfu']:.3f} x small-batch "
+        f"efficiency {t['small_batch_efficiency']:.3f} -> compute {t['compute_time_s'] * 1e3:.1f} ms per step, plus "
+        f"{t['exposed_comm_time_s'] * 1e3:.1f} ms exposed communication ({format_bytes(t['comm_bytes_per_gpu'])} per GPU).",
+        f"- estimate: {t['est_images_per_s']:.0f} images/s ({t['step_time_s']:.3f} s per optimizer step).",
+        "",
+        "## Alternatives",
+        "",
+        _md(*alternative_rows(plan)) if plan["alternatives"] else "None that fit.",
+        "",
+        "## Host RAM per node (exitcode -9)",
+        "",
+        _md(*host_rows(plan)),
+        "",
+        "## Assumptions",
+        "",
+        _md(["name", "value"], [[k, v] for k, v in plan["assumptions"].items()]),
+        "",
+        "Every value is overridable with `dit-plan --assume NAME=VALUE`; docs/planner.md gives their sources.",
+        "",
+        "## How the decision was made",
+        "",
+        plan["search"]["rule"] + ".",
+        "",
+        _md(["sharding", "micro-batch", "checkpointed", "peak GiB", "est. img/s", "fits"],
+            [[p[0], p[1], p[2], _gib(p[3]), f"{p[4]:.0f}", "yes" if p[3] <= m["budget_bytes"] else "no"]
+             for p in plan["search"]["path"]]),
+        "",
+    ]
+    if plan["warnings"]:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in plan["warnings"]] + [""]
+    return "\n".join(lines)

@@ -1,0 +1,315 @@
+"""The choice: micro-batch x accumulation x checkpointed blocks x sharding, and the throughput that ranks them.
+
+The rule (docs/planner.md, "The search rule"):
+
+1. `micro_batch * grad_accum * world_size == global_batch`, exactly: micro-batches are the divisors of the
+   per-rank batch (at most --max-micro-batch), and `grad_accum` is what is left.
+2. A fixed path is walked from the leanest configuration (the most sharding allowed, the smallest
+   micro-batch, every block checkpointed). Each step takes the one move, among
+       the next larger micro-batch | one checkpointed block fewer | one level less sharding,
+   that buys the most estimated images/s per extra byte of peak memory (ties: micro-batch first, then
+   checkpointing, then sharding).
+3. The decision is the furthest point of that path that fits the budget (VRAM minus headroom).
+
+The path does not depend on the budget, so more memory can only move the decision further along it: a
+larger budget never gives a smaller micro-batch, more checkpointed blocks or more sharding. Moves toward
+less sharding are taken last when they do not pay (shard only when replicas don't fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from planner import vae
+from planner.errors import PlanError
+from planner.hardware import Assumptions
+from planner.memory import SHARDINGS, Cluster, Decision, MemoryEstimate, element_bytes, step_memory
+from planner.spec import DiTSpec
+
+FALLBACK_BUSBW_BYTES_PER_S = 100e9  # intra-node bandwidth when only --vram is known
+
+
+# --- throughput --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Throughput:
+    step_flops: float  # FLOPs of one optimizer step on the whole cluster (recompute and VAE encode included)
+    images_per_s: float
+    step_time_s: float
+    compute_time_s: float
+    exposed_comm_time_s: float
+    efficiency: float  # small-micro-batch efficiency, 1 = saturated matmuls
+    peak_flops_per_gpu: float
+    assumed_mfu: float
+
+
+def image_step_flops(spec: DiTSpec, decision: Decision) -> float:
+    """Training FLOPs per image: forward + backward (3 x forward), one more forward of each checkpointed
+    block, and the VAE encoder's forward when latents are encoded online."""
+    flops = 3 * spec.fwd_flops_per_image + decision.checkpointed_blocks * 2 * spec.block_fwd_macs_per_image()
+    if decision.latents == "online":
+        flops += 2 * vae.encoder_macs_per_image(spec.resolution)
+    return flops
+
+
+def small_batch_efficiency(spec: DiTSpec, micro_batch: int, assumptions: Assumptions) -> float:
+    """Matmuls of micro_batch x tokens rows run at rows / (rows + half_efficiency_tokens) of their saturated rate."""
+    rows = micro_batch * spec.tokens
+    return rows / (rows + assumptions.half_efficiency_tokens)
+
+
+def comm_bytes_per_gpu(spec: DiTSpec, decision: Decision, cluster: Cluster) -> float:
+    """Bytes each GPU sends per optimizer step (ring collectives).
+
+    ddp:   one all-reduce of the fp32 gradients per optimizer step (no_sync during accumulation).
+    zero2: every micro-step an all-gather of the parameters and a reduce-scatter of the gradients, both in
+           the compute dtype (Accelerate's FSDP mixed-precision policy).
+    zero3: the same with a second all-gather in backward.
+    """
+    n = cluster.world_size
+    if n == 1:
+        return 0.0
+    params = spec.params_trainable
+    share = (n - 1) / n
+    if decision.sharding == "ddp":
+        return 2 * share * 4 * params
+    width = element_bytes(decision.precision).compute
+    collectives = 2 if decision.sharding == "zero2" else 3
+    return decision.grad_accum * collectives * share * width * params
+
+
+def peak_flops(cluster: Cluster, precision: str, assumptions: Assumptions) -> float:
+    if cluster.gpu is not None:
+        return cluster.gpu.matmul_peak_flops(precision)
+    return assumptions.default_peak_flops / (2 if precision == "fp32" else 1)  # TF32 runs at half the bf16 rate
+
+
+def bus_bandwidth(cluster: Cluster, assumptions: Assumptions) -> float:
+    if cluster.nodes > 1:
+        return assumptions.inter_node_busbw_bytes_per_s
+    if assumptions.intra_node_busbw_bytes_per_s:
+        return assumptions.intra_node_busbw_bytes_per_s
+    return cluster.gpu.intra_node_busbw_bytes_per_s if cluster.gpu else FALLBACK_BUSBW_BYTES_PER_S
+
+
+def estimate_throughput(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions) -> Throughput:
+    """Images per second: per-GPU compute at peak x MFU x small-batch efficiency, plus exposed communication."""
+    global_batch = decision.micro_batch * decision.grad_accum * cluster.world_size
+    per_image = image_step_flops(spec, decision)
+    mfu = assumptions.mfu(decision.precision)
+    efficiency = small_batch_efficiency(spec, decision.micro_batch, assumptions)
+    rate = peak_flops(cluster, decision.precision, assumptions) * mfu * efficiency
+    if decision.sharded:
+        rate *= assumptions.fsdp_efficiency
+    compute_s = decision.micro_batch * decision.grad_accum * per_image / rate
+    comm_s = assumptions.comm_exposed_fraction * comm_bytes_per_gpu(spec, decision, cluster) / bus_bandwidth(cluster, assumptions)
+    step_s = compute_s + comm_s
+    return Throughput(step_flops=per_image * global_batch, images_per_s=global_batch / step_s, step_time_s=step_s,
+                      compute_time_s=compute_s, exposed_comm_time_s=comm_s, efficiency=efficiency,
+                      peak_flops_per_gpu=peak_flops(cluster, decision.precision, assumptions), assumed_mfu=mfu)
+
+
+# --- the search --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the user left open. `checkpointing` is "auto", "none", "all" or a block count."""
+
+    global_batch: int
+    precision: str  # resolved: bf16 | fp16 | fp32
+    latents: str
+    ema: bool
+    sharding: str = "auto"  # auto | ddp | zero2 | zero3
+    checkpointing: str | int = "auto"
+    max_micro_batch: int | None = None
+    adamw: str = "foreach"
+    gradient_as_bucket_view: bool = False
+
+
+@dataclass(frozen=True)
+class Candidate:
+    decision: Decision
+    memory: MemoryEstimate
+    throughput: Throughput
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def nearest_valid_global_batches(global_batch: int, world_size: int) -> tuple[int | None, int]:
+    below = (global_batch // world_size) * world_size
+    return (below or None), below + world_size
+
+
+def check_global_batch(global_batch: int, world_size: int) -> None:
+    if global_batch % world_size:
+        below, above = nearest_valid_global_batches(global_batch, world_size)
+        options = f"{below} or {above}" if below else f"{above}"
+        raise PlanError(f"--global-batch {global_batch} does not divide by the {world_size} GPUs (world size): "
+                        f"use {options}, or pass --round-global-batch")
+
+
+def sharding_levels(space: SearchSpace, cluster: Cluster) -> list[str]:
+    """Allowed sharding, most sharded first. One GPU has nothing to shard over."""
+    if space.sharding != "auto":
+        if space.sharding not in SHARDINGS:
+            raise PlanError(f"--sharding must be auto, ddp, zero2 or zero3, got {space.sharding!r}")
+        if space.sharding != "ddp" and cluster.world_size == 1:
+            raise PlanError(f"--sharding {space.sharding} needs more than one GPU: use --sharding ddp or add --gpus")
+        return [space.sharding]
+    return ["ddp"] if cluster.world_size == 1 else ["zero3", "zero2", "ddp"]
+
+
+def checkpoint_range(space: SearchSpace, spec: DiTSpec) -> tuple[int, int]:
+    """(first, last) checkpointed-block counts along the path; first >= last."""
+    mode = space.checkpointing
+    if mode == "auto":
+        return spec.depth, 0
+    if mode == "none":
+        return 0, 0
+    if mode == "all":
+        return spec.depth, spec.depth
+    if isinstance(mode, int) and 0 <= mode <= spec.depth:
+        return mode, mode
+    raise PlanError(f"--checkpointing must be auto, none, all or a block count 0..{spec.depth}, got {mode!r}")
+
+
+def micro_batches(space: SearchSpace, cluster: Cluster) -> list[int]:
+    check_global_batch(space.global_batch, cluster.world_size)
+    per_rank = space.global_batch // cluster.world_size
+    options = [b for b in divisors(per_rank) if space.max_micro_batch is None or b <= space.max_micro_batch]
+    if not options:
+        raise PlanError(f"--max-micro-batch {space.max_micro_batch} is below 1: pass a positive number")
+    return options
+
+
+def evaluate(spec, space, cluster, assumptions, budget_bytes, micro_batch, checkpointed, sharding) -> Candidate:
+    per_rank = space.global_batch // cluster.world_size
+    decision = Decision(micro_batch=micro_batch, grad_accum=per_rank // micro_batch, checkpointed_blocks=checkpointed,
+                        precision=space.precision, sharding=sharding, latents=space.latents, ema=space.ema,
+                        adamw=space.adamw, gradient_as_bucket_view=space.gradient_as_bucket_view)
+    memory = step_memory(spec, decision, cluster, assumptions, budget_bytes)
+    return Candidate(decision, memory, estimate_throughput(spec, decision, cluster, assumptions))
+
+
+def search_path(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions,
+                budget_bytes: int) -> list[Candidate]:
+    """The fixed path from the leanest configuration to the richest (see the module docstring)."""
+    batches = micro_batches(space, cluster)
+    levels = sharding_levels(space, cluster)
+    first_ckpt, last_ckpt = checkpoint_range(space, spec)
+    state = (0, first_ckpt, 0)  # (micro-batch index, checkpointed blocks, sharding index)
+
+    def at(s):
+        return evaluate(spec, space, cluster, assumptions, budget_bytes, batches[s[0]], s[1], levels[s[2]])
+
+    path = [at(state)]
+    while True:
+        moves = []
+        if state[0] + 1 < len(batches):
+            moves.append((state[0] + 1, state[1], state[2]))
+        if state[1] > last_ckpt:
+            moves.append((state[0], state[1] - 1, state[2]))
+        if state[2] + 1 < len(levels):
+            moves.append((state[0], state[1], state[2] + 1))
+        if not moves:
+            return path
+        current = path[-1]
+        best, best_ratio = None, None
+        for order, move in enumerate(moves):
+            candidate = at(move)
+            cost = candidate.memory.peak_bytes - current.memory.peak_bytes
+            gain = candidate.throughput.images_per_s - current.throughput.images_per_s
+            ratio = float("inf") if cost <= 0 else gain / cost
+            if best is None or ratio > best_ratio:
+                best, best_ratio, state_next = candidate, ratio, move
+        state = state_next
+        path.append(best)
+
+
+def choose(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions,
+           budget_bytes: int) -> tuple[Candidate, list[Candidate]]:
+    """The decision (furthest fitting point of the path) and the path. Raises PlanError if nothing fits."""
+    path = search_path(spec, space, cluster, assumptions, budget_bytes)
+    fitting = [c for c in path if c.fits]
+    if not fitting:
+        raise PlanError(nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, path[0]))
+    return fitting[-1], path
+
+
+def alternatives(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions, budget_bytes: int,
+                 decision: Decision, limit: int = 5) -> list[Candidate]:
+    """Other fitting configurations worth a look, fastest first: for each sharding level and micro-batch,
+    the fewest checkpointed blocks that fit."""
+    first_ckpt, last_ckpt = checkpoint_range(space, spec)
+    found = []
+    for sharding in sharding_levels(space, cluster):
+        for micro_batch in micro_batches(space, cluster):
+            for checkpointed in range(last_ckpt, first_ckpt + 1):
+                candidate = evaluate(spec, space, cluster, assumptions, budget_bytes, micro_batch, checkpointed, sharding)
+                if candidate.fits:
+                    if candidate.decision != decision:
+                        found.append(candidate)
+                    break
+    found.sort(key=lambda c: -c.throughput.images_per_s)
+    return found[:limit]
+
+
+# --- when nothing fits -------------------------------------------------------------------------------
+
+def leanest(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions, budget_bytes: int) -> Candidate:
+    """The least memory any configuration needs: zero3 (if several GPUs), micro-batch 1, every block checkpointed."""
+    relaxed = dataclasses.replace(space, sharding="auto", checkpointing="all", max_micro_batch=1)
+    return search_path(spec, relaxed, cluster, assumptions, budget_bytes)[0]
+
+
+def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: Candidate) -> str:
+    """One line: the least memory needed, and what would fit (a flag, more GPUs, a larger GPU, a smaller model)."""
+    from planner.hardware import gpu_presets
+    from planner.spec import FAMILY, model_spec
+    from planner.units import format_bytes
+
+    def fits(spec_=spec, space_=space, cluster_=cluster, assumptions_=assumptions):
+        return leanest(spec_, space_, cluster_, assumptions_, budget_bytes).fits
+
+    need = lean.memory.peak_bytes
+    d = lean.decision
+    how = f"{d.sharding}, micro-batch {d.micro_batch}, {d.checkpointed_blocks} of {spec.depth} blocks checkpointed"
+    message = (f"{spec.name} at {spec.resolution} px needs at least {format_bytes(need)} per GPU ({how}) "
+               f"but the budget is {format_bytes(budget_bytes)}")
+    absolute = leanest(spec, space, cluster, assumptions, budget_bytes)
+    if absolute.fits:
+        return message + (f"; without your --sharding/--checkpointing/--max-micro-batch limits it needs "
+                          f"{format_bytes(absolute.memory.peak_bytes)}: relax them")
+    need = min(need, absolute.memory.peak_bytes)
+    ideas = []
+    if space.adamw == "foreach" and fits(space_=dataclasses.replace(space, adamw="fused")):
+        ideas.append("--adamw fused")
+    if space.ema and fits(space_=dataclasses.replace(space, ema=False)):
+        ideas.append("--no-ema (keep the EMA elsewhere)")
+    more = [dataclasses.replace(cluster, gpus_per_node=g) for g in range(cluster.gpus_per_node + 1, 9)]
+    more += [dataclasses.replace(cluster, nodes=n) for n in range(cluster.nodes + 1, cluster.nodes * 64 + 1)]
+    for bigger in more:
+        if space.global_batch % bigger.world_size == 0 and fits(cluster_=bigger):
+            flag = f"--gpus {bigger.gpus_per_node}" if bigger.nodes == cluster.nodes else f"--nodes {bigger.nodes}"
+            ideas.append(f"{bigger.world_size} GPUs ({flag})")
+            break
+    headroom_fraction = 1 - budget_bytes / cluster.vram_bytes
+    larger = sorted((p for p in gpu_presets().values() if p.memory_bytes * (1 - headroom_fraction) >= need),
+                    key=lambda p: p.memory_bytes)
+    if larger:
+        ideas.append(f"a larger GPU (--gpu {larger[0].name}, {format_bytes(larger[0].memory_bytes)})")
+    sizes = list(FAMILY)
+    size = spec.name[4:].split("/")[0] if spec.name.startswith("DiT-") and "custom" not in spec.name else None
+    for smaller in reversed(sizes[: sizes.index(size)] if size in sizes else []):
+        if fits(spec_=model_spec(f"DiT-{smaller}/{spec.patch}", spec.resolution, spec.latents)):
+            ideas.append(f"a smaller model (--model DiT-{smaller}/{spec.patch})")
+            break
+    return message + ": use " + (", or ".join(ideas) if ideas else "more or larger GPUs, or a smaller model or resolution")

@@ -18,7 +18,7 @@ from PIL import Image
 from dit_accel.doctor import Probes, run
 from dit_accel.doctor.checks import Status, exit_code
 from dit_accel.doctor.data import check_data
-from dit_accel.doctor.distributed import Rendezvous, check_distributed, check_port_free, check_reachable
+from dit_accel.doctor.distributed import Rendezvous, check_distributed, check_port_free, check_reachable, read_rendezvous
 from dit_accel.doctor.environment import (ComputeApp, EnvironmentFacts, GpuFacts, check_accelerate_config,
                                           check_environment, probe_environment)
 from dit_accel.doctor.host import HostFacts, check_host, loader_facts, read_host
@@ -443,7 +443,7 @@ def test_the_launch_flags_override_the_configs_port(ready, capsys):
         assert row["name"] == "rendezvous port" and str(port) in row["reason"]
 
 
-def test_multi_node_addresses(tmp_path):
+def test_multi_node_addresses(tmp_path, monkeypatch):
     plan = load_plan(write_plan(tmp_path, cluster={"nodes": 2, "gpus_per_node": 8, "world_size": 16,
                                                    "vram_bytes": 40 * 10**9, "gpu": None}, decision__grad_accum=1))
     assert check_distributed(plan, Rendezvous(None, 29500))[0].status is Status.FAIL
@@ -451,6 +451,12 @@ def test_multi_node_addresses(tmp_path):
     assert loopback.status is Status.FAIL and "loopback" in loopback.reason
     unknown = check_distributed(plan, Rendezvous("no-such-node.invalid", 29500))[0]
     assert unknown.status is Status.FAIL and "does not resolve" in unknown.reason
+    config = tmp_path / "accelerate_config.yaml"
+    assert read_rendezvous(config, plan) == Rendezvous(None, 0)  # the YAML's port 0; no address anywhere
+    monkeypatch.setenv("MAIN_PROCESS_IP", "10.1.2.3")  # what dit-plan's SLURM script exports
+    monkeypatch.setenv("MAIN_PROCESS_PORT", "29611")
+    assert read_rendezvous(config, plan) == Rendezvous("10.1.2.3", 29611)
+    assert read_rendezvous(config, plan, "10.9.9.9", 29700) == Rendezvous("10.9.9.9", 29700)  # the launch flags win
 
 
 # --- the command: exit codes, formats, bad input -----------------------------------------------------------------

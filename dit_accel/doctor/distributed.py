@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,16 +31,19 @@ class Rendezvous:
 
 def read_rendezvous(config_path: Path, plan: PlanFacts | None = None, address: str | None = None,
                     port: int | None = None) -> Rendezvous:
-    """Where the ranks meet, as the launch will see it: the launch flags, else the Accelerate YAML, else
-    plan.json's cluster section, else torch's default port."""
+    """Where the ranks meet, as the launch will see it: the launch flags, else MAIN_PROCESS_IP/PORT (which
+    dit-plan's SLURM script exports and passes as flags), else the Accelerate YAML, else plan.json's
+    cluster section, else torch's default port."""
     try:
         config = yaml.safe_load(config_path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         config = {}
     if not isinstance(config, dict):
         config = {}
-    ports = [port, config.get("main_process_port"), plan.main_process_port if plan else None, DEFAULT_PORT]
-    addresses = [address, config.get("main_process_ip"), plan.main_process_ip if plan else None]
+    ports = [port, os.environ.get("MAIN_PROCESS_PORT"), config.get("main_process_port"),
+             plan.main_process_port if plan else None, DEFAULT_PORT]
+    addresses = [address, os.environ.get("MAIN_PROCESS_IP"), config.get("main_process_ip"),
+                 plan.main_process_ip if plan else None]
     return Rendezvous(address=next((a for a in addresses if a), None),
                       port=int(next(p for p in ports if isinstance(p, int) or str(p).isdigit())))
 
@@ -99,8 +103,10 @@ def check_distributed(plan: PlanFacts, rendezvous: Rendezvous, timeout_s: float 
     if plan.nodes <= 1:
         return [check_port_free(rendezvous.port)]
     if not rendezvous.address:
-        return [failed(GROUP, "main process address", f"the plan has {plan.nodes} nodes and the Accelerate config has no main_process_ip",
-                       "set main_process_ip (the main node's address) and main_process_port in the config")]
+        return [failed(GROUP, "main process address", f"the plan has {plan.nodes} nodes and no main process address is known "
+                       "(no --main-process-ip, MAIN_PROCESS_IP, or main_process_ip in the config or plan)",
+                       "pass --main-process-ip ADDRESS as the launch will (the SLURM script exports MAIN_PROCESS_IP: run "
+                       "the doctor inside the job), or set it with dit-plan --main-process-ip")]
     try:
         resolved = socket.getaddrinfo(rendezvous.address, rendezvous.port, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror:

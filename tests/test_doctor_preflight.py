@@ -511,3 +511,6 @@ def test_bad_flags_and_plans_are_one_line_and_exit_2(tmp_path, capsys):
     write_plan(tmp_path, schema="dit-plan/0")
     assert dit_accel(["doctor", "--plan", str(tmp_path / "plan.json"), "--latents", str(tmp_path)]) == 2
     assert "schema 'dit-plan/0'" in capsys.readouterr().err
+    write_plan(tmp_path, memory={"budget_bytes": 1})
+    assert dit_accel(["doctor", "--plan", str(tmp_path / "plan.json"), "--latents", str(tmp_path)]) == 2
+    assert "no 'memory.peak_bytes'" in capsys.readouterr().err

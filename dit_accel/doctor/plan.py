@@ -81,6 +81,20 @@ class PlanFacts:
         return str(value) if value else None
 
 
+# PlanFacts field -> (plan.json key, type): the keys every check relies on (DESIGN.md's contract)
+_REQUIRED = {
+    "model_name": ("model.name", str), "resolution": ("model.resolution", int), "latent_size": ("model.latent_size", int),
+    "in_channels": ("model.in_channels", int), "params_trainable": ("model.params_trainable", int),
+    "nodes": ("cluster.nodes", int), "gpus_per_node": ("cluster.gpus_per_node", int),
+    "world_size": ("cluster.world_size", int), "vram_bytes": ("cluster.vram_bytes", int),
+    "global_batch": ("global_batch", int), "micro_batch": ("decision.micro_batch", int),
+    "grad_accum": ("decision.grad_accum", int), "checkpointed_blocks": ("decision.checkpointed_blocks", int),
+    "precision": ("decision.precision", str), "sharding": ("decision.sharding", str),
+    "latents": ("decision.latents", str), "peak_bytes": ("memory.peak_bytes", int),
+    "budget_bytes": ("memory.budget_bytes", int),
+}
+
+
 def _get(plan: dict, dotted: str, path: Path):
     node = plan
     for part in dotted.split("."):
@@ -100,34 +114,12 @@ def load_plan(path: str | Path) -> PlanFacts:
         plan = read_plan(path)
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read plan {path}: {error}") from None
-    get = lambda key: _get(plan, key, path)  # noqa: E731 - a short reader bound to this plan's path
-    host = plan.get("host")
+    values = {name: kind(_get(plan, key, path)) for name, (key, kind) in _REQUIRED.items()}
+    cluster, decision = plan["cluster"], plan["decision"]
     return PlanFacts(
-        path=path,
-        model_name=str(get("model.name")),
-        resolution=int(get("model.resolution")),
-        latent_size=int(get("model.latent_size")),
-        in_channels=int(get("model.in_channels")),
-        params_trainable=int(get("model.params_trainable")),
-        nodes=int(get("cluster.nodes")),
-        gpus_per_node=int(get("cluster.gpus_per_node")),
-        world_size=int(get("cluster.world_size")),
-        vram_bytes=int(get("cluster.vram_bytes")),
-        gpu=plan["cluster"].get("gpu"),
-        global_batch=int(get("global_batch")),
-        micro_batch=int(get("decision.micro_batch")),
-        grad_accum=int(get("decision.grad_accum")),
-        checkpointed_blocks=int(get("decision.checkpointed_blocks")),
-        precision=str(get("decision.precision")),
-        sharding=str(get("decision.sharding")),
-        latents=str(get("decision.latents")),
-        ema=bool(plan["decision"].get("ema", True)),
-        peak_bytes=int(get("memory.peak_bytes")),
-        budget_bytes=int(get("memory.budget_bytes")),
-        host=host if isinstance(host, dict) else {},
-        inputs=plan.get("inputs") if isinstance(plan.get("inputs"), dict) else {},
-        model=plan["model"],
-        main_process_ip=plan["cluster"].get("main_process_ip"),
-        main_process_port=plan["cluster"].get("main_process_port"),
-        raw=plan,
+        path=path, **values, gpu=cluster.get("gpu"), ema=bool(decision.get("ema", True)),
+        host=plan["host"] if isinstance(plan.get("host"), dict) else {},
+        inputs=plan["inputs"] if isinstance(plan.get("inputs"), dict) else {},
+        model=plan["model"], main_process_ip=cluster.get("main_process_ip"),
+        main_process_port=cluster.get("main_process_port"), raw=plan,
     )

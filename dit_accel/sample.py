@@ -1,0 +1,479 @@
+"""`dit-accel sample`: class-conditional samples from a trained (or imported) DiT.
+
+Two outputs, one code path:
+  --out grid.png            a PNG grid plus every image alone in grid_images/ (for looking at)
+  --num-samples N --npz F   the evaluation batch for the ADM/DiT FID evaluator: F.npz with `arr_0`
+                            (N, H, W, 3) uint8 and `arr_1` (N,) int64 labels, made by every process of
+                            `accelerate launch`, resumable shard by shard.
+
+Reproducibility rule: sample i (its global index) starts from noise drawn with its own generator, seeded
+from (seed, i), and every later noise draw of the sampler for that sample comes from the same generator.
+So a sample does not depend on which process made it, on the batch it was in, or on how many processes
+ran; only on (checkpoint, seed, i, label, sampler settings). The labels of an evaluation batch are
+balanced (N spread evenly over the classes) and shuffled by a permutation fixed by the seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from dit_accel.errors import UserError, exits_cleanly
+
+SAMPLERS = ("ddpm", "ddim")
+GUIDANCE_MODES = ("all", "first3")
+
+
+# --- what to sample -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SampleSettings:
+    """Everything besides the checkpoint that decides the pixels of sample i."""
+
+    cfg_scale: float = 4.0
+    steps: int = 250
+    sampler: str = "ddpm"
+    guidance: str = "all"  # "all" latent channels (diffusers) | "first3" (the original DiT repository)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.sampler not in SAMPLERS:
+            raise UserError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.guidance not in GUIDANCE_MODES:
+            raise UserError(f"--guidance must be one of {', '.join(GUIDANCE_MODES)}, got {self.guidance!r}")
+        if self.steps < 1:
+            raise UserError(f"--steps must be at least 1, got {self.steps}")
+        if self.cfg_scale < 0:
+            raise UserError(f"--cfg-scale must be >= 0 (1 turns guidance off), got {self.cfg_scale}")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """A 63-bit torch seed for global sample `index`, well mixed so (seed, i) pairs never collide in practice."""
+    state = np.random.SeedSequence([seed, index]).generate_state(2, np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1]))
+
+
+def sample_generators(seed: int, indices: Sequence[int], device: torch.device | str = "cpu") -> list[torch.Generator]:
+    return [torch.Generator(device=device).manual_seed(sample_seed(seed, int(i))) for i in indices]
+
+
+def balanced_labels(num_samples: int, num_classes: int, seed: int) -> np.ndarray:
+    """num_samples labels, each class num_samples // num_classes times (the first num_samples % num_classes
+    classes once more), in an order fixed by `seed`: the same list whatever the number of processes."""
+    labels = np.arange(num_samples, dtype=np.int64) % num_classes
+    return labels[np.random.default_rng(seed).permutation(num_samples)]
+
+
+def grid_labels(classes: Sequence[int], per_class: int) -> list[int]:
+    """Grid order: all samples of the first class, then the second, ... (one grid row per class)."""
+    return [int(label) for label in classes for _ in range(per_class)]
+
+
+def parse_classes(text: str, num_classes: int) -> list[int]:
+    try:
+        classes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--classes must be comma-separated class indices like 207,360,387, got {text!r}") from None
+    if not classes:
+        raise UserError("--classes is empty: give class indices like 207,360,387")
+    bad = [label for label in classes if not 0 <= label < num_classes]
+    if bad:
+        raise UserError(f"--classes {bad} out of range: this model has classes 0..{num_classes - 1}")
+    return classes
+
+
+# --- the evaluation batch: shards per batch, assembled once ---------------------------------------------
+@dataclass(frozen=True)
+class EvalBatch:
+    """num_samples images cut into fixed batches of global indices [b*batch_size, (b+1)*batch_size).
+
+    Batch b belongs to rank b % world_size; each finished batch is one shard file written atomically, so a
+    rerun (with any number of processes) skips what exists and a kill loses at most the batches in flight.
+    """
+
+    npz_path: Path
+    num_samples: int
+    batch_size: int
+    classes: tuple[int, ...]  # the labels to balance over (usually every class of the model)
+    seed: int
+
+    @property
+    def num_batches(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    @property
+    def shard_dir(self) -> Path:
+        return self.npz_path.with_name(self.npz_path.name + ".parts")
+
+    @cached_property
+    def labels(self) -> np.ndarray:
+        return np.asarray(self.classes, dtype=np.int64)[balanced_labels(self.num_samples, len(self.classes), self.seed)]
+
+    def indices(self, batch: int) -> range:
+        return range(batch * self.batch_size, min((batch + 1) * self.batch_size, self.num_samples))
+
+    def batches_for_rank(self, rank: int, world_size: int) -> list[int]:
+        return list(range(rank, self.num_batches, world_size))
+
+    def shard_path(self, batch: int) -> Path:
+        return self.shard_dir / f"batch_{batch:06d}.npz"
+
+    def shard_is_done(self, batch: int) -> bool:
+        """A shard counts when it exists (it was renamed into place whole) and holds the expected labels."""
+        path = self.shard_path(batch)
+        if not path.exists():
+            return False
+        try:
+            with np.load(path) as shard:
+                expected = self.labels[self.indices(batch).start:self.indices(batch).stop]
+                return shard["images"].shape[0] == len(expected) and np.array_equal(shard["labels"], expected)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+            return False
+
+    def save_shard(self, batch: int, images: np.ndarray, labels: np.ndarray) -> None:
+        path = self.shard_path(batch)
+        handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.shard_dir)
+        try:
+            with os.fdopen(handle, "wb") as tmp_file:
+                np.savez(tmp_file, images=images, labels=labels)
+                tmp_file.flush()
+                os.fsync(tmp_file.fileno())
+            os.replace(tmp_name, path)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+
+    def check_or_write_settings(self, fingerprint: dict, write: bool) -> None:
+        """Shards of another job (other checkpoint, seed, cfg...) must never be mixed into this one."""
+        settings_path = self.shard_dir / "settings.json"
+        if settings_path.exists():
+            found = json.loads(settings_path.read_text())
+            if found != fingerprint:
+                changed = sorted(key for key in set(found) | set(fingerprint) if found.get(key) != fingerprint.get(key))
+                raise UserError(
+                    f"{self.shard_dir} holds shards made with other settings ({', '.join(changed)} differ): "
+                    f"rerun with the same settings to resume, or delete {self.shard_dir} to start over")
+        elif write:
+            self.shard_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.shard_dir / ".settings.json.tmp"
+            tmp.write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
+            os.replace(tmp, settings_path)
+
+    def assemble(self) -> Path:
+        """Stream every shard, in global order, into npz_path (arr_0 images, arr_1 labels), then drop the shards.
+
+        Streaming keeps host memory at one shard: 50,000 images of 256 px are 9.8 GB.
+        """
+        missing = [batch for batch in range(self.num_batches) if not self.shard_path(batch).exists()]
+        if missing:
+            raise UserError(f"{len(missing)} of {self.num_batches} batches are missing in {self.shard_dir} "
+                            f"(first: {missing[0]}): rerun the same command to make them")
+        with np.load(self.shard_path(0)) as first:
+            image_shape = first["images"].shape[1:]
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
+                  "shape": (self.num_samples, *image_shape)}
+        handle, tmp_name = tempfile.mkstemp(prefix=f".{self.npz_path.name}.", suffix=".tmp", dir=self.npz_path.parent)
+        os.close(handle)
+        try:
+            with zipfile.ZipFile(tmp_name, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+                written = 0
+                with archive.open("arr_0.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array_header_1_0(member, header)
+                    for batch in range(self.num_batches):
+                        with np.load(self.shard_path(batch)) as shard:
+                            images = shard["images"]
+                        if images.shape[1:] != image_shape or images.dtype != np.uint8:
+                            raise UserError(f"{self.shard_path(batch)} holds {images.dtype} images of shape "
+                                            f"{images.shape[1:]}, expected uint8 {image_shape}: delete it and rerun")
+                        member.write(np.ascontiguousarray(images).tobytes())
+                        written += len(images)
+                if written != self.num_samples:
+                    raise UserError(f"the shards in {self.shard_dir} hold {written} images, expected "
+                                    f"{self.num_samples}: delete {self.shard_dir} and rerun")
+                with archive.open("arr_1.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, self.labels)
+            with open(tmp_name, "rb") as tmp_file:
+                os.fsync(tmp_file.fileno())
+            os.replace(tmp_name, self.npz_path)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        shutil.rmtree(self.shard_dir, ignore_errors=True)
+        return self.npz_path
+
+
+# --- the model and the decoder ------------------------------------------------------------------------------
+@dataclass
+class Source:
+    """What a --checkpoint resolved to: the network, its spec, where it came from, and what it was trained on."""
+
+    model: torch.nn.Module
+    spec: object  # planner.spec.DiTSpec
+    info: dict  # "checkpoint", "weights" ("ema" | "model" | "diffusers"), and the train state when there is one
+    train_config: dict  # the run's train_config.json ({} for a diffusers folder)
+
+
+def load_source(path: str | os.PathLike, use_ema: bool = True, device: torch.device | str = "cpu") -> Source:
+    """A trainer checkpoint or run folder (EMA weights by default), or a diffusers transformer/pipeline folder.
+
+    A checkpoint written by `import-dit` carries the original DiT's timestep shift (0) in `dit_accel.json`;
+    it is applied here so the imported network computes what the original did.
+    """
+    from dit_accel import checkpoint as ckpt
+    from dit_accel.model import SIDECAR_NAME, load_model, read_sidecar, set_timestep_freq_shift, spec_from_model
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"--checkpoint {path} does not exist: pass a run folder, a checkpoint folder or a diffusers "
+                        f"DiT pipeline folder")
+    if (path / "config.json").is_file() or (path / "transformer" / "config.json").is_file():
+        model = load_model(path).to(device).eval()
+        return Source(model, spec_from_model(model), {"checkpoint": str(path.absolute()), "weights": "diffusers"}, {})
+    model, spec, info = ckpt.load_for_inference(path, use_ema=use_ema, device=device)
+    checkpoint_dir = Path(info["checkpoint"])
+    if (checkpoint_dir / SIDECAR_NAME).is_file():
+        set_timestep_freq_shift(model, read_sidecar(checkpoint_dir).get("timestep_freq_shift", 1))
+    config_path = checkpoint_dir / ckpt.TRAIN_CONFIG
+    train_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    return Source(model, spec, info, train_config)
+
+
+def default_vae_path(source: Source) -> str | None:
+    """The VAE the model was trained with: the run's online --vae, else the one its latent cache recorded,
+    else a pipeline folder's own vae/."""
+    if source.train_config.get("vae"):
+        return str(source.train_config["vae"])
+    latents_dir = source.train_config.get("latents")
+    if latents_dir and (Path(latents_dir) / "manifest.json").is_file():
+        from dit_accel.data.latents import read_manifest
+
+        return read_manifest(latents_dir)["vae"]["source"]
+    folder = Path(source.info["checkpoint"])
+    if source.info.get("weights") == "diffusers" and (folder / "vae" / "config.json").is_file():
+        return str(folder / "vae")
+    return None
+
+
+@dataclass
+class Decoder:
+    """Latents -> pixels in [-1, 1]. latents = (posterior sample - shift) * scale, as the latent cache and the
+    trainer make them, so decoding divides by scale and adds shift back. None for a pixel-space model."""
+
+    vae: torch.nn.Module | None
+    scale_factor: float = 1.0
+    shift_factor: float = 0.0
+    source: str | None = None
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:
+            return x.clamp(-1, 1)
+        latents = x.to(self.vae.device, self.vae.dtype) / self.scale_factor + self.shift_factor
+        return self.vae.decode(latents).sample.float().clamp(-1, 1)
+
+
+def load_decoder(spec, vae_path: str | None, device: torch.device | str) -> Decoder:
+    if spec.latents == "pixel":
+        if vae_path:
+            raise UserError("--vae is for latent models, but this model works in pixel space: drop --vae")
+        return Decoder(None)
+    if not vae_path:
+        raise UserError("this model makes VAE latents and no VAE is recorded with its run: pass --vae DIR "
+                        "(the AutoencoderKL folder it was trained with)")
+    from dit_accel.data.latents import load_vae
+
+    vae, identity = load_vae(vae_path)
+    vae.to(device)
+    return Decoder(vae, float(vae.config.scaling_factor), float(getattr(vae.config, "shift_factor", None) or 0.0),
+                   identity["source"])
+
+
+# --- sampling -------------------------------------------------------------------------------------------------
+def default_spacing(sampler: str) -> str:
+    """DDPM walks DiT's evenly respaced chain (the FID protocol of the paper); DDIM uses diffusers'
+    "leading" steps, the DDIMScheduler an exported pipeline carries, so the two give the same latents."""
+    return "even" if sampler == "ddpm" else "leading"
+
+
+@torch.no_grad()
+def sample_latents(model: torch.nn.Module, spec, labels: Sequence[int], indices: Sequence[int],
+                   settings: SampleSettings, spacing: str | None = None, device: torch.device | str = "cpu",
+                   progress: bool = False) -> torch.Tensor:
+    """The sampler's x_0 (scaled latents, or pixels) for samples `indices` with classes `labels`.
+
+    Each sample draws all of its noise from its own generator (see the module docstring).
+    """
+    from dit_accel.diffusion import Diffusion, classifier_free_guidance, ddim_sample, ddpm_sample
+    from dit_accel.model import as_model_fn, null_class
+
+    device = torch.device(device)
+    y = torch.as_tensor(list(labels), dtype=torch.long, device=device)
+    shape = (len(y), spec.in_channels, spec.latent_size, spec.latent_size)
+    model_fn = classifier_free_guidance(as_model_fn(model), settings.cfg_scale, null_class(model), settings.guidance)
+    run = ddpm_sample if settings.sampler == "ddpm" else ddim_sample
+    return run(model_fn, Diffusion.linear(), shape, y, num_steps=settings.steps,
+               spacing=spacing or default_spacing(settings.sampler),
+               generator=sample_generators(settings.seed, indices, device), device=device,
+               clip_denoised=spec.latents == "pixel", progress=progress)
+
+
+def sample_images(model, spec, decoder: Decoder, labels: Sequence[int], indices: Sequence[int],
+                  settings: SampleSettings, spacing: str | None = None, device="cpu") -> np.ndarray:
+    """(N, H, W, 3) uint8 images for one batch."""
+    from dit_accel.images import to_uint8_nhwc
+
+    latents = sample_latents(model, spec, labels, indices, settings, spacing, device)
+    return to_uint8_nhwc(decoder(latents))
+
+
+# --- the command --------------------------------------------------------------------------------------------
+# The classes the DiT paper shows (sample.py of the reference): used when an ImageNet-1k model gets no --classes.
+IMAGENET_SHOWCASE = (207, 360, 387, 974, 88, 979, 417, 279)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dit-accel sample",
+        description="Class-conditional samples: a PNG grid plus single images (--out), or the FID evaluation "
+                    "batch (--num-samples N --npz FILE; run it under `accelerate launch` to use every GPU).")
+    parser.add_argument("--checkpoint", required=True,
+                        help="run folder (its newest complete checkpoint), checkpoint folder, or diffusers DiT folder")
+    parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
+                        help="sample from the EMA weights (default) or, with --no-ema, the raw weights")
+    parser.add_argument("--classes", default=None,
+                        help="comma-separated class indices, e.g. 207,360,387 (default: the paper's 8 showcase classes "
+                             "for ImageNet-1k, else the first 8; with --npz: every class)")
+    parser.add_argument("--per-class", type=int, default=1, help="samples per class in the grid (one row per class)")
+    parser.add_argument("--cfg-scale", type=float, default=None,
+                        help="classifier-free guidance scale; 1 turns it off (default 4.0 for a grid, 1.5 for --npz)")
+    parser.add_argument("--guidance", choices=GUIDANCE_MODES, default="all",
+                        help="guide all latent channels (diffusers, default) or the first 3 only (original DiT repository)")
+    parser.add_argument("--steps", type=int, default=250, help="sampling steps (respaced from 1000)")
+    parser.add_argument("--sampler", choices=SAMPLERS, default="ddpm",
+                        help="ddpm: ancestral with the learned variance (default); ddim: deterministic (eta 0)")
+    parser.add_argument("--spacing", choices=("even", "leading"), default=None,
+                        help="which training steps the chain keeps (default: even for ddpm, leading for ddim)")
+    parser.add_argument("--seed", type=int, default=0, help="sample i is seeded from (seed, i)")
+    parser.add_argument("--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass on each process")
+    parser.add_argument("--out", default=None, help="grid PNG to write; singles go to <name>_images/ next to it")
+    parser.add_argument("--npz", default=None, help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels)")
+    parser.add_argument("--num-samples", type=int, default=None, help="images in the evaluation batch (e.g. 50000)")
+    return parser
+
+
+def _check_args(args) -> None:
+    if (args.out is None) == (args.npz is None):
+        raise UserError("pass exactly one of --out grid.png (a grid to look at) or --npz samples.npz --num-samples N "
+                        "(the FID evaluation batch)")
+    if args.npz is not None and not args.num_samples:
+        raise UserError("--npz needs --num-samples N (50000 for the standard FID-50K)")
+    if args.num_samples is not None and args.npz is None:
+        raise UserError("--num-samples is for the evaluation batch: add --npz samples.npz")
+    for flag in ("per_class", "batch_size", "num_samples"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.out is not None and not args.out.lower().endswith(".png"):
+        raise UserError(f"--out {args.out} must name a .png file (the grid); singles go next to it")
+
+
+def _settings(args, default_cfg: float) -> SampleSettings:
+    return SampleSettings(cfg_scale=default_cfg if args.cfg_scale is None else args.cfg_scale, steps=args.steps,
+                          sampler=args.sampler, guidance=args.guidance, seed=args.seed)
+
+
+def _classes(args, spec, for_grid: bool) -> list[int]:
+    if args.classes is not None:
+        return parse_classes(args.classes, spec.num_classes)
+    if not for_grid:
+        return list(range(spec.num_classes))
+    return list(IMAGENET_SHOWCASE) if spec.num_classes == 1000 else list(range(min(8, spec.num_classes)))
+
+
+def sample_grid(args) -> int:
+    from dit_accel.images import grid_columns, save_grid_and_singles
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    source = load_source(args.checkpoint, use_ema=args.ema, device=device)
+    decoder = load_decoder(source.spec, args.vae or default_vae_path(source), device)
+    settings = _settings(args, default_cfg=4.0)
+    labels = grid_labels(_classes(args, source.spec, for_grid=True), args.per_class)
+    batches = []
+    for start in range(0, len(labels), args.batch_size):
+        indices = range(start, min(start + args.batch_size, len(labels)))
+        batches.append(sample_images(source.model, source.spec, decoder, labels[start:indices.stop], indices,
+                                     settings, args.spacing, device))
+    images = np.concatenate(batches)
+    grid_path, singles = save_grid_and_singles(images, labels, args.out, grid_columns(len(labels), args.per_class))
+    print(f"wrote {grid_path} ({len(labels)} samples, {settings.sampler} {settings.steps} steps, cfg {settings.cfg_scale}, "
+          f"{source.info['weights']} weights) and {len(labels)} single images in {singles}/")
+    return 0
+
+
+def sample_eval_batch(args) -> int:
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    npz_path = Path(args.npz)
+    if npz_path.exists():
+        raise UserError(f"{npz_path} already exists: delete it, or choose another --npz")
+    if not npz_path.parent.is_dir():
+        raise UserError(f"the folder of --npz {npz_path} does not exist: create {npz_path.parent} first")
+    source = load_source(args.checkpoint, use_ema=args.ema, device=accelerator.device)
+    vae_path = args.vae or default_vae_path(source)
+    decoder = load_decoder(source.spec, vae_path, accelerator.device)
+    settings = _settings(args, default_cfg=1.5)
+    job = EvalBatch(npz_path, args.num_samples, args.batch_size, tuple(_classes(args, source.spec, for_grid=False)),
+                    settings.seed)
+    fingerprint = {**asdict(settings), "spacing": args.spacing or default_spacing(settings.sampler),
+                   "checkpoint": source.info["checkpoint"], "weights": source.info["weights"],
+                   "step": source.info.get("step"), "vae": decoder.source, "num_samples": job.num_samples,
+                   "batch_size": job.batch_size, "classes": list(job.classes)}
+    job.check_or_write_settings(fingerprint, write=False)  # every rank refuses foreign shards before any work
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        job.check_or_write_settings(fingerprint, write=True)
+    accelerator.wait_for_everyone()
+
+    mine = job.batches_for_rank(accelerator.process_index, accelerator.num_processes)
+    todo = [batch for batch in mine if not job.shard_is_done(batch)]
+    skipped = len(mine) - len(todo)
+    for batch in tqdm(todo, desc="batches", disable=not accelerator.is_local_main_process):
+        indices = job.indices(batch)
+        labels = job.labels[indices.start:indices.stop]
+        images = sample_images(source.model, source.spec, decoder, labels, indices, settings, args.spacing,
+                               accelerator.device)
+        job.save_shard(batch, images, labels)
+    print(f"rank {accelerator.process_index}: {len(todo)} batches made, {skipped} already done", flush=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        job.assemble()
+        counts = np.bincount(job.labels, minlength=max(job.classes) + 1)[list(job.classes)]
+        print(f"wrote {npz_path}: arr_0 {job.num_samples} images, arr_1 labels ({len(job.classes)} classes, "
+              f"{counts.min()}-{counts.max()} each), {settings.sampler} {settings.steps} steps, cfg {settings.cfg_scale}")
+    accelerator.wait_for_everyone()
+    return 0
+
+
+@exits_cleanly("dit-accel sample")
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    return sample_eval_batch(args) if args.npz is not None else sample_grid(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

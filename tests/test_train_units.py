@@ -160,3 +160,24 @@ def test_ema_is_fp32_and_follows_the_decay():
     target = nn.Linear(3, 1)
     ema.copy_to(target)
     assert torch.equal(target.weight, ema.shadow["weight"])
+
+
+def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):
+    from dit_accel.launch import launch_command, main
+
+    plan = tmp_path / "plan" / "plan.json"
+    plan.parent.mkdir()
+    plan.write_text("{}")
+    with pytest.raises(UserError, match="accelerate_config.yaml not found"):
+        launch_command(["--plan", str(plan), "--latents", "c"])
+    (plan.parent / "accelerate_config.yaml").write_text("num_processes: 2\n")
+    command = launch_command(["--plan", str(plan), "--latents", "c", "--num-processes", "2", "--machine-rank", "1",
+                              "--output-dir", "runs/a", "--max-steps", "5"])
+    launcher, trainer = command[: command.index("-m", 3)], command[command.index("-m", 3):]
+    assert launcher[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(plan.parent / "accelerate_config.yaml"),
+                            "--num_processes", "2", "--machine_rank", "1"]
+    assert trainer == ["-m", "dit_accel.train", "--plan", str(plan), "--latents", "c", "--output-dir", "runs/a",
+                       "--max-steps", "5"]
+    assert main(["--plan", str(plan), "--latents", "c", "--print-command"]) == 0
+    assert capsys.readouterr().out.startswith("accelerate launch --config_file ")
+    assert main(["--latents", "c"]) == 2

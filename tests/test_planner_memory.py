@@ -1,0 +1,247 @@
+"""Memory components of one step, hand-checked on small cases, and the facts they start from."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from planner import vae
+from planner.errors import PlanError
+from planner.hardware import CALIBRATABLE, Assumptions, gpu_preset, gpu_presets
+from planner.memory import (
+    COMPONENTS,
+    Cluster,
+    Decision,
+    block_saved_bytes,
+    element_bytes,
+    saved_activation_bytes,
+    step_memory,
+)
+from planner.spec import model_spec
+from planner.units import format_bytes, parse_bytes, parse_headroom
+
+GiB = 2**30
+XL2 = model_spec("DiT-XL/2", 256)
+P = XL2.params_trainable
+
+
+def decision(**changes):
+    base = Decision(micro_batch=32, grad_accum=1, checkpointed_blocks=0, precision="bf16", sharding="ddp",
+                    latents="precomputed", ema=True)
+    return dataclasses.replace(base, **changes)
+
+
+def memory(dec=None, cluster=None, assumptions=None, spec=XL2):
+    return step_memory(spec, dec or decision(), cluster or Cluster(1, 8, 80 * 10**9), assumptions or Assumptions())
+
+
+# --- units ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("40G", 40 * 10**9), ("40GB", 40 * 10**9), ("40gb", 40 * 10**9), ("40GiB", 40 * 2**30),
+    ("80000M", 80 * 10**9), ("81920MiB", 80 * 2**30), ("39.5GiB", int(39.5 * 2**30)), ("1T", 10**12),
+])
+def test_sizes_parse_with_si_and_iec_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text, fragment", [("40", "no unit"), ("40XB", "unknown unit"), ("forty", "not a size"),
+                                            ("0G", "positive")])
+def test_bad_sizes_say_why(text, fragment):
+    with pytest.raises(PlanError, match=fragment):
+        parse_bytes(text)
+
+
+def test_headroom_is_a_share_or_a_size():
+    assert parse_headroom("5%", 1000) == 50
+    assert parse_headroom("0.1", 1000) == 100
+    assert parse_headroom("2GiB", 80 * GiB) == 2 * GiB
+    with pytest.raises(PlanError):
+        parse_headroom("150%", 1000)
+    assert format_bytes(40 * 10**9) == "37.25 GiB"
+
+
+# --- presets -------------------------------------------------------------------------------------------
+
+def test_presets_carry_datasheet_rates_and_sources():
+    presets = gpu_presets()
+    for required in ("a100-40g", "a100-80g", "h100-80g", "h200", "l40s", "rtx4090", "v100-32g", "v100-16g"):
+        assert required in presets
+    for preset in presets.values():
+        assert preset.source and preset.memory_bytes > 10 * GiB
+        assert preset.peak_flops["fp16"] >= preset.peak_flops["fp32"]
+    assert gpu_preset("A100").name == "a100-40g" and gpu_preset("4090").name == "rtx4090"
+    assert gpu_preset("a100-80g").matmul_peak_flops("bf16") == 312e12
+    assert gpu_preset("a100-80g").matmul_peak_flops("fp32") == 156e12  # TF32
+    assert gpu_preset("v100-32g").matmul_peak_flops("fp32") == 15.7e12  # no TF32 on Volta
+    with pytest.raises(PlanError, match="no bf16"):
+        gpu_preset("v100-16g").matmul_peak_flops("bf16")
+
+
+def test_assumptions_are_overridable_and_validated():
+    changed = Assumptions().replace(fragmentation=0.1, cuda_context_bytes=GiB)
+    assert changed.fragmentation == 0.1 and changed.cuda_context_bytes == GiB
+    with pytest.raises(PlanError, match="unknown assumption"):
+        Assumptions().replace(warp_drive=1)
+    with pytest.raises(PlanError, match="fraction"):
+        Assumptions().replace(fragmentation=1.5)
+    with pytest.raises(PlanError, match="not measurable"):
+        Assumptions().calibrated({"vae_params": 1})
+    assert Assumptions().calibrated({"mfu_mixed": 0.4}).mfu("bf16") == 0.4
+    assert set(CALIBRATABLE) <= {f.name for f in dataclasses.fields(Assumptions)}
+
+
+# --- activations: the figures DESIGN.md starts from ----------------------------------------------------
+
+def test_xl2_activation_figures_match_the_design_traces():
+    """DESIGN.md traced XL/2 @256, micro-batch 32: fp32 19.86 GiB; CPU bf16 autocast 10.36 GiB + 0.83 GiB
+    weight copies (that trace filed the adaLN weight copies under activations: the sums agree); checkpointed
+    0.55 GiB bf16 / 1.09 GiB fp32."""
+    fp32, cpu_bf16 = element_bytes("fp32"), element_bytes("bf16", "cpu")
+    assert saved_activation_bytes(XL2, 32, fp32) / GiB == pytest.approx(19.86, abs=0.01)
+    assert saved_activation_bytes(XL2, 32, fp32, 28) / GiB == pytest.approx(1.09, abs=0.01)
+    assert saved_activation_bytes(XL2, 32, cpu_bf16, 28) / GiB == pytest.approx(0.55, abs=0.01)
+    weight_copies = memory(decision()).phases["start_of_backward"]["autocast_cache"]
+    assert (saved_activation_bytes(XL2, 32, cpu_bf16) + weight_copies) / GiB == pytest.approx(10.36 + 0.83, abs=0.02)
+
+
+def test_block_bytes_per_element_by_regime():
+    """Per token x hidden of one block: 20 fp32 tensors (80 B); CPU bf16 the same 20 in 2 B; CUDA bf16 keeps
+    layer_norm's fp32 copies (4 x 4 B) and casts the fp32 modulated input for q, k, v separately (3 x 2 B)."""
+    spec = model_spec("DiT-XL/2", 256)
+    big = {name: v for name, v in block_saved_bytes(spec, 1, element_bytes("fp32")).items() if "embedder" not in name}
+    per = lambda eb: sum(v for k, v in block_saved_bytes(spec, 1, eb).items()
+                         if k not in ("embedder+adaLN", "1+scale (x2)")) / (spec.tokens * spec.hidden)
+    assert per(element_bytes("fp32")) == pytest.approx(80, abs=0.5)
+    assert per(element_bytes("bf16", "cpu")) == pytest.approx(40, abs=0.5)
+    assert per(element_bytes("bf16", "cuda")) == pytest.approx(52, abs=0.5)
+    assert per(element_bytes("fp16", "cuda")) == per(element_bytes("bf16", "cuda"))
+    assert len(big) >= 12
+
+
+def test_non_fused_attention_adds_the_softmax():
+    spec, eb = model_spec("DiT-XL/2", 256), element_bytes("bf16")
+    extra = saved_activation_bytes(spec, 32, eb, attention="math") - saved_activation_bytes(spec, 32, eb)
+    assert extra == 2 * spec.heads * spec.tokens**2 * 32 * spec.depth  # e * a * s^2 * b per block
+    assert extra / GiB == pytest.approx(1.75, abs=0.01)  # DESIGN.md: 22.56 - 20.82 GiB
+
+
+# --- model states --------------------------------------------------------------------------------------
+
+def test_ddp_states_hand_checked():
+    parts = memory(decision()).phases["optimizer_step"]
+    buffer = 4 * XL2.tokens * XL2.hidden
+    assert parts["weights"] == 4 * P + buffer
+    assert parts["grads"] == 8 * P  # grads + DDP buckets
+    assert parts["optimizer"] == 8 * P
+    assert parts["ema"] == 4 * P
+    assert parts["temporaries"] == 4 * P  # the foreach AdamW intermediate
+    assert parts["activations"] == parts["autocast_cache"] == 0
+
+
+def test_single_gpu_has_no_buckets_nor_nccl():
+    one = memory(cluster=Cluster(1, 1, 80 * 10**9)).phases["optimizer_step"]
+    eight = memory().phases["optimizer_step"]
+    assert one["grads"] == 4 * P and eight["grads"] == 8 * P
+    a = Assumptions()
+    assert eight["overhead"] - one["overhead"] == pytest.approx(
+        a.nccl_buffer_bytes + a.fragmentation * (sum(eight.values()) - eight["overhead"]
+                                                 - sum(one.values()) + one["overhead"]), abs=2)
+
+
+def test_bucket_view_fused_adamw_and_no_ema_each_save_four_bytes_per_param():
+    base = memory().phases["optimizer_step"]
+    for change in (dict(gradient_as_bucket_view=True), dict(adamw="fused"), dict(ema=False)):
+        other = memory(decision(**change)).phases["optimizer_step"]
+        saved = sum(base[k] - other[k] for k in COMPONENTS if k != "overhead")
+        assert saved == 4 * P, change
+
+
+def test_grads_survive_the_start_of_backward_only_when_accumulating():
+    once = memory(decision(grad_accum=1)).phases["start_of_backward"]["grads"]
+    accumulating = memory(decision(grad_accum=4)).phases["start_of_backward"]["grads"]
+    assert once == 4 * P  # DDP buckets only
+    assert accumulating == 8 * P  # + the summed gradients of the earlier micro-steps
+
+
+def test_sharding_divides_model_states_and_adds_gathered_copies():
+    cluster = Cluster(1, 8, 80 * 10**9)
+    zero2 = memory(decision(sharding="zero2"), cluster)
+    zero3 = memory(decision(sharding="zero3"), cluster)
+    for estimate in (zero2, zero3):
+        step = estimate.phases["optimizer_step"]
+        assert step["optimizer"] == 8 * P // 8 and step["ema"] == 4 * P // 8 and step["grads"] == 4 * P // 8
+    bwd2, bwd3 = zero2.phases["start_of_backward"], zero3.phases["start_of_backward"]
+    buffer = 4 * XL2.tokens * XL2.hidden
+    assert bwd2["weights"] == 4 * P // 8 + buffer + 2 * P  # SHARD_GRAD_OP keeps every unit gathered in bf16
+    outside_blocks = P - XL2.depth * XL2.block_params
+    assert bwd3["weights"] == 4 * P // 8 + buffer + 2 * (2 * XL2.block_params + outside_blocks)
+    assert bwd2["autocast_cache"] == bwd3["autocast_cache"] == 0  # FSDP params are already bf16
+    assert zero3.peak_bytes < zero2.peak_bytes < memory(decision(), cluster).peak_bytes
+
+
+def test_checkpointing_trades_activations_and_weight_copies():
+    full = memory(decision(checkpointed_blocks=0)).phases["start_of_backward"]
+    half = memory(decision(checkpointed_blocks=14)).phases["start_of_backward"]
+    every = memory(decision(checkpointed_blocks=28)).phases["start_of_backward"]
+    assert full["activations"] > half["activations"] > every["activations"]
+    assert full["autocast_cache"] > half["autocast_cache"] > every["autocast_cache"] > 0
+    # all 28 checkpointed: inputs (2 B/elem) + one block recomputed, far below the stored network
+    assert every["activations"] < full["activations"] / 10
+
+
+def test_peak_is_the_larger_moment():
+    lean = memory(decision(micro_batch=1, checkpointed_blocks=28))
+    assert lean.peak_phase == "optimizer_step"
+    fat = memory(decision(micro_batch=32))
+    assert fat.peak_phase == "start_of_backward"
+    assert fat.peak_bytes == max(fat.phase_bytes(p) for p in fat.phases)
+    assert sum(fat.components.values()) == fat.peak_bytes
+
+
+def test_fragmentation_and_fixed_overheads_are_added():
+    base = memory()
+    none = memory(assumptions=Assumptions(fragmentation=0.0, cuda_context_bytes=0, cublas_workspace_bytes=0,
+                                          nccl_buffer_bytes=0))
+    assert none.components["overhead"] == 0
+    allocated = base.peak_bytes - base.components["overhead"]
+    a = Assumptions()
+    assert base.components["overhead"] == int(a.cuda_context_bytes + a.cublas_workspace_bytes + a.nccl_buffer_bytes
+                                              + a.fragmentation * allocated)
+
+
+# --- the VAE -------------------------------------------------------------------------------------------
+
+def _sd_vae():
+    from diffusers import AutoencoderKL
+
+    with torch.device("meta"):
+        return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
+                             down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                             block_out_channels=list(vae.ENCODER_CHANNELS))
+
+
+def test_vae_sizes_match_diffusers_autoencoder():
+    model = _sd_vae()
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    assert count(model.encoder) + count(model.quant_conv) == vae.ENCODER_PARAMS
+    assert count(model) == Assumptions().vae_params
+
+
+def test_vae_encoder_macs_match_a_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _sd_vae().to_empty(device="cpu").eval()
+    image = torch.zeros(1, 3, 64, 64)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.encode(image)
+    assert vae.encoder_macs_per_image(64) == pytest.approx(counter.get_total_flops() / 2, rel=0.02)
+
+
+def test_online_latents_add_the_vae():
+    online = memory(decision(latents="online"), spec=model_spec("DiT-XL/2", 256, "online"))
+    assert "vae_encode" in online.phases
+    weights = Assumptions().vae_params * 4
+    assert online.phases["optimizer_step"]["vae"] == weights
+    assert online.phases["vae_encode"]["vae"] == weights + vae.encoder_activation_bytes(256, 32, 4.0)
+    assert "vae_encode" not in memory().phases

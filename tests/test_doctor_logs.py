@@ -13,6 +13,7 @@ from dit_accel.doctor import run
 from dit_accel.doctor.checks import Status
 from dit_accel.doctor.logs import diagnose, last_exception_line, parse_failures
 from dit_accel.doctor.plan import load_plan
+from planner.plan import make_plan
 
 LAUNCHER_TRACEBACK = """Traceback (most recent call last):
   File "/opt/conda/bin/accelerate", line 8, in <module>
@@ -54,16 +55,7 @@ E0302 10:14:06.532000 88121 torch/distributed/elastic/multiprocessing/api.py:874
 SIGKILL_LOG = PREAMBLE + failure_block(failure_entry(0, 3, -9, 88127))
 
 
-XL_PLAN = {  # the parts of a DiT-XL/2 plan.json (DESIGN.md contract) the log reader quotes
-    "schema": "dit-plan/1", "inputs": {},
-    "model": {"name": "DiT-XL/2", "resolution": 256, "latent_size": 32, "in_channels": 4, "params_trainable": 674_834_720},
-    "cluster": {"nodes": 1, "gpus_per_node": 8, "world_size": 8, "vram_bytes": 40 * 10**9, "gpu": None},
-    "global_batch": 256,
-    "decision": {"micro_batch": 16, "grad_accum": 2, "checkpointed_blocks": 0, "precision": "bf16", "sharding": "ddp",
-                 "latents": "precomputed", "ema": True},
-    "memory": {"peak_bytes": 30 * 10**9, "budget_bytes": 37 * 10**9},
-    "host": {"per_node_bytes": 120 * 2**30},
-}
+XL_PLAN = make_plan(gpus=8, vram="40G", global_batch=256)  # DiT-XL/2 on 8 x 40 GB, by the real planner
 
 
 def write(tmp_path: Path, text: str, name="launch.log") -> Path:
@@ -85,7 +77,8 @@ def test_exitcode_9_names_the_oom_killer_the_plan_estimate_and_the_fixes(tmp_pat
     assert checks[0].name == "failed ranks" and "rank 3 (local_rank 3, pid 88127) on gpu-node-07" in checks[0].reason
     [kill] = [c for c in checks if c.name == "exitcode -9 (SIGKILL)"]
     assert kill.status is Status.FAIL
-    for expected in ("OOM killer", "scheduler", "dmesg", "journalctl -k", "pid 88127", "120.0 GiB of host RAM per node",
+    estimate = f"{XL_PLAN['host']['per_node_bytes'] / 2**30:.1f} GiB of host RAM per node"
+    for expected in ("OOM killer", "scheduler", "dmesg", "journalctl -k", "pid 88127", estimate,
                      str(tmp_path / "runs" / "xl2" / "logs" / "rank3.log")):
         assert expected in kill.reason, expected
     for fix in ("fewer data-loader workers", "precomputed latents", "loading weights once per node", "more host RAM"):

@@ -24,29 +24,23 @@ from dit_accel.doctor.environment import (ComputeApp, EnvironmentFacts, GpuFacts
 from dit_accel.doctor.host import HostFacts, check_host, loader_facts, read_host
 from dit_accel.doctor.output import check_output, checkpoint_bytes
 from dit_accel.doctor.plan import load_plan
+from planner.outputs import write_plan_dir
+from planner.plan import make_plan
 
 GiB = 2**30
 
-# DiT-XL/2 on 8 x 40 GB, the DESIGN.md plan.json contract
-XL_PLAN = {
-    "schema": "dit-plan/1",
-    "inputs": {"model": "DiT-XL/2", "gpus": 8, "vram": "40G", "global_batch": 256},
-    "model": {"name": "DiT-XL/2", "resolution": 256, "latent_size": 32, "in_channels": 4, "tokens": 256,
-              "params_trainable": 674_834_720, "fwd_flops_per_image": 237_200_000_000},
-    "cluster": {"nodes": 1, "gpus_per_node": 8, "world_size": 8, "vram_bytes": 40 * 10**9, "gpu": None},
-    "global_batch": 256,
-    "decision": {"micro_batch": 16, "grad_accum": 2, "checkpointed_blocks": 0, "precision": "bf16",
-                 "sharding": "ddp", "latents": "precomputed", "ema": True},
-    "memory": {"peak_bytes": 30 * 10**9, "budget_bytes": 37 * 10**9},
-    "host": {"per_node_bytes": 120 * GiB},
-    "warnings": [], "alternatives": [],
-}
-XL_YAML = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 8,
-           "num_machines": 1, "machine_rank": 0, "mixed_precision": "bf16", "main_process_port": 0}
+# Plans by the real planner: DiT-XL/2 on 8 x 40 GB, and a 2-block DiT at 32 px on 2 GPUs (global batch 8)
+XL_PLAN = make_plan(gpus=8, vram="40G", global_batch=256)
+TINY = dict(gpus=2, vram="8G", global_batch=8, model="DiT-S/2", depth=2, hidden=32, heads=2, resolution=32, num_classes=3)
+PIXEL_PLAN = make_plan(**TINY, latents="pixel")
+LATENT_PLAN = make_plan(**TINY, latents="precomputed")
+ANY_FREE_PORT = {"main_process_port": 0}  # tests never depend on port 29500 being free
 
 
-def write_plan(folder: Path, plan: dict = XL_PLAN, config: dict = XL_YAML, **changes) -> Path:
-    """plan.json + accelerate_config.yaml in `folder`; `changes` are dotted keys, e.g. decision__precision='fp16'."""
+def write_plan(folder: Path, plan: dict = XL_PLAN, config: dict | None = None, broken: dict | None = None,
+               **changes) -> Path:
+    """dit-plan's own files for `plan` in `folder`, after `changes` (dotted keys: decision__sharding="zero3");
+    then `config` edits the Accelerate YAML and `broken` plan.json's top level, to build inconsistent files."""
     plan = copy.deepcopy(plan)
     for dotted, value in changes.items():
         *parents, leaf = dotted.split("__")
@@ -54,9 +48,11 @@ def write_plan(folder: Path, plan: dict = XL_PLAN, config: dict = XL_YAML, **cha
         for part in parents:
             node = node[part]
         node[leaf] = value
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "plan.json").write_text(json.dumps(plan))
-    (folder / "accelerate_config.yaml").write_text(yaml.safe_dump(config))
+    write_plan_dir(plan, folder)
+    config_path = folder / "accelerate_config.yaml"
+    config_path.write_text(yaml.safe_dump({**yaml.safe_load(config_path.read_text()), **ANY_FREE_PORT, **(config or {})}))
+    if broken:
+        (folder / "plan.json").write_text(json.dumps({**plan, **broken}))
     return folder / "plan.json"
 
 
@@ -159,19 +155,24 @@ def test_torch_cuda_build_against_the_driver(xl_plan, driver_cuda, status):
     ({"dit_extra_key": 1}, "unknown keys"),
 ])
 def test_accelerate_yaml_that_disagrees_with_the_plan_fails(tmp_path, change, message):
-    plan_path = write_plan(tmp_path, config={**XL_YAML, **change})
+    plan_path = write_plan(tmp_path, config=change)
     row = check_accelerate_config(load_plan(plan_path), tmp_path / "accelerate_config.yaml")
     assert row.status is Status.FAIL and message in row.reason and "dit-plan" in row.fix
 
 
-def test_zero_stage_must_match_the_plans_sharding(tmp_path):
-    config = {**XL_YAML, "distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 2}}
-    plan_path = write_plan(tmp_path, config=config, decision__sharding="zero3")
-    row = check_accelerate_config(load_plan(plan_path), tmp_path / "accelerate_config.yaml")
+def test_the_sharding_strategy_must_match_the_plans(tmp_path):
+    plan_path = write_plan(tmp_path, decision__sharding="zero3")  # dit-plan writes FSDP FULL_SHARD for it
+    config_path = tmp_path / "accelerate_config.yaml"
+    assert check_accelerate_config(load_plan(plan_path), config_path).status is Status.PASS
+    fsdp = yaml.safe_load(config_path.read_text())["fsdp_config"]
+    write_plan(tmp_path, decision__sharding="zero3", config={"fsdp_config": {**fsdp, "fsdp_sharding_strategy": "SHARD_GRAD_OP"}})
+    row = check_accelerate_config(load_plan(plan_path), config_path)
+    assert row.status is Status.FAIL and "fsdp_sharding_strategy is SHARD_GRAD_OP, the plan's zero3 needs FULL_SHARD" in row.reason
+    deepspeed = {"distributed_type": "DEEPSPEED", "fsdp_config": None,
+                 "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": XL_PLAN["decision"]["grad_accum"]}}
+    write_plan(tmp_path, decision__sharding="zero3", config=deepspeed)
+    row = check_accelerate_config(load_plan(plan_path), config_path)
     assert row.status is Status.FAIL and "zero_stage is 2, the plan's zero3 needs 3" in row.reason
-    write_plan(tmp_path, config={**config, "deepspeed_config": {"zero_stage": 3, "gradient_accumulation_steps": 2}},
-               decision__sharding="zero3")
-    assert check_accelerate_config(load_plan(plan_path), tmp_path / "accelerate_config.yaml").status is Status.PASS
 
 
 def test_a_plan_the_trainer_cannot_run_fails_with_the_trainers_reason(tmp_path):
@@ -198,13 +199,18 @@ def test_host_ram_below_the_plans_estimate_is_the_exitcode_9_failure(xl_plan, tm
     facts = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup",
                       open_files=lambda: (65536, 65536), cpu_count=lambda: 96)
     assert facts.mem_total_bytes == 128 * GiB and facts.mem_available_bytes == 100 * GiB
+    # the planner assumed 8 workers per rank; the trainer's default 4 needs 8 ranks x 4 workers x 512 MiB less
+    need = xl_plan.host_bytes_for_workers(4)
+    assert xl_plan.host_bytes - need == 8 * 4 * (512 * 2**20 + XL_PLAN["host"]["per_rank"]["loader_prefetch"] // 8)
     row = by_name(check_host(xl_plan, facts, loader_facts(xl_plan, 4)), "host RAM")
     assert row.status is Status.FAIL
-    assert "120.0 GiB per node, 100.0 GiB available" in row.reason and "exitcode -9" in row.reason
+    assert f"needs about {need / GiB:.1f} GiB per node" in row.reason and "100.0 GiB available" in row.reason
+    assert "exitcode -9" in row.reason and "assumed 8 data-loader workers" in row.reason
     assert "data-loader workers" in row.fix and "precomputed latents" in row.fix
-    (tmp_path / "meminfo").write_text(meminfo(256, 128))  # 120 of 128: too close to call
+    (tmp_path / "meminfo").write_text(meminfo(256, need / GiB * 1.05))  # within 10%: too close to call
     close = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup")
     assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 4)), "host RAM").status is Status.WARN
+    assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 2)), "host RAM").status is Status.PASS
 
 
 def test_a_cgroup_memory_limit_counts_like_missing_ram(xl_plan, tmp_path):
@@ -225,7 +231,7 @@ def test_the_real_host_reads(xl_plan):
 
 
 def test_docker_default_shm_fails_for_pixel_workers(tmp_path):
-    plan = load_plan(write_plan(tmp_path, decision__latents="online"))
+    plan = load_plan(write_plan(tmp_path, make_plan(gpus=8, vram="80G", global_batch=256, latents="online")))
     row = by_name(check_host(plan, host(shm_total_bytes=64 * 2**20, shm_free_bytes=64 * 2**20), loader_facts(plan, 8)),
                   "/dev/shm")
     assert row.status is Status.FAIL and "64 MiB in total" in row.reason and "--shm-size" in row.fix
@@ -254,15 +260,8 @@ def make_folder(root: Path, classes: int = 3, per_class: int = 4, size: int = 40
 
 @pytest.fixture
 def pixel_plan(tmp_path):
-    """A tiny pixel-space plan: 2 GPUs x micro 2 x accum 2 = global batch 8, at 32 px."""
-    return load_plan(write_plan(tmp_path / "plan", config={**XL_YAML, "num_processes": 2},
-                                model={"name": "DiT-custom", "resolution": 32, "latent_size": 32, "in_channels": 3,
-                                       "tokens": 64, "params_trainable": 100_000, "fwd_flops_per_image": 10**6,
-                                       "num_classes": 3},
-                                cluster={"nodes": 1, "gpus_per_node": 2, "world_size": 2, "vram_bytes": 40 * 10**9, "gpu": None},
-                                global_batch=8, decision__micro_batch=2, decision__latents="pixel",
-                                memory={"peak_bytes": 1 * GiB, "budget_bytes": 37 * 10**9},
-                                host={"per_node_bytes": 4 * GiB}))
+    """A tiny pixel-space plan: 2 GPUs, global batch 8, 3 classes, at 32 px."""
+    return load_plan(write_plan(tmp_path / "plan", PIXEL_PLAN))
 
 
 def test_a_good_image_folder_passes(pixel_plan, tmp_path):
@@ -345,11 +344,7 @@ def latent_cache(tmp_path_factory):
 
 
 def latent_plan(tmp_path, **changes):
-    tiny = {"model": {"name": "DiT-custom", "resolution": 32, "latent_size": 4, "in_channels": 4, "tokens": 4,
-                      "params_trainable": 100_000, "fwd_flops_per_image": 10**6, "num_classes": 3},
-            "global_batch": 8, "decision__micro_batch": 4, "decision__grad_accum": 1,
-            "cluster": {"nodes": 1, "gpus_per_node": 2, "world_size": 2, "vram_bytes": 40 * 10**9, "gpu": None}}
-    return load_plan(write_plan(tmp_path / "latent-plan", **{**tiny, **changes}))
+    return load_plan(write_plan(tmp_path / "latent-plan", make_plan(**{**TINY, **changes}, latents="precomputed")))
 
 
 def test_a_latent_cache_against_the_plan(latent_cache, tmp_path):
@@ -361,10 +356,10 @@ def test_a_latent_cache_against_the_plan(latent_cache, tmp_path):
     other_vae = save_tiny_vae(tmp_path / "other-vae", seed=1)
     row = by_name(check_data(plan, None, cache, other_vae, full=False), "latent VAE")
     assert row.status is Status.FAIL and "another VAE" in row.reason and "extract latents again" in row.fix
-    row = by_name(check_data(latent_plan(tmp_path, model__resolution=64, model__latent_size=8), None, cache, None, False),
+    row = by_name(check_data(latent_plan(tmp_path, resolution=64), None, cache, None, False),
                   "latent resolution")
     assert row.status is Status.FAIL and "made at 32 px but the run asks for 64 px" in row.reason
-    row = by_name(check_data(latent_plan(tmp_path, global_batch=16, decision__micro_batch=8), None, cache, None, False),
+    row = by_name(check_data(latent_plan(tmp_path, global_batch=16), None, cache, None, False),
                   "classes")
     assert row.status is Status.FAIL and "12 images, fewer than one global batch of 16" in row.reason
 
@@ -444,8 +439,7 @@ def test_the_launch_flags_override_the_configs_port(ready, capsys):
 
 
 def test_multi_node_addresses(tmp_path, monkeypatch):
-    plan = load_plan(write_plan(tmp_path, cluster={"nodes": 2, "gpus_per_node": 8, "world_size": 16,
-                                                   "vram_bytes": 40 * 10**9, "gpu": None}, decision__grad_accum=1))
+    plan = load_plan(write_plan(tmp_path, make_plan(nodes=2, gpus=8, vram="40G", global_batch=256)))
     assert check_distributed(plan, Rendezvous(None, 29500))[0].status is Status.FAIL
     loopback = check_distributed(plan, Rendezvous("127.0.0.1", 29500))[0]
     assert loopback.status is Status.FAIL and "loopback" in loopback.reason
@@ -508,9 +502,9 @@ def test_bad_flags_and_plans_are_one_line_and_exit_2(tmp_path, capsys):
     assert dit_accel(["doctor", "--plan", "p.json", "--latents", "a", "--data-path", "b"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not allowed with" in err
-    write_plan(tmp_path, schema="dit-plan/0")
+    write_plan(tmp_path, broken={"schema": "dit-plan/0"})
     assert dit_accel(["doctor", "--plan", str(tmp_path / "plan.json"), "--latents", str(tmp_path)]) == 2
     assert "schema 'dit-plan/0'" in capsys.readouterr().err
-    write_plan(tmp_path, memory={"budget_bytes": 1})
+    write_plan(tmp_path, broken={"memory": {"budget_bytes": 1}})
     assert dit_accel(["doctor", "--plan", str(tmp_path / "plan.json"), "--latents", str(tmp_path)]) == 2
     assert "no 'memory.peak_bytes'" in capsys.readouterr().err

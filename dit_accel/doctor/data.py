@@ -43,8 +43,8 @@ def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | Non
         trainer_check({"decision": {"latents": plan.latents}}, config)
     except UserError as error:
         return from_user_error("data vs plan", error)
-    source = f"latent cache {latents}" if latents else f"image folder {data_path}"
-    return passed(GROUP, "data vs plan", f"the plan trains on {plan.latents} latents; a {source} was given")
+    source = f"the latent cache {latents}" if latents else f"the image folder {data_path}"
+    return passed(GROUP, "data vs plan", f"the plan trains on {plan.latents} latents, from {source}")
 
 
 def _class_counts(images_per_class: dict[str, int]) -> str:

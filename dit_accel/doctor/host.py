@@ -18,7 +18,7 @@ from dit_accel.doctor.plan import PlanFacts
 
 GROUP = "host"
 RAM_WARN_FRACTION = 0.9  # an estimate within 10% of what is available is too close to call
-PREFETCH_FACTOR = 2  # torch DataLoader's default batches in flight per worker
+PREFETCH_FACTOR = 2  # batches in flight per worker: torch DataLoader's default, which the trainer keeps
 BASE_OPEN_FILES = 256  # python, torch, CUDA, NCCL sockets and the log files of one rank
 OPEN_FILES_PER_BATCH = 8  # file descriptors a worker's batch in flight may hold (file_descriptor sharing)
 COMFORTABLE_OPEN_FILES = 4096
@@ -91,13 +91,12 @@ class LoaderFacts:
 
 
 def loader_facts(plan: PlanFacts, workers_per_rank: int) -> LoaderFacts:
-    """A worker hands over float32 samples: a latent drawn from the cache (C x s x s) or RGB pixels."""
-    side = plan.latent_size
-    if plan.latents == "precomputed":
-        sample_bytes = plan.in_channels * side * side * 4
-    else:
-        sample_bytes = 3 * plan.resolution * plan.resolution * 4
-    return LoaderFacts(workers_per_rank=workers_per_rank, sample_bytes=sample_bytes)
+    """The sample size by the planner's own rule (an fp32 latent, or fp32 RGB pixels)."""
+    from planner.host import sample_bytes
+
+    from dit_accel.train import spec_from_plan
+
+    return LoaderFacts(workers_per_rank=workers_per_rank, sample_bytes=sample_bytes(spec_from_plan(plan.raw), plan.latents))
 
 
 def check_ram(plan: PlanFacts, host: HostFacts, workers_per_rank: int) -> Check:

@@ -139,6 +139,14 @@ def test_bf16_plan_on_a_v100_fails(xl_plan):
     assert row.status is Status.FAIL and "compute capability 7.0" in row.reason and "--precision fp16" in row.fix
 
 
+def test_tf32_for_fp32_plans(tmp_path):
+    plan = load_plan(write_plan(tmp_path, make_plan(gpus=8, vram="80G", global_batch=256, precision="fp32")))
+    row = by_name(check_environment(plan, env(gpus=gpus(total=80 * GiB, free=79 * GiB)), tmp_path / "accelerate_config.yaml"), "TF32")
+    assert row.status is Status.WARN and "full fp32 rate" in row.reason
+    assert by_name(check_environment(plan, env(gpus=gpus(total=80 * GiB, free=79 * GiB), tf32_matmul=True),
+                                     tmp_path / "accelerate_config.yaml"), "TF32").status is Status.PASS
+
+
 @pytest.mark.parametrize("driver_cuda, status", [("11.8", Status.FAIL), ("12.2", Status.WARN), ("12.8", Status.PASS)])
 def test_torch_cuda_build_against_the_driver(xl_plan, driver_cuda, status):
     row = by_name(check_environment(xl_plan, env(driver_cuda=driver_cuda), xl_plan.path.parent / "accelerate_config.yaml"),

@@ -211,6 +211,15 @@ def test_the_command_reads_a_log_and_the_per_rank_logs(tmp_path, capsys):
     assert row["status"] == "WARN" and "KeyError: 'latent'" in row["reason"]
 
 
+def test_the_table_fits_the_terminal(tmp_path, capsys, monkeypatch):
+    log = write(tmp_path, SIGKILL_LOG)
+    for columns in (100, 160):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        assert run(["--log", str(log)]) == 2
+        lines = capsys.readouterr().out.splitlines()
+        assert max(map(len, lines)) <= columns and "exitcode -9" in "".join(lines)
+
+
 def test_an_unreadable_log_is_one_line_and_exit_2(tmp_path, capsys):
     from dit_accel.doctor import main
 

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 
 from tabulate import tabulate
 
 from dit_accel.doctor.checks import Check, Status, exit_code
 
-REASON_WIDTH = 70
-FIX_WIDTH = 50
+FIXED_COLUMNS_WIDTH = 62  # group, check (wrapped at 20), status and the grid's borders
+MIN_TEXT_WIDTH = 50  # reason + fix never squeezed below this, however narrow the terminal
+
+
+def text_widths(columns: int | None = None) -> tuple[int, int]:
+    """Reason and fix column widths that fill the terminal (COLUMNS, else 160 when not a terminal), 3:2."""
+    columns = columns or shutil.get_terminal_size((160, 24)).columns
+    text = max(MIN_TEXT_WIDTH, columns - FIXED_COLUMNS_WIDTH)
+    return text * 3 // 5, text - text * 3 // 5
 
 
 VERDICTS = {
@@ -28,8 +36,9 @@ def summary_line(checks: list[Check], strict: bool, mode: str = "preflight") -> 
 
 def format_table(checks: list[Check], strict: bool = False, mode: str = "preflight") -> str:
     rows = [(check.group, check.name, check.status.value, check.reason, check.fix or "-") for check in checks]
+    reason_width, fix_width = text_widths()
     table = tabulate(rows, headers=("group", "check", "status", "reason", "fix"), tablefmt="simple_grid",
-                     maxcolwidths=[None, 20, None, REASON_WIDTH, FIX_WIDTH])
+                     maxcolwidths=[None, 20, None, reason_width, fix_width])
     return table + "\n" + summary_line(checks, strict, mode)
 
 

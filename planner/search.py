@@ -178,6 +178,9 @@ def checkpoint_range(space: SearchSpace, spec: DiTSpec) -> tuple[int, int]:
         return spec.depth, spec.depth
     if isinstance(mode, int) and 0 <= mode <= spec.depth:
         return mode, mode
+    if isinstance(mode, int):
+        raise PlanError(f"--checkpointing {mode} is outside 0..{spec.depth} (the model's depth): use auto, none, all "
+                        f"or a block count 0..{spec.depth}")
     raise PlanError(f"--checkpointing must be auto, none, all or a block count 0..{spec.depth}, got {mode!r}")
 
 

@@ -1,0 +1,221 @@
+"""`dit-plan` end to end: files, the plan.json contract, formats, sweeps, bad input, atomic writes."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from planner import cli
+from planner.plan import make_plan
+from planner.spec import model_spec
+
+BASE = ["--gpus", "8", "--vram", "40G", "--global-batch", "256"]
+
+
+def run(argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_headline_command_writes_the_three_files(tmp_path, capsys):
+    code, out, err = run(BASE + ["--out", str(tmp_path / "plan")], capsys)
+    assert code == 0 and err == ""
+    files = sorted(p.name for p in (tmp_path / "plan").iterdir())
+    assert files == ["accelerate_config.yaml", "plan.json", "plan.md"]
+    assert "G/GB = 10^9 bytes, GiB = 2^30 bytes" in out  # the unit convention, said
+    assert "37.25 GiB = 40.00 GB" in out
+    for heading in ("Decision", "Memory per GPU at its peak", "Alternatives", "Warnings"):
+        assert heading in out
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan == json.loads(json.dumps(make_plan(gpus=8, vram="40G", global_batch=256)))
+
+
+def test_plan_json_contract(tmp_path, capsys):
+    run(BASE + ["--out", str(tmp_path)], capsys)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["schema"] == "dit-plan/1"
+    assert {"schema", "inputs", "model", "cluster", "global_batch", "decision", "memory", "throughput", "host",
+            "alternatives", "warnings"} <= set(plan)
+    spec = model_spec("DiT-XL/2", 256)
+    assert {k: plan["model"][k] for k in ("name", "resolution", "latent_size", "in_channels", "tokens",
+                                          "params_trainable", "fwd_flops_per_image")} == {
+        "name": "DiT-XL/2", "resolution": 256, "latent_size": 32, "in_channels": 4, "tokens": 256,
+        "params_trainable": spec.params_trainable, "fwd_flops_per_image": spec.fwd_flops_per_image}
+    c = plan["cluster"]
+    assert (c["nodes"], c["gpus_per_node"], c["world_size"], c["vram_bytes"], c["gpu"]) == (1, 8, 8, 40 * 10**9, None)
+    d = plan["decision"]
+    assert d["micro_batch"] * d["grad_accum"] * c["world_size"] == plan["global_batch"] == 256
+    assert 0 <= d["checkpointed_blocks"] <= 28 and d["precision"] in ("bf16", "fp16", "fp32")
+    assert d["sharding"] in ("ddp", "zero2", "zero3") and d["latents"] == "precomputed" and d["ema"] is True
+    m = plan["memory"]
+    parts = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries", "overhead")
+    assert sum(m[k] for k in parts) == m["peak_bytes"] <= m["budget_bytes"] == 38 * 10**9  # 5% headroom
+    assert {"step_flops", "est_images_per_s", "assumed_mfu"} <= set(plan["throughput"])
+    assert plan["host"]["per_node_bytes"] == 8 * plan["host"]["per_rank_bytes"]
+    for alternative in plan["alternatives"]:
+        assert {"micro_batch", "grad_accum", "checkpointed_blocks", "precision", "sharding", "latents", "ema",
+                "peak_bytes", "est_images_per_s"} <= set(alternative)
+    assert isinstance(plan["warnings"], list)
+    assert plan["inputs"]["vram"] == "40G" and plan["inputs"]["gpus"] == 8
+
+
+def test_plan_md_explains_its_arithmetic(tmp_path, capsys):
+    run(BASE + ["--out", str(tmp_path)], capsys)
+    text = (tmp_path / "plan.md").read_text()
+    for section in ("## Inputs", "## Decision", "## Memory per GPU", "### The arithmetic", "## Alternatives",
+                    "## Assumptions", "## Throughput estimate", "## How the decision was made"):
+        assert section in text
+    assert "32 x 1 x 8 = 256" in text and "674,834,720" in text and "B per token x hidden" in text
+
+
+def test_tiny_custom_model_for_other_tests(tmp_path, capsys):
+    argv = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "64",
+            "--num-classes", "4", "--gpus", "2", "--vram", "8G", "--global-batch", "8", "--out", str(tmp_path)]
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    m = plan["model"]
+    assert (m["depth"], m["hidden"], m["heads"], m["patch"], m["num_classes"], m["latent_size"]) == (2, 32, 2, 2, 4, 8)
+    assert m["params_trainable"] == model_spec("DiT-S/2", 64, depth=2, hidden=32, heads=2, num_classes=4).params_trainable
+    d = plan["decision"]
+    assert d["micro_batch"] * d["grad_accum"] * 2 == 8
+
+
+@pytest.mark.parametrize("fmt, marker", [("markdown", "|:--"), ("github", "|----"), ("latex", "\\begin{tabular}"),
+                                         ("table", "-----")])
+def test_formats(tmp_path, capsys, fmt, marker):
+    code, out, _ = run(BASE + ["--format", fmt, "--out", str(tmp_path)], capsys)
+    assert code == 0 and marker in out
+
+
+def test_json_format_prints_the_plan_only(tmp_path, capsys):
+    code, out, err = run(BASE + ["--format", "json", "--out", str(tmp_path)], capsys)
+    assert code == 0
+    assert json.loads(out) == json.loads((tmp_path / "plan.json").read_text())
+    assert "wrote" in err
+
+
+def test_sweep_gives_one_row_per_combination_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(["--gpu", "a100-40g,a100-80g,h100-80g", "--gpus", "8,16", "--global-batch", "256"], capsys)
+    assert code == 0
+    rows = [line for line in out.splitlines() if "DiT-XL/2" in line]
+    assert len(rows) == 6
+    assert list(tmp_path.iterdir()) == []
+    code, out, _ = run(["--vram", "24G,80G", "--gpus", "7,8", "--global-batch", "256", "--format", "json"], capsys)
+    rows = json.loads(out)
+    assert len(rows) == 4
+    for row in rows:
+        if row["gpus"] == 7:
+            assert "does not divide" in row["note"] and "micro_batch" not in row
+        else:
+            assert row["micro_batch"] * row["grad_accum"] * row["gpus"] == 256 and row["peak_bytes"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+BAD = [
+    (["--gpus", "0", "--vram", "40G"], "--gpus must be positive"),
+    (["--gpus", "eight", "--vram", "40G"], "--gpus 'eight' is not a whole number"),
+    (["--gpus", "-2", "--vram", "40G"], "--gpus must be positive"),
+    (["--gpus", "8"], "give the GPU memory"),
+    (["--vram", "40G"], "give --gpus"),
+    (["--gpus", "8", "--vram", "40"], "no unit"),
+    (["--gpus", "8", "--vram", "40XB"], "unknown unit"),
+    (["--gpus", "8", "--gpu", "a100-4g"], "did you mean a100-40g"),
+    (["--gpus", "8", "--vram", "40G", "--model", "DiT-XXL/2"], "did you mean DiT-XL/2"),
+    (["--gpus", "8", "--vram", "40G", "--resolution", "260"], "multiple of 16"),
+    (["--gpus", "8", "--vram", "40G", "--global-batch", "255"], "use 248 or 256"),
+    (["--gpus", "8", "--vram", "40G", "--global-batch", "0"], "--global-batch must be positive"),
+    (["--gpus", "8", "--gpu", "v100-16g", "--precision", "bf16"], "no bf16"),
+    (["--gpus", "8", "--gpu", "a100-40g", "--vram", "80G"], "more than a100-40g"),
+    (["--gpus", "8", "--vram", "40G", "--main-process-ip", "10.0.0.1"], "only matters with --nodes"),
+    (["--gpus", "8", "--vram", "40G", "--checkpointing", "29"], "outside 0..28"),
+    (["--gpus", "8", "--vram", "40G", "--checkpointing", "some"], "--checkpointing must be"),
+    (["--gpus", "1", "--vram", "40G", "--sharding", "zero2", "--global-batch", "32"], "needs more than one GPU"),
+    (["--gpus", "8", "--vram", "40G", "--headroom", "150%"], "--headroom"),
+    (["--gpus", "8", "--vram", "40G", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--gpus", "8", "--vram", "40G", "--precision", "bf17"], "invalid choice: 'bf17'"),
+    (["--gpus", "8", "--vram", "40G", "--assume", "warp=1"], "--assume 'warp=1'"),
+    (["--gpus", "8", "--vram", "40G", "--assume", "fragmentation=2"], "fragmentation must be a fraction"),
+    (["--gpus", "8", "--vram", "40G", "--nodes", "0"], "--nodes must be positive"),
+    (["--gpus", "8", "--vram", "40G", "--depth", "0"], "--depth must be positive"),
+    (["--gpus", "8", "--vram", "40G", "--hidden", "30", "--heads", "4"], "does not divide into 4 heads"),
+    (["--gpus", "8", "--vram", "40G", "--max-micro-batch", "x"], "--max-micro-batch 'x'"),
+    (["--gpus", "1", "--gpu", "v100-16g", "--resolution", "512"], "needs at least"),
+    (["--gpus", "8,16", "--vram", "40G", "--out", "somewhere"], "a sweep prints one table"),
+    (["--gpus", "8", "--vram", "40G,80G", "--gpu", "a100-80g"], "sweep either --vram or --gpu"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_exit_2_and_no_files(tmp_path, capsys, monkeypatch, argv, fragment):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dit-plan: error: "), err
+    assert fragment in lines[0]
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # not even ./plan or a staging directory
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, capsys):
+    target = tmp_path / "taken"
+    target.write_text("mine")
+    code, _, err = run(BASE + ["--out", str(target)], capsys)
+    assert code == 2 and "is a file" in err and target.read_text() == "mine"
+
+
+def test_a_write_that_fails_midway_leaves_nothing(tmp_path, capsys, monkeypatch):
+    calls = []
+    real = Path.write_text
+
+    def failing(self, text, *args, **kwargs):
+        calls.append(self.name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing)
+    with pytest.raises(OSError):
+        cli.main(BASE + ["--out", str(tmp_path / "plan")])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_replanning_replaces_our_files_and_keeps_the_users(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert run(BASE + ["--nodes", "2", "--out", str(out)], capsys)[0] == 0
+    assert (out / "launch.slurm").exists()
+    (out / "notes.txt").write_text("keep me")
+    assert run(BASE + ["--gpus", "4", "--out", str(out)], capsys)[0] == 0
+    assert not (out / "launch.slurm").exists()  # a single-node plan must not leave a stale multi-node script
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert json.loads((out / "plan.json").read_text())["cluster"]["world_size"] == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["plan"]  # no staging directory left
+
+
+def test_host_ram_warning_names_the_fix(tmp_path, capsys):
+    code, out, _ = run(BASE + ["--host-ram", "64GiB", "--latents", "online", "--out", str(tmp_path)], capsys)
+    assert code == 0
+    assert "exitcode -9" in out and "fewer data-loader workers" in out and "precomputed latents" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["host"]["fits"] is False and plan["host"]["host_ram_bytes"] == 64 * 2**30
+
+
+def test_assumptions_override_and_list(tmp_path, capsys):
+    code, _, _ = run(BASE + ["--assume", "cuda_context_bytes=1GiB", "--assume", "mfu_mixed=0.5", "--out",
+                             str(tmp_path)], capsys)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert code == 0 and plan["assumptions"]["cuda_context_bytes"] == 2**30
+    assert plan["throughput"]["assumed_mfu"] == 0.5
+    code, out, _ = run(["--list-assumptions"], capsys)
+    assert code == 0 and "half_efficiency_tokens" in out and "fragmentation" in out
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    assert shutil.which("dit-plan") or os.path.exists(os.path.join(os.path.dirname(os.sys.executable), "dit-plan"))

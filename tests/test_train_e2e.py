@@ -1,0 +1,326 @@
+"""The trainer end to end on the CPU: plans written by dit-plan, demo data, a latent cache made with a tiny
+AutoencoderKL, real accelerate (in-process for one process, `accelerate launch` over gloo for two).
+
+One module-scoped workspace (VAE, images, latents, plans) and a few shared runs keep this under a minute.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dit_accel import checkpoint as ckpt
+
+TINY_MODEL = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "64",
+              "--num-classes", "4", "--vram", "8G", "--precision", "fp32"]
+STEPS = 24  # long enough for the loss to fall clearly at lr 3e-3; a checkpoint at 12 and at 24
+QUIET = ["--num-workers", "0", "--no-progress-bar", "--log-every", "1", "--lr", "3e-3"]
+WARMUP = ["--warmup-steps", "4"]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in ("DIT_ACCEL_INJECT_NAN", "DIT_ACCEL_CRASH_BEFORE_COMMIT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def _make_plan(out: Path, gpus: int, micro_batch: int, grad_accum: int, global_batch: int = 8) -> Path:
+    """`dit-plan` writes plan.json and accelerate_config.yaml; --max-micro-batch pins the layout compared."""
+    from planner.cli import main as dit_plan
+
+    assert dit_plan([*TINY_MODEL, "--gpus", str(gpus), "--global-batch", str(global_batch), "--sharding", "ddp",
+                     "--checkpointing", "1", "--max-micro-batch", str(micro_batch), "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert (plan["decision"]["micro_batch"], plan["decision"]["grad_accum"]) == (micro_batch, grad_accum)
+    assert plan["decision"]["checkpointed_blocks"] == 1 and plan["decision"]["precision"] == "fp32"
+    return out / "plan.json"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """Demo images, a tiny VAE, the latent cache, and plans for 1 and 2 processes (global batch 8)."""
+    from diffusers import AutoencoderKL
+
+    from dit_accel.data.demo import write_demo_data
+    from dit_accel.data.latents import ExtractConfig, extract_latents
+
+    root = tmp_path_factory.mktemp("train")
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
+                        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=64)
+    vae.save_pretrained(root / "vae")
+    write_demo_data(root / "images", classes=4, per_class=16, resolution=64, seed=0)
+    extract_latents(ExtractConfig(data_path=str(root / "images"), vae=str(root / "vae"), resolution=64,
+                                  out=str(root / "latents"), batch_size=16, shard_size=64, num_workers=0))
+    return {
+        "root": root,
+        "latents": root / "latents",
+        "images": root / "images",
+        "vae": root / "vae",
+        "plan1": _make_plan(root / "plan1", gpus=1, micro_batch=8, grad_accum=1),
+        "plan2": _make_plan(root / "plan2", gpus=2, micro_batch=2, grad_accum=2),
+    }
+
+
+def run_in_process(argv: list[str], monkeypatch=None, env: dict | None = None) -> int:
+    """`python -m dit_accel.train ARGV` in this process (one process, no launcher), state reset around it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from dit_accel.train import main
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    saved = {name: os.environ.get(name) for name in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return main([str(a) for a in argv])
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def _launch(workspace, out: Path, *args, env=None, processes=2) -> subprocess.CompletedProcess:
+    plan = workspace[f"plan{processes}"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(plan.parent / "accelerate_config.yaml"), "--num_processes", str(processes),
+               "--main_process_port", "0", "-m", "dit_accel.train", "--plan", str(plan),
+               "--latents", str(workspace["latents"]), "--output-dir", str(out), *QUIET, *map(str, args)]
+    return subprocess.run(command, env=_env(**(env or {})), capture_output=True, text=True, timeout=300)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checksums(run_dir: Path, rank: int) -> dict[int, str]:
+    found = {}
+    for line in (run_dir / "logs" / f"rank{rank}.log").read_text().splitlines():
+        if " checksum step " in line:
+            step, value = line.split(" checksum step ")[1].split()
+            found[int(step)] = value
+    return found
+
+
+def assert_same_state(a: Path, b: Path, exact: bool = True, atol: float = 0.0) -> None:
+    """Weights, EMA and AdamW moments of two checkpoints: bit-identical, or within atol."""
+    def same(x, y):
+        return torch.equal(x, y) if exact else torch.allclose(x, y, atol=atol, rtol=0)
+
+    for name in (ckpt.MODEL_WEIGHTS, ckpt.EMA_WEIGHTS):
+        x, y = load_file(str(a / name)), load_file(str(b / name))
+        assert x.keys() == y.keys()
+        differing = [key for key in x if not same(x[key], y[key])]
+        assert not differing, f"{name}: {differing[:3]} differ"
+    x, y = (torch.load(c / "optimizer.bin", weights_only=False)["state"] for c in (a, b))
+    assert x.keys() == y.keys()
+    for key in x:
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            assert same(x[key][field], y[key][field]), f"optimizer state {key}.{field} differs"
+
+
+# --- one process, in-process -------------------------------------------------------------------------------
+
+
+def test_exact_resume_one_process_and_a_killed_checkpoint_is_never_loaded(workspace, tmp_path):
+    common = ["--plan", workspace["plan1"], "--latents", workspace["latents"], *QUIET, "--no-tensorboard",
+              "--max-steps", 4, "--checkpoint-every", 2]
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    assert run_in_process([*common, "--output-dir", straight]) == 0
+
+    # The same run, killed (os._exit) after writing step 4's files and before its COMPLETE marker.
+    killed = subprocess.run([sys.executable, "-m", "dit_accel.train", *map(str, common), "--output-dir", str(interrupted)],
+                            env=_env(DIT_ACCEL_CRASH_BEFORE_COMMIT="4"), capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    partial = interrupted / "checkpoints" / "step_00000004.tmp"
+    assert (partial / "model.safetensors").exists() and not (partial / ckpt.COMPLETE).exists()
+    assert ckpt.latest_checkpoint(interrupted).name == "step_00000002"
+
+    assert run_in_process([*common, "--output-dir", interrupted, "--resume", "auto"]) == 0
+    log_text = (interrupted / "logs" / "rank0.log").read_text()
+    assert "resumed from" in log_text and "step_00000002 at step 2" in log_text
+    assert_same_state(straight / "checkpoints" / "step_00000004", interrupted / "checkpoints" / "step_00000004")
+    assert not partial.exists()  # cleaned once a newer checkpoint was committed
+    state = ckpt.read_train_state(interrupted / "checkpoints" / "step_00000004")
+    assert (state["step"], state["applied_steps"], state["world_size"], state["global_batch"]) == (4, 4, 1, 8)
+    assert (state["epoch"], state["samples_into_epoch"]) == (0, 32)
+
+    # A resumed run that is already at --max-steps does nothing; load_for_inference reads the EMA weights.
+    assert run_in_process([*common, "--output-dir", straight, "--resume", "auto"]) == 0
+    model, spec, info = ckpt.load_for_inference(straight)
+    assert (spec.depth, spec.hidden, info["step"], info["weights"]) == (2, 32, 4, "ema")
+    ema = load_file(str(straight / "checkpoints" / "step_00000004" / ckpt.EMA_WEIGHTS))
+    assert all(torch.equal(p, ema[n]) for n, p in model.named_parameters())
+    raw, _, raw_info = ckpt.load_for_inference(straight / "checkpoints" / "step_00000004", use_ema=False)
+    assert raw_info["weights"] == "model"
+    assert not torch.equal(raw.proj_out_2.weight, model.proj_out_2.weight)  # EMA lags the weights
+
+
+def test_nan_aborts_naming_the_step_and_the_last_good_checkpoint(workspace, tmp_path, capsys):
+    common = ["--plan", workspace["plan1"], "--latents", workspace["latents"], *QUIET, "--no-tensorboard",
+              "--max-steps", 5, "--checkpoint-every", 2]
+    rc = run_in_process([*common, "--output-dir", tmp_path / "abort"], env={"DIT_ACCEL_INJECT_NAN": "3"})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 3
+    assert "non-finite loss or gradient at step 3" in err[-1] and "step_00000002" in err[-1]
+    assert [p.name for p in (tmp_path / "abort" / "checkpoints").iterdir()] == ["step_00000002"]
+
+    # skip: the step changes nothing (AdamW counted 3 updates in 4 steps), the run goes on; bounded.
+    assert run_in_process([*common, "--max-steps", 4, "--output-dir", tmp_path / "skip", "--nan-policy", "skip"],
+                          env={"DIT_ACCEL_INJECT_NAN": "3"}) == 0
+    final = tmp_path / "skip" / "checkpoints" / "step_00000004"
+    state = ckpt.read_train_state(final)
+    assert (state["step"], state["applied_steps"], state["skipped_steps"]) == (4, 3, 1)
+    optimizer = torch.load(final / "optimizer.bin", weights_only=False)
+    assert all(s["step"].item() == 3 for s in optimizer["state"].values())
+    scheduler = torch.load(final / "custom_checkpoint_0.pkl", weights_only=False)
+    assert scheduler["last_epoch"] == 3
+    assert run_in_process([*common, "--output-dir", tmp_path / "bounded", "--nan-policy", "skip",
+                           "--max-skipped-steps", "0"], env={"DIT_ACCEL_INJECT_NAN": "1"}) == 3
+    assert "more than --max-skipped-steps 0" in capsys.readouterr().err
+
+
+def _one_line_error(capsys, argv, env=None) -> str:
+    rc = run_in_process(argv, env=env)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_plan_and_data_mismatches_are_one_line_errors(workspace, tmp_path, capsys):
+    base = ["--latents", workspace["latents"], "--output-dir", tmp_path / "run", *QUIET, "--no-tensorboard",
+            "--max-steps", 1]
+    plan = json.loads(workspace["plan1"].read_text())
+
+    def variant(name, **changes):
+        edited = json.loads(json.dumps(plan))
+        for dotted, value in changes.items():
+            section, _, key = dotted.rpartition(".")
+            (edited[section] if section else edited)[key] = value
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(edited))
+        return path
+
+    err = _one_line_error(capsys, ["--plan", variant("schema", schema="dit-plan/99"), *base])
+    assert "schema 'dit-plan/99'" in err and "re-plan" in err
+    err = _one_line_error(capsys, ["--plan", workspace["plan2"], *base])
+    assert "planned for 2 processes but 1 were launched" in err and "dit-plan --gpus 1" in err
+    err = _one_line_error(capsys, ["--plan", workspace["plan1"], "--data-path", workspace["images"],
+                                   "--output-dir", tmp_path / "run"])
+    assert "precomputed latents: pass --latents" in err
+    online = variant("online", **{"decision.latents": "online"})
+    err = _one_line_error(capsys, ["--plan", online, "--data-path", workspace["images"], "--output-dir", tmp_path / "r"])
+    assert "pass --vae DIR" in err
+    err = _one_line_error(capsys, ["--plan", variant("res", **{"model.resolution": 128}), *base])
+    assert "64 px" in err and "128 px" in err
+    err = _one_line_error(capsys, ["--plan", variant("classes", **{"inputs.num_classes": 2, "model.num_classes": 2}),
+                                   *base])
+    assert "4 classes" in err and "--num-classes 4" in err
+
+    # Resuming a run with another model or global batch than its checkpoints were trained with.
+    assert run_in_process(["--plan", workspace["plan1"], *base, "--checkpoint-every", 1]) == 0
+    capsys.readouterr()
+    wider = variant("wider", **{"inputs.hidden": 64, "model.hidden": 64})
+    err = _one_line_error(capsys, ["--plan", wider, *base, "--resume", "auto", "--max-steps", 2])
+    assert "holds a" in err and "use the run's own plan" in err
+    bigger = variant("bigger", global_batch=16, **{"decision.micro_batch": 16})
+    err = _one_line_error(capsys, ["--plan", bigger, *base, "--resume", "auto", "--max-steps", 2])
+    assert "global batch 8" in err and "16" in err
+
+
+def test_online_vae_and_pixel_modes_train(workspace, tmp_path):
+    """The other two latent modes of a plan: images encoded by the VAE each step, and pixel space."""
+    plan = json.loads(workspace["plan1"].read_text())
+    for mode, extra in (("online", ["--vae", workspace["vae"]]), ("pixel", [])):
+        edited = json.loads(json.dumps(plan))
+        edited["decision"]["latents"] = mode
+        if mode == "pixel":  # a pixel-space DiT at 8 px: 3 channels, same token count as 8x8 latents
+            edited["model"]["resolution"] = 8
+        path = tmp_path / f"{mode}.json"
+        path.write_text(json.dumps(edited))
+        out = tmp_path / mode
+        images = workspace["images"]
+        if mode == "pixel":
+            from dit_accel.data.demo import write_demo_data
+
+            images = write_demo_data(tmp_path / "images8", classes=4, per_class=4, resolution=8, seed=1)
+        assert run_in_process(["--plan", path, "--data-path", images, "--output-dir", out, *QUIET,
+                               "--no-tensorboard", "--max-steps", 2, "--checkpoint-every", 2, *extra]) == 0
+        losses = _losses(out)
+        assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
+        state = ckpt.read_train_state(out / "checkpoints" / "step_00000002")
+        assert state["applied_steps"] == 2
+
+
+# --- two processes with accelerate launch -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_processes_train_in_step_resume_exactly_and_match_one_process(workspace, tmp_path):
+    straight = tmp_path / "straight"
+    result = _launch(workspace, straight, "--max-steps", STEPS, "--checkpoint-every", STEPS // 2, "--debug-checksums",
+                     *WARMUP)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Identical parameters on both ranks after every optimizer step.
+    rank0, rank1 = _checksums(straight, 0), _checksums(straight, 1)
+    assert sorted(rank0) == list(range(1, STEPS + 1)) and rank0 == rank1
+    # The loss (averaged over both ranks) falls.
+    losses = _losses(straight)
+    assert len(losses) == STEPS
+    assert sum(losses[-6:]) / 6 < 0.7 * sum(losses[:6]) / 6, losses
+    # One lr-schedule step per optimizer step with 2 processes (a prepared scheduler would take 2).
+    lrs = [json.loads(line)["lr"] for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[:6] == pytest.approx([7.5e-4, 1.5e-3, 2.25e-3, 3e-3, 3e-3, 3e-3])
+    assert list((straight / "tensorboard").rglob("events.out.tfevents.*"))
+    assert "world size 2 x micro-batch 2 x accumulation 2 = global batch 8" in result.stdout
+
+    # Stop at the half-way checkpoint, then resume with 2 processes: bit-identical to the straight run.
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    half = f"step_{STEPS // 2:08d}"
+    shutil.copytree(straight / "checkpoints" / half, resumed / "checkpoints" / half)
+    result = _launch(workspace, resumed, "--max-steps", STEPS, "--checkpoint-every", STEPS // 2, "--resume", "auto",
+                     *WARMUP)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = f"step_{STEPS:08d}"
+    assert_same_state(straight / "checkpoints" / final, resumed / "checkpoints" / final)
+
+    # 1 process x micro 8 x accum 1 sees the same samples, noise and timesteps: the same losses and update.
+    single = tmp_path / "single"
+    assert run_in_process(["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", single,
+                           *QUIET, *WARMUP, "--no-tensorboard", "--max-steps", STEPS // 2,
+                           "--checkpoint-every", STEPS]) == 0
+    assert _losses(single) == pytest.approx(losses[: STEPS // 2], rel=1e-5, abs=1e-6)
+    assert_same_state(straight / "checkpoints" / half, single / "checkpoints" / half, exact=False, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_a_nan_seen_by_one_rank(workspace, tmp_path):
+    run = tmp_path / "nan"
+    result = _launch(workspace, run, "--max-steps", 4, "--checkpoint-every", 2, "--debug-checksums",
+                     env={"DIT_ACCEL_INJECT_NAN": "3:1"})  # only rank 1's loss is poisoned
+    assert result.returncode != 0
+    assert result.stderr.count("non-finite loss or gradient at step 3") == 1  # said once, by rank 0
+    assert "step_00000002" in result.stderr
+    for rank in (0, 1):
+        text = (run / "logs" / f"rank{rank}.log").read_text()
+        assert "non-finite loss or gradient at step 3" in text
+    # Both ranks stopped after step 3 without applying it: their weights still agree.
+    checksums = _checksums(run, 0)
+    assert checksums == _checksums(run, 1) and max(checksums) == 3
+    assert checksums[3] == checksums[2]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]

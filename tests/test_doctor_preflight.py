@@ -20,7 +20,7 @@ from dit_accel.doctor.checks import Status, exit_code
 from dit_accel.doctor.data import check_data
 from dit_accel.doctor.distributed import Rendezvous, check_distributed, check_port_free, check_reachable, read_rendezvous
 from dit_accel.doctor.environment import (ComputeApp, EnvironmentFacts, GpuFacts, check_accelerate_config,
-                                          check_environment, probe_environment)
+                                          check_environment, parse_compute_apps, parse_driver_cuda, probe_environment)
 from dit_accel.doctor.host import HostFacts, check_host, loader_facts, read_host
 from dit_accel.doctor.output import check_output, checkpoint_bytes
 from dit_accel.doctor.plan import load_plan
@@ -125,6 +125,24 @@ def test_busy_gpu_fails_and_names_the_process_holding_it(xl_plan):
     assert row.status is Status.FAIL and "pid 4242 python (29.0 GiB)" in row.reason
     without_smi = check_environment(xl_plan, env(gpus=busy, compute_apps=None), xl_plan.path.parent / "accelerate_config.yaml")
     assert "cannot be named" in by_name(without_smi, "GPU 1 memory").reason
+
+
+def test_nvidia_smi_output_is_parsed():
+    apps = parse_compute_apps("4242, python, 30120, GPU-0001\n"
+                              "5150, /usr/bin/python3 -m vllm, serve, 512, GPU-0002\n"
+                              "6000, [Insufficient Permissions], [N/A], GPU-0003\n")
+    assert apps == (ComputeApp(4242, "python", 30120 * 2**20, "GPU-0001"),
+                    ComputeApp(5150, "/usr/bin/python3 -m vllm, serve", 512 * 2**20, "GPU-0002"))
+    banner = "| NVIDIA-SMI 560.35.03    Driver Version: 560.35.03    CUDA Version: 12.6     |"
+    assert parse_driver_cuda(banner) == "12.6" and parse_driver_cuda("No devices were found") is None
+
+
+def test_a_gpu_torch_cannot_open_fails(xl_plan):
+    broken = GpuFacts(0, "NVIDIA A100-SXM4-40GB", 40 * GiB, 0, (8, 0), "GPU-0000",
+                                  error="CUDA error: out of memory")
+    facts = env(gpus=(broken,) + gpus()[1:], compute_apps=(ComputeApp(7, "python", 40 * GiB, "GPU-0000"),))
+    row = by_name(check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "GPU 0 memory")
+    assert row.status is Status.FAIL and "cannot open it (CUDA error: out of memory)" in row.reason and "pid 7" in row.reason
 
 
 def test_gpu_smaller_than_the_plan_peak_fails_with_a_replan(xl_plan):

@@ -34,6 +34,7 @@ class GpuFacts:
     free_bytes: int
     capability: tuple[int, int]
     uuid: str = ""
+    error: str = ""  # why torch could not open it (e.g. no memory left for a CUDA context)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,28 @@ def _parse_csv(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.split(",")] for line in text.splitlines() if line.strip()]
 
 
+def parse_compute_apps(text: str) -> tuple[ComputeApp, ...]:
+    """`nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid --format=csv,noheader,nounits`
+    (used memory in MiB); rows nvidia-smi cannot fill ('[N/A]', '[Insufficient Permissions]') are dropped."""
+    apps = []
+    for row in _parse_csv(text):
+        if len(row) < 4:
+            continue
+        pid, name, used, uuid = row[0], ", ".join(row[1:-2]), row[-2], row[-1]  # a process name may hold commas
+        try:
+            apps.append(ComputeApp(pid=int(pid), process_name=name, used_bytes=int(float(used) * 2**20), gpu_uuid=uuid))
+        except ValueError:
+            continue
+    return tuple(apps)
+
+
+def parse_driver_cuda(header: str) -> str | None:
+    """The newest CUDA the driver supports, from plain `nvidia-smi`'s banner ('CUDA Version: 12.4')."""
+    if "CUDA Version:" not in header:
+        return None
+    return header.split("CUDA Version:")[1].split()[0]
+
+
 def _cuda_version_string(encoded: int) -> str:
     """The driver API's 12040 -> '12.4'."""
     return f"{encoded // 1000}.{(encoded % 1000) // 10}"
@@ -99,8 +122,8 @@ def probe_environment() -> EnvironmentFacts:
     if gpu_rows:
         driver_version = _parse_csv(gpu_rows)[0][0]
     header = _nvidia_smi([])
-    if header and "CUDA Version:" in header:
-        driver_cuda = header.split("CUDA Version:")[1].split()[0]
+    if header:
+        driver_cuda = parse_driver_cuda(header)
     gpus = []
     cuda_available = torch.cuda.is_available()
     if cuda_available:
@@ -108,16 +131,16 @@ def probe_environment() -> EnvironmentFacts:
             driver_cuda = _cuda_version_string(torch._C._cuda_getDriverVersion())
         for index in range(torch.cuda.device_count()):
             properties = torch.cuda.get_device_properties(index)
-            free_bytes, total_bytes = torch.cuda.mem_get_info(index)
+            error = ""
+            try:  # creates a CUDA context on the GPU (a few hundred MiB, released when the doctor exits)
+                free_bytes, total_bytes = torch.cuda.mem_get_info(index)
+            except RuntimeError as failure:  # a GPU so full that no context fits, or in a bad state
+                free_bytes, total_bytes, error = 0, properties.total_memory, str(failure).splitlines()[0]
             gpus.append(GpuFacts(index=index, name=properties.name, total_bytes=total_bytes, free_bytes=free_bytes,
                                  capability=(properties.major, properties.minor),
-                                 uuid=f"GPU-{properties.uuid}" if getattr(properties, "uuid", None) else ""))
-    apps = None
+                                 uuid=f"GPU-{properties.uuid}" if getattr(properties, "uuid", None) else "", error=error))
     app_rows = _nvidia_smi(["--query-compute-apps=pid,process_name,used_memory,gpu_uuid", "--format=csv,noheader,nounits"])
-    if app_rows is not None:
-        apps = tuple(ComputeApp(pid=int(pid), process_name=name, used_bytes=int(float(used) * 2**20), gpu_uuid=uuid)
-                     for pid, name, used, uuid in (row[:4] for row in _parse_csv(app_rows) if len(row) >= 4)
-                     if pid.isdigit() and used.replace(".", "", 1).isdigit())
+    apps = None if app_rows is None else parse_compute_apps(app_rows)
     return EnvironmentFacts(
         python=platform.python_version(),
         torch=torch.__version__,
@@ -215,7 +238,10 @@ def check_gpu_memory(plan: PlanFacts, facts: EnvironmentFacts) -> list[Check]:
         name = f"GPU {gpu.index} memory"
         figures = f"{gpu.name}: {gib(gpu.free_bytes)} free of {gib(gpu.total_bytes)}, plan peak {gib(plan.peak_bytes)}"
         replan = f"re-plan with dit-plan --vram {gpu.total_bytes / 2**30:.0f}GiB (the real size), or a lower --max-micro-batch"
-        if gpu.total_bytes < plan.peak_bytes:
+        if gpu.error:
+            checks.append(failed(GROUP, name, f"{gpu.name}: torch cannot open it ({gpu.error}); " + _holders(facts, gpu),
+                                 "stop the processes holding it (nvidia-smi), or pick other GPUs with CUDA_VISIBLE_DEVICES"))
+        elif gpu.total_bytes < plan.peak_bytes:
             checks.append(failed(GROUP, name, figures + f"; the plan was made for {gib(plan.vram_bytes)} GPUs", replan))
         elif gpu.free_bytes < plan.peak_bytes:
             checks.append(failed(GROUP, name, figures + "; " + _holders(facts, gpu),

@@ -190,8 +190,9 @@ def explain_signal_kill(failure: RankFailure, text: str, plan: PlanFacts | None,
               f" Check `dmesg -T | grep -i 'killed process'` or `journalctl -k | grep -i 'out of memory'` on {failure.host} "
               f"(look for pid {failure.pid}), or the scheduler's job record (e.g. `sacct -j JOBID -o State,MaxRSS`). "
               + _host_estimate(plan) + f" See also {_rank_logs(output_dir, failure.rank)}.")
-    fix = ("fewer data-loader workers per rank, precomputed latents (dit-accel extract-latents), loading weights once "
-           "per node, or more host RAM (or a larger job memory request)")
+    fix = ("fewer data-loader workers per rank (--num-workers), precomputed latents (dit-accel extract-latents), loading "
+           "weights once per node, or more host RAM (or a larger job memory request); `dit-plan --host-ram SIZE` "
+           "checks the estimate against your nodes")
     return failed(GROUP, "exitcode -9 (SIGKILL)", reason, fix)
 
 
@@ -252,7 +253,7 @@ def find_cuda_oom(text: str) -> Check | None:
                       f"{figures}, before any training step finished: the planned step does not fit this GPU "
                       "(the plan's VRAM is larger than the real free memory, or its estimate is too low)",
                       "re-plan with dit-plan --vram set to the GPU's real free memory, a lower --max-micro-batch, or more "
-                      "checkpointed blocks; check free memory with `dit-accel doctor`")
+                      "checkpointed blocks (--checkpointing); check free memory with `dit-accel doctor`")
     return failed(GROUP, "CUDA out of memory",
                   f"{figures}, after step {last_step} ran: memory grew or fragmented during training",
                   "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, re-plan with more headroom (a smaller --vram), and "

@@ -1,0 +1,297 @@
+"""Weights out and in: `dit-accel export` (a checkpoint as a diffusers DiTPipeline folder) and
+`dit-accel import-dit` (an original DiT `.pt` as a dit-accel run folder).
+
+Export writes, atomically (a staging folder, then a rename):
+
+    OUT/model_index.json   DiTPipeline, its three components, and id2label (the run's class names)
+    OUT/transformer/       stock DiTTransformer2DModel layout (the tied embedder copied into every block)
+    OUT/vae/               the AutoencoderKL the model was trained with
+    OUT/scheduler/         DDIMScheduler with DiT's training betas (linear 1e-4..0.02 over 1000 steps),
+                           "leading" timesteps, clip_sample off: `dit-accel sample --sampler ddim` walks the
+                           same steps, so both give the same latents for the same seed and step count
+
+DiTPipeline hard-codes the null class of guidance as 1000, so a model with fewer classes is exported with
+its class table padded to 1001 rows: rows 0..K-1 are its classes, row 1000 its null class, and the unused
+rows in between copy the null row (asking for such a class samples unconditionally). More than 1000
+classes cannot work with DiTPipeline's guidance and is refused.
+
+Import writes a run folder the trainer's `load_for_inference` and `dit-accel sample` read:
+
+    OUT/checkpoints/step_00000000/   ema.safetensors, model.safetensors (the same weights: the released
+                                     checkpoints hold the EMA only), plan.json (a placeholder plan for one
+                                     80 GB GPU that records the network), train_state.json (step 0),
+                                     dit_accel.json (the original's timestep shift, 0), COMPLETE
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dit_accel.errors import UserError, exits_cleanly
+
+PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__: class_null = [1000] * batch_size
+SCHEDULER_CONFIG = {"timestep_spacing": "leading", "set_alpha_to_one": True, "steps_offset": 0}
+
+
+# --- export ---------------------------------------------------------------------------------------------------
+def pipeline_scheduler():
+    """The scheduler an exported pipeline carries: DDIM on DiT's training betas (see the module docstring)."""
+    from diffusers import DDIMScheduler
+
+    from dit_accel.diffusion import DIT_SCHEDULER_CONFIG
+
+    return DDIMScheduler(**DIT_SCHEDULER_CONFIG, **SCHEDULER_CONFIG)
+
+
+def with_pipeline_null_class(model):
+    """The model itself when its null class is already 1000, else a copy with the class table padded so the
+    null class sits at row 1000 (DiTPipeline's fixed null label). Same outputs for every real class."""
+    from dit_accel.model import build_model, set_timestep_freq_shift, spec_from_model, timestep_freq_shift
+
+    spec = spec_from_model(model)
+    if spec.num_classes == PIPELINE_NULL_CLASS:
+        return model
+    if spec.num_classes > PIPELINE_NULL_CLASS:
+        raise UserError(f"this model has {spec.num_classes} classes, but DiTPipeline always uses label 1000 as the null "
+                        f"class for guidance, which would be a real class here: it cannot be exported as a DiTPipeline")
+    padded = build_model(dataclasses.replace(spec, num_classes=PIPELINE_NULL_CLASS), init="torch")
+    set_timestep_freq_shift(padded, timestep_freq_shift(model))
+    state = {name: tensor for name, tensor in model.state_dict().items()}
+    table_name = next(name for name in state if name.endswith("class_embedder.embedding_table.weight"))
+    table = state[table_name]
+    new_table = table[-1:].repeat(PIPELINE_NULL_CLASS + 1, 1)  # every row the null row ...
+    new_table[: spec.num_classes] = table[: spec.num_classes]  # ... except the real classes
+    for name in state:
+        if name.endswith("class_embedder.embedding_table.weight"):
+            state[name] = new_table
+    padded.load_state_dict(state)
+    return padded.to(next(model.parameters()).device).eval()
+
+
+def read_labels_file(path: str | os.PathLike) -> list[str]:
+    """Class names from a classes.json ({"classes": [...]}), a JSON list, or a JSON {"index": "name"} map."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"cannot read --labels {path} ({error}): pass a classes.json or a JSON list of class names") from None
+    if isinstance(data, dict) and "classes" in data:
+        data = data["classes"]
+    if isinstance(data, dict):
+        try:
+            return [str(data[key]) for key in sorted(data, key=int)]
+        except ValueError:
+            raise UserError(f"--labels {path} maps names that are not class indices: expected {{\"0\": \"tench\", ...}}") from None
+    if isinstance(data, list):
+        return [str(name) for name in data]
+    raise UserError(f"--labels {path} is neither a list of class names nor a classes.json")
+
+
+def run_class_names(source) -> list[str] | None:
+    """The class names of the run a checkpoint belongs to: classes.json in the run folder, its latent cache
+    or a pipeline folder; else the sorted class folders of its image folder. None when nothing is recorded."""
+    checkpoint = Path(source.info["checkpoint"])
+    candidates = [checkpoint, checkpoint.parent.parent, Path(source.train_config.get("output_dir") or checkpoint)]
+    if source.train_config.get("latents"):
+        candidates.append(Path(source.train_config["latents"]))
+    for folder in candidates:
+        if (folder / "classes.json").is_file():
+            return read_labels_file(folder / "classes.json")
+    if (checkpoint / "model_index.json").is_file():
+        id2label = json.loads((checkpoint / "model_index.json").read_text()).get("id2label")
+        if id2label:
+            return [id2label[key] for key in sorted(id2label, key=int)]
+    data_path = source.train_config.get("data_path")
+    if data_path and Path(data_path).is_dir():
+        return sorted(entry.name for entry in Path(data_path).iterdir() if entry.is_dir() and not entry.name.startswith("."))
+    return None
+
+
+def write_pipeline(model, vae_path: str, out_dir: str | os.PathLike, class_names: list[str] | None = None, *,
+                   allow_freq_shift_change: bool = False, overwrite: bool = False) -> Path:
+    """A DiTPipeline folder that `DiTPipeline.from_pretrained(out_dir)` loads offline (see the module docstring)."""
+    import diffusers
+
+    from dit_accel.data.latents import load_vae
+    from dit_accel.model import _replace_dir, export_diffusers, spec_from_model
+
+    out_dir = Path(out_dir)
+    spec = spec_from_model(model)
+    if spec.latents == "pixel":
+        raise UserError("this model works in pixel space, but a DiTPipeline always decodes latents with a VAE: "
+                        "sample it with `dit-accel sample` instead")
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
+        raise UserError(f"{out_dir} exists and is not an empty folder: choose a new --out or pass --overwrite")
+    if class_names is not None and len(class_names) > spec.num_classes:
+        raise UserError(f"{len(class_names)} class names for a model with {spec.num_classes} classes: pass the "
+                        f"--labels the model was trained with")
+    exported = with_pipeline_null_class(model)
+    vae, _identity = load_vae(vae_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        export_diffusers(exported, staging / "transformer", allow_freq_shift_change=allow_freq_shift_change)
+        vae.save_pretrained(staging / "vae")
+        pipeline_scheduler().save_pretrained(staging / "scheduler")
+        index = {
+            "_class_name": "DiTPipeline",
+            "_diffusers_version": diffusers.__version__,
+            "scheduler": ["diffusers", "DDIMScheduler"],
+            "transformer": ["diffusers", "DiTTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+        }
+        if class_names:
+            index["id2label"] = {str(i): name for i, name in enumerate(class_names)}
+        (staging / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+        _replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dit-accel export",
+        description="Write a checkpoint as a diffusers DiTPipeline folder (transformer, VAE, DDIM scheduler with "
+                    "DiT's betas, id2label): DiTPipeline.from_pretrained(OUT) loads it offline.")
+    parser.add_argument("--checkpoint", required=True, help="run folder, checkpoint folder, or diffusers DiT folder")
+    parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
+                        help="export the EMA weights (default) or, with --no-ema, the raw weights")
+    parser.add_argument("--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)")
+    parser.add_argument("--labels", default=None,
+                        help="class names: a classes.json or JSON list (default: the run's classes.json)")
+    parser.add_argument("--out", required=True, help="the pipeline folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    parser.add_argument("--allow-freq-shift-change", action="store_true",
+                        help="export a model imported from an original DiT checkpoint anyway: stock diffusers runs it "
+                             "with its own timestep frequencies (shift 1), so outputs differ slightly")
+    return parser
+
+
+@exits_cleanly("dit-accel export")
+def main(argv: list[str] | None = None) -> int:
+    from dit_accel.sample import default_vae_path, load_source
+
+    args = build_export_parser().parse_args(argv)
+    source = load_source(args.checkpoint, use_ema=args.ema)
+    vae_path = args.vae or default_vae_path(source)
+    if not vae_path:
+        raise UserError("no VAE is recorded with this run: pass --vae DIR (the AutoencoderKL folder it was trained with)")
+    class_names = read_labels_file(args.labels) if args.labels else run_class_names(source)
+    out = write_pipeline(source.model, vae_path, args.out, class_names,
+                         allow_freq_shift_change=args.allow_freq_shift_change, overwrite=args.overwrite)
+    labels = f"{len(class_names)} class names" if class_names else "no class names (pass --labels to add them)"
+    print(f"wrote {out}: DiTPipeline ({source.spec.name}, {source.info['weights']} weights), VAE from {vae_path}, "
+          f"DDIMScheduler with DiT's betas, {labels}")
+    return 0
+
+
+# --- import ---------------------------------------------------------------------------------------------------
+IMPORT_STEP = 0
+
+
+def placeholder_plan(spec) -> dict:
+    """A real dit-plan plan (one 80 GB GPU, global batch 256) for the imported network: the checkpoint needs one
+    to say which network it holds. Fine-tuning makes its own plan for the GPUs it runs on."""
+    from planner.errors import PlanError
+    from planner.plan import make_plan
+
+    family = spec.name.removesuffix("-custom") if spec.name.startswith("DiT-") and spec.name != "DiT-custom" else f"DiT-S/{spec.patch}"
+    try:
+        return make_plan(gpus=1, global_batch=256, vram="80GB", model=family, resolution=spec.resolution,
+                         latents=spec.latents, depth=spec.depth, hidden=spec.hidden, heads=spec.heads, patch=spec.patch,
+                         num_classes=spec.num_classes, round_global_batch=True)
+    except PlanError as error:
+        raise UserError(f"cannot describe the imported {spec.name} with a plan ({error})") from None
+
+
+def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: str, *, overwrite: bool = False) -> Path:
+    """A run folder with one complete checkpoint at step 0 holding `model` (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    from dit_accel import checkpoint as ckpt
+    from dit_accel.model import SIDECAR_FORMAT, SIDECAR_NAME, _replace_dir, spec_from_model, timestep_freq_shift
+    from dit_accel.train import spec_from_plan
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
+        raise UserError(f"{out_dir} exists and is not an empty folder: choose a new --out or pass --overwrite")
+    spec = spec_from_model(model)
+    if not spec.learn_sigma:
+        raise UserError("this checkpoint predicts no variance (learn_sigma off); dit-accel trains and samples DiTs with "
+                        "learned sigma only, as the released DiT checkpoints are")
+    plan = placeholder_plan(spec)
+    rebuilt = spec_from_plan(plan)
+    if dataclasses.replace(rebuilt, name=spec.name) != spec:
+        raise UserError(f"the plan for the imported network describes {rebuilt}, not {spec}: report this as a bug")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        final_dir = ckpt.checkpoints_dir(staging) / ckpt.checkpoint_name(IMPORT_STEP)
+        checkpoint_dir = final_dir.with_name(final_dir.name + ckpt.TMP_SUFFIX)
+        checkpoint_dir.mkdir(parents=True)
+        weights = {name: param.detach().to("cpu", torch.float32).contiguous() for name, param in model.named_parameters()}
+        save_file(weights, str(checkpoint_dir / ckpt.EMA_WEIGHTS), metadata={"format": "pt"})
+        try:  # the released checkpoints hold one set of weights: the raw-weights file is the same file
+            os.link(checkpoint_dir / ckpt.EMA_WEIGHTS, checkpoint_dir / ckpt.MODEL_WEIGHTS)
+        except OSError:
+            shutil.copyfile(checkpoint_dir / ckpt.EMA_WEIGHTS, checkpoint_dir / ckpt.MODEL_WEIGHTS)
+        ckpt.write_json_atomic(checkpoint_dir / ckpt.PLAN, plan)
+        ckpt.write_json_atomic(staging / ckpt.PLAN, plan)
+        ckpt.write_json_atomic(checkpoint_dir / ckpt.TRAIN_STATE, {
+            "step": IMPORT_STEP, "applied_steps": 0, "skipped_steps": 0, "imported_from": source_name,
+            "world_size": None, "global_batch": None})
+        sidecar = {"format": SIDECAR_FORMAT, "timestep_freq_shift": timestep_freq_shift(model),
+                   "spec": dataclasses.asdict(spec)}
+        (checkpoint_dir / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=2) + "\n")
+        ckpt.commit(checkpoint_dir, final_dir, {"step": IMPORT_STEP, "imported_from": source_name})
+        _replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def build_import_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dit-accel import-dit",
+        description="Turn an original DiT checkpoint (.pt state dict of the DiT repository, e.g. DiT-XL-2-256x256.pt) "
+                    "into a dit-accel run folder that `dit-accel sample` and `dit-accel export` read.")
+    parser.add_argument("--checkpoint", required=True, help="the original .pt file")
+    parser.add_argument("--out", required=True, help="the run folder to write")
+    parser.add_argument("--heads", type=int, default=None,
+                        help="attention heads, only for a network outside the DiT family table (shapes do not tell)")
+    parser.add_argument("--weights", choices=("ema", "model"), default="ema",
+                        help="for a training checkpoint holding both: which weights to import (default ema)")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="allow pickled Python objects besides tensors in the file (only for files you trust)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    return parser
+
+
+@exits_cleanly("dit-accel import-dit")
+def import_main(argv: list[str] | None = None) -> int:
+    from dit_accel.model import load_original_dit, spec_from_model
+
+    args = build_import_parser().parse_args(argv)
+    model = load_original_dit(args.checkpoint, heads=args.heads, prefer=args.weights, trust_pickle=args.trust_checkpoint)
+    out = write_imported_checkpoint(model, args.out, str(Path(args.checkpoint).name), overwrite=args.overwrite)
+    spec = spec_from_model(model)
+    print(f"wrote {out}: {spec.name} ({spec.depth} blocks x {spec.hidden}, {spec.resolution} px, {spec.num_classes} "
+          f"classes) as a step-0 checkpoint with the original timestep shift (0); "
+          f"sample it with `dit-accel sample --checkpoint {out} ...`")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     tr.add_argument("--latents", default="precomputed", choices=["precomputed", "online", "pixel"])
     tr.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True, help="keep an EMA copy (default on)")
-    tr.add_argument("--adamw", default="foreach", choices=["foreach", "fused"], help="AdamW implementation")
-    tr.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP grads alias the buckets (-4 B/param)")
+    tr.add_argument("--adamw", default="fused", choices=["fused", "foreach"],
+                    help="AdamW implementation: fused (default, no temporary) or foreach (+4 B/param at the step)")
+    tr.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction, default=True,
+                    help="DDP gradients live in its all-reduce buckets (default on; off costs 4 B/param)")
     ch = p.add_argument_group("the choice")
     ch.add_argument("--sharding", default="auto", choices=["auto", "ddp", "zero2", "zero3"])
     ch.add_argument("--checkpointing", default="auto", help="auto | none | all | N blocks")

@@ -54,8 +54,8 @@ class Decision:
     sharding: str  # "ddp" | "zero2" (FSDP SHARD_GRAD_OP) | "zero3" (FSDP FULL_SHARD)
     latents: str  # "precomputed" | "online" | "pixel"
     ema: bool = True
-    adamw: str = "foreach"  # "foreach" (PyTorch's default, a 4 B/param temporary) | "fused" (none)
-    gradient_as_bucket_view: bool = False  # DDP grads alias its buckets (saves 4 B/param); Accelerate's default is off
+    adamw: str = "fused"  # "fused" (one kernel, no temporary) | "foreach" (PyTorch's default off CUDA: 4 B/param more)
+    gradient_as_bucket_view: bool = True  # DDP grads alias its buckets (saves 4 B/param); Accelerate's default is off
 
     @property
     def sharded(self) -> bool:

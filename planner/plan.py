@@ -85,7 +85,7 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
               model: str = "DiT-XL/2", resolution: int = 256, precision: str = "auto", latents: str = "precomputed",
               ema: bool = True, sharding: str = "auto", checkpointing="auto", headroom="5%",
               max_micro_batch: int | None = None, host_ram=None, round_global_batch: bool = False,
-              adamw: str = "foreach", gradient_as_bucket_view: bool = False, depth: int | None = None,
+              adamw: str = "fused", gradient_as_bucket_view: bool = True, depth: int | None = None,
               hidden: int | None = None, heads: int | None = None, patch: int | None = None,
               num_classes: int | None = None, main_process_ip: str | None = None,
               main_process_port: int | None = None, assumptions=None) -> dict:

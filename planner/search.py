@@ -123,8 +123,8 @@ class SearchSpace:
     sharding: str = "auto"  # auto | ddp | zero2 | zero3
     checkpointing: str | int = "auto"
     max_micro_batch: int | None = None
-    adamw: str = "foreach"
-    gradient_as_bucket_view: bool = False
+    adamw: str = "fused"
+    gradient_as_bucket_view: bool = True
 
 
 @dataclass(frozen=True)
@@ -295,6 +295,9 @@ def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: 
     ideas = []
     if space.adamw == "foreach" and fits(space_=dataclasses.replace(space, adamw="fused")):
         ideas.append("--adamw fused")
+    if not space.gradient_as_bucket_view and cluster.world_size > 1 and fits(
+            space_=dataclasses.replace(space, gradient_as_bucket_view=True)):
+        ideas.append("--gradient-as-bucket-view")
     if space.ema and fits(space_=dataclasses.replace(space, ema=False)):
         ideas.append("--no-ema (keep the EMA elsewhere)")
     more = [dataclasses.replace(cluster, gpus_per_node=g) for g in range(cluster.gpus_per_node + 1, 9)]

@@ -143,7 +143,7 @@ BAD = [
     (["--gpus", "8", "--vram", "40G", "--depth", "0"], "--depth must be positive"),
     (["--gpus", "8", "--vram", "40G", "--hidden", "30", "--heads", "4"], "does not divide into 4 heads"),
     (["--gpus", "8", "--vram", "40G", "--max-micro-batch", "x"], "--max-micro-batch 'x'"),
-    (["--gpus", "1", "--gpu", "v100-16g", "--resolution", "512"], "needs at least"),
+    (["--gpus", "1", "--vram", "12G", "--resolution", "512"], "needs at least"),
     (["--gpus", "8,16", "--vram", "40G", "--out", "somewhere"], "a sweep prints one table"),
     (["--gpus", "8", "--vram", "40G,80G", "--gpu", "a100-80g"], "sweep either --vram or --gpu"),
 ]

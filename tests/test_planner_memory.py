@@ -27,7 +27,7 @@ P = XL2.params_trainable
 
 def decision(**changes):
     base = Decision(micro_batch=32, grad_accum=1, checkpointed_blocks=0, precision="bf16", sharding="ddp",
-                    latents="precomputed", ema=True)
+                    latents="precomputed", ema=True, adamw="foreach", gradient_as_bucket_view=False)
     return dataclasses.replace(base, **changes)
 
 

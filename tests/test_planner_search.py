@@ -148,7 +148,7 @@ def test_flags_pin_the_search():
 
 def test_nothing_fits_says_the_minimum_and_what_would():
     with pytest.raises(PlanError) as info:
-        make_plan(gpus=1, gpu="v100-16g", global_batch=256, resolution=512)
+        make_plan(gpus=1, vram="12G", global_batch=256, resolution=512)
     message = str(info.value)
     assert "needs at least" in message and "budget is" in message
     assert "--gpus 2" in message and "--gpu " in message and "--model DiT-L/2" in message

@@ -209,10 +209,12 @@ def _in_backward() -> bool:
 
 
 def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int = 2, max_micro_steps: int = 2) -> None:
-    """Run `optimizer_steps` full steps of the trainer under `tracker`, labelling the windows.
+    """Run `optimizer_steps` steps of the trainer under `tracker`, labelling the windows.
 
-    Micro-steps beyond the second of an accumulation cycle are skipped: from the second on, every
-    micro-step starts with the same live storages (the accumulated grads) and does the same work.
+    Only the last step runs its whole accumulation cycle, and that up to `max_micro_steps` micro-steps:
+    from the second micro-step on, each one starts with the same live storages (the accumulated grads) and
+    does the same work. Earlier steps run one micro-step: they exist to create AdamW's state, and every
+    moment of theirs is matched by the same moment of the last step, which also holds that state.
     """
     for param in parts.model.parameters():
         tracker.tag(param, "weights")
@@ -228,7 +230,7 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
 
     where = {"step": 0, "micro": 0}
     handles = []
-    last = len(parts.blocks) - 1
+    last_block = len(parts.blocks) - 1
 
     def block_pre(index):
         def hook(module, args):
@@ -245,7 +247,7 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
                 # fires when the gradient of this block's output is ready: its backward starts
                 hidden.register_hook(lambda grad: tracker.set_window(("bwd", step, micro, index)))
-            if index == last:
+            if index == last_block:
                 tracker.set_window(("head", step, micro))
         return hook
 
@@ -280,7 +282,8 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
     try:
         with tracker:
             for step in range(optimizer_steps):
-                for micro in range(min(parts.grad_accum, max_micro_steps)):
+                final_step = step == optimizer_steps - 1
+                for micro in range(min(parts.grad_accum, max_micro_steps) if final_step else 1):
                     where.update(step=step, micro=micro)
                     tracker.set_window(("pre", step, micro))
                     parts.micro_step()
@@ -564,7 +567,7 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
     """Trace the plan's training step on fake tensors and return its peak and the components live then.
 
     `depth_extrapolate="auto"` traces at most 5 blocks (up to three shallow traces) and extrapolates per
-    block; `"off"` traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
+    block, unless the full network is as cheap to trace; `"off"` traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
     (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either).
     """
     from dit_accel.train import spec_from_plan
@@ -590,7 +593,10 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
         shallow = dataclasses.replace(spec, depth=sum(counts))
         return _trace_once(plan, shallow, counts[1], micro_batch, autocast_device)
 
-    if depth_extrapolate == "off" or sum(base) + 1 >= spec.depth:
+    # Each trace also runs the embedding, final layer and loss (about two blocks' worth of ops): when the
+    # shallow traces together would run as many ops as the full network, trace the full network.
+    shallow_cost = sum(sum(counts) + 2 for counts in all_counts)
+    if depth_extrapolate == "off" or shallow_cost >= spec.depth + 2:
         tracker, _ = trace(target)
         peak_bytes, components, window = tracker.peak_bytes, tracker.peak_components, tracker.peak_window
         traced_depths = [spec.depth]

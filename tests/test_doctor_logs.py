@@ -93,7 +93,7 @@ def test_older_torch_format_prefixed_lines_several_failures_and_kernel_evidence(
     failures = parse_failures(text)
     assert [(f.rank, f.exitcode, f.root_cause) for f in failures] == [(2, -9, True), (5, -6, False)]
     checks = diagnose(text)
-    assert "also failed: rank 5 on gpu-node-08 (exitcode -6)" in checks[0].reason
+    assert "also failed: rank 5 on gpu-node-08 (exitcode -6, SIGABRT)" in checks[0].reason
     kill = next(c for c in checks if c.name.startswith("exitcode -9"))
     assert "confirms it: the OOM killer killed pid 90100" in kill.reason
     assert any(c.name == "exitcode -6 (SIGABRT)" for c in checks)
@@ -226,3 +226,39 @@ def test_an_unreadable_log_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--log", str(tmp_path / "missing.log")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read log" in err
+
+
+DYING_RANK = """import os, signal, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} pid {os.getpid()}", flush=True)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_real_accelerate_launch_killed_by_sigkill(tmp_path, capsys):
+    """The real launcher's failure block (this torch's format), not a composed one."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from planner.outputs import write_plan_dir
+
+    write_plan_dir(make_plan(gpus=2, vram="8G", global_batch=8, model="DiT-S/2", depth=2, hidden=32, heads=2,
+                             resolution=32, num_classes=3), tmp_path / "plan")
+    (tmp_path / "die.py").write_text(DYING_RANK)
+    launch = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "plan" / "accelerate_config.yaml"),
+         "--main_process_port", "0", str(tmp_path / "die.py")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert launch.returncode != 0
+    log = write(tmp_path, launch.stdout + launch.stderr)
+    killed_pid = int(re.search(r"rank 1 pid (\d+)", log.read_text())[1])
+    assert run(["--log", str(log), "--plan", str(tmp_path / "plan" / "plan.json"), "--format", "json"]) == 2
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["checks"]}
+    assert f"root cause rank 1 (local_rank 1, pid {killed_pid})" in rows["failed ranks"]["reason"]
+    assert "rank 0" in rows["failed ranks"]["reason"] and "SIGTERM: stopped by the launcher" in rows["failed ranks"]["reason"]
+    assert "OOM killer" in rows["exitcode -9 (SIGKILL)"]["reason"] and "of host RAM per node" in rows["exitcode -9 (SIGKILL)"]["reason"]

@@ -303,6 +303,13 @@ def find_worker_killed(text: str) -> Check | None:
                   "fewer data-loader workers, precomputed latents, or more host RAM; `dit-accel doctor` compares the plan's host estimate")
 
 
+def _consequence(failure: RankFailure) -> str:
+    line = f"rank {failure.rank} on {failure.host} (exitcode {failure.exitcode}"
+    if failure.exitcode == -signal.SIGTERM:
+        return line + ", SIGTERM: stopped by the launcher after the root cause)"
+    return line + (f", {failure.signal_name})" if failure.signal_name else ")")
+
+
 def diagnose(text: str, plan: PlanFacts | None = None, output_dir: Path | None = None) -> list[Check]:
     """Every recognised failure in a log, the root cause first; a PASS row when the log shows none."""
     text = clean(text)
@@ -313,7 +320,7 @@ def diagnose(text: str, plan: PlanFacts | None = None, output_dir: Path | None =
         others = failures[1:]
         summary = f"root cause {root.who}"
         if others:
-            summary += "; also failed: " + "; ".join(f"rank {f.rank} on {f.host} (exitcode {f.exitcode})" for f in others[:8])
+            summary += "; also failed: " + "; ".join(_consequence(f) for f in others[:8])
         checks.append(failed(GROUP, "failed ranks", summary,
                              "fix the root cause first: later failures are often its consequence"))
     classic = [found for found in (find_cuda_oom(text), find_missing_path(text), find_worker_killed(text)) if found]

@@ -134,7 +134,7 @@ def test_cuda_oom_after_steps_points_at_fragmentation(tmp_path):
 
 NCCL_TIMEOUT = """[rank2]:[E302 11:02:13.441207 ProcessGroupNCCL.cpp:632] [Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1843, OpType=ALLREDUCE, NumelIn=674834720, NumelOut=674834720, Timeout(ms)=600000) ran for 600013 milliseconds before timing out.
 [rank2]:[E302 11:02:13.452139 ProcessGroupNCCL.cpp:667] [Rank 2] Some NCCL operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data.
-[rank6]:[E302 11:02:14.011532 ProcessGroupNCCL.cpp:632] [Rank 6] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1843, OpType=ALLREDUCE, NumelIn=674834720, NumelOut=674834720, Timeout(ms)=600000) ran for 600877 milliseconds before timing out.
+[rank6]:[E302 11:02:14.011532 ProcessGroupNCCL.cpp:1702] [PG ID 0 PG GUID 0(default_pg) Rank 6] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1843, OpType=ALLREDUCE, NumelIn=674834720, NumelOut=674834720, Timeout(ms)=600000) ran for 600877 milliseconds before timing out.
 terminate called after throwing an instance of 'c10::DistBackendError'
 """
 

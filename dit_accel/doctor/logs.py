@@ -142,7 +142,8 @@ _CUDA_OOM_CAPACITY = re.compile(r"GPU (?P<gpu>\d+) has a total capacity of (?P<t
 _CUDA_OOM_OLD = re.compile(r"\(GPU (?P<gpu>\d+); (?P<total>[\d.]+ [KMGT]i?B) total capacity; (?P<allocated>[\d.]+ [KMGT]i?B) already allocated; (?P<free>[\d.]+ [KMGT]?i?B) free")
 _OTHER_PROCESS = re.compile(r"Process (?P<pid>\d+) has (?P<used>[\d.]+ [KMGT]i?B) memory in use")
 _STEP = re.compile(r"\bstep[\s=:]+(?P<step>\d+)", re.IGNORECASE)
-_NCCL_TIMEOUT = re.compile(r"(?:\[Rank (?P<rank>\d+)\]\s*)?Watchdog caught collective operation timeout: WorkNCCL\("
+# '[Rank 2] Watchdog ...', '[PG ID 0 PG GUID 0(default_pg) Rank 2] Watchdog ...' (newer torch), '[rank2] Watchdog ...'
+_NCCL_TIMEOUT = re.compile(r"(?:[Rr]ank ?(?P<rank>\d+)\]:?\s*)?Watchdog caught collective operation timeout:\s*WorkNCCL\("
                            r"SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)[^)]*?Timeout\(ms\)=(?P<timeout_ms>\d+)\)")
 _NCCL_ERROR = re.compile(r"(ncclSystemError|ncclInternalError|ncclRemoteError|ncclUnhandledCudaError|ncclInvalidUsage)[^\n]*")
 _FILE_NOT_FOUND = re.compile(r"FileNotFoundError: \[Errno 2\] No such file or directory: '(?P<path>[^']+)'")

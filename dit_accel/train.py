@@ -652,7 +652,7 @@ def train(config: TrainConfig) -> int:
     batches = iter(loader)
 
     plan_peak = plan.get("memory", {}).get("peak_bytes")
-    log.info(f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters())} parameters; world size "
+    log.info(f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters; world size "
              f"{world_size} x micro-batch {micro_batch} x accumulation {grad_accum} = global batch {global_batch}; "
              f"precision {decision['precision']} on {components.device.type}; checkpointed blocks "
              f"{decision['checkpointed_blocks']}/{spec.depth}; {len(dataset)} samples, {order.steps_per_epoch} steps "
@@ -670,7 +670,7 @@ def train(config: TrainConfig) -> int:
     nan_step = injected_nan_step(rank)
     crash_step = int(os.environ.get(CRASH_BEFORE_COMMIT_ENV, "0") or 0)
     warned_memory = False
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, window_losses = time.perf_counter(), 0, []
     metrics_path = run_dir / "metrics.jsonl"
 
     while state["step"] < config.max_steps:
@@ -687,6 +687,8 @@ def train(config: TrainConfig) -> int:
         state["applied_steps"] += int(result.applied)
         progress.update(1)
         window_steps += 1
+        if result.applied:
+            window_losses.append(result.loss)
         if config.debug_checksums:
             log.info(f"checksum step {step} {parameter_checksum(components.raw_model)}")
 
@@ -711,7 +713,9 @@ def train(config: TrainConfig) -> int:
         if step % config.log_every == 0 or step == config.max_steps:
             elapsed = time.perf_counter() - window_start
             peak = measured_peak_bytes(components.device)
-            metrics = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            # Every applied step's loss since the last line, each the mean over all ranks' samples.
+            loss = sum(window_losses) / len(window_losses) if window_losses else math.nan
+            metrics = {"step": step, "loss": loss, "lr": result.lr, "grad_norm": result.grad_norm,
                        "images_per_s": global_batch * window_steps / elapsed, "step_time_s": elapsed / window_steps,
                        "skipped_steps": state["skipped_steps"]}
             memory_text = "peak GPU memory n/a on CPU"
@@ -727,16 +731,16 @@ def train(config: TrainConfig) -> int:
                                 f"report it with `dit-accel verify`; the run goes on")
             if plan_peak:
                 memory_text += f" (plan: {gib(plan_peak)})"
-            log.info(f"step {step}/{config.max_steps} | loss {result.loss:.4f} | lr {result.lr:.3g} | grad norm "
+            log.info(f"step {step}/{config.max_steps} | loss {loss:.4f} | lr {result.lr:.3g} | grad norm "
                      f"{result.grad_norm:.3g} | {metrics['images_per_s']:.1f} img/s | {metrics['step_time_s']:.3f} s/step | "
                      f"{memory_text}")
-            progress.set_postfix(loss=f"{result.loss:.4f}", refresh=False)
+            progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if accelerator.log_with:
                 accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
             if is_main:
                 with metrics_path.open("a") as handle:
                     handle.write(json.dumps(metrics) + "\n")
-            window_start, window_steps = time.perf_counter(), 0
+            window_start, window_steps, window_losses = time.perf_counter(), 0, []
 
         if step % config.checkpoint_every == 0 or step == config.max_steps:
             epoch, offset = order.epoch_and_offset(step)

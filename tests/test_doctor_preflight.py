@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import socket
 from pathlib import Path
@@ -16,7 +15,7 @@ import yaml
 from PIL import Image
 
 from dit_accel.doctor import Probes, run
-from dit_accel.doctor.checks import Status, exit_code
+from dit_accel.doctor.checks import Status, exit_code, failed, passed, warned
 from dit_accel.doctor.data import check_data
 from dit_accel.doctor.distributed import Rendezvous, check_distributed, check_port_free, check_reachable, read_rendezvous
 from dit_accel.doctor.environment import (ComputeApp, EnvironmentFacts, GpuFacts, check_accelerate_config,
@@ -489,6 +488,12 @@ def ready(pixel_plan, tmp_path):
     argv = ["--plan", str(pixel_plan.path), "--data_path", str(images), "--output-dir", str(tmp_path / "run")]
     probes = Probes(environment=lambda: env(gpus=gpus(2)), host=lambda: host())
     return argv, probes
+
+
+def test_exit_code_rules():
+    ok, warning, failure = passed("g", "a", "fine"), warned("g", "b", "close", "fix"), failed("g", "c", "broken", "fix")
+    assert [exit_code(rows) for rows in ([ok], [ok, warning], [ok, warning, failure])] == [0, 0, 2]
+    assert [exit_code(rows, strict=True) for rows in ([ok], [ok, warning], [ok, warning, failure])] == [0, 1, 2]
 
 
 def test_exit_codes_0_1_2_with_strict(ready, capsys, monkeypatch):

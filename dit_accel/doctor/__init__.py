@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's)")
     parser.add_argument("--main-process-port", "--main_process_port", dest="main_process_port", type=int,
                         help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's, else 29500)")
-    parser.add_argument("--full", action="store_true", help="decode every image, not one per class")
+    parser.add_argument("--full", action="store_true", help="decode every image (not one per class); with --latents, check every shard's sha256")
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument("--log", type=Path, help="read a failed run's log instead of checking this node")

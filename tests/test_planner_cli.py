@@ -219,3 +219,16 @@ def test_console_script_is_installed():
     import shutil
 
     assert shutil.which("dit-plan") or os.path.exists(os.path.join(os.path.dirname(os.sys.executable), "dit-plan"))
+
+
+def test_the_planner_never_imports_torch():
+    """dit-plan must answer on a laptop without a GPU stack: the whole planner runs without torch,
+    accelerate or diffusers being imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from planner.cli import main; import planner.plan, planner.report, planner.outputs;"
+            "main(['--gpus', '8', '--vram', '40G', '--format', 'json', '--list-assumptions']);"
+            "heavy = {'torch', 'accelerate', 'diffusers', 'numpy'} & set(sys.modules); assert not heavy, heavy")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -90,7 +90,7 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
               num_classes: int | None = None, main_process_ip: str | None = None,
               main_process_port: int | None = None, assumptions=None) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring)."""
-    inputs = {k: v for k, v in locals().items() if k != "assumptions"}
+    inputs = {k: v for k, v in locals().items() if k != "assumptions"}  # the parameters, as given
     inputs["assumptions"] = dict(assumptions) if isinstance(assumptions, dict) else None
 
     gpus_per_node = _positive_int(gpus, "--gpus")

@@ -121,7 +121,8 @@ def render(plan: dict, fmt: str = "table") -> str:
     if fmt == "json":
         return json.dumps(plan, indent=2)
     tablefmt = TABLEFMT[fmt]
-    sections = [("Decision", decision_rows(plan)), (f"Memory per GPU at its peak", memory_rows(plan)),
+    peak = PHASE_NAMES[plan["memory"]["peak_phase"]]
+    sections = [("Decision", decision_rows(plan)), (f"Memory per GPU at its peak ({peak})", memory_rows(plan)),
                 ("Alternatives (fastest first)", alternative_rows(plan))]
     heading = {"table": "{}", "markdown": "### {}", "github": "### {}", "latex": "% {}"}[fmt]
     out = [heading.format(title(plan)), f"units: {plan['units']}", ""]

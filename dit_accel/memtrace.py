@@ -567,12 +567,13 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
     """Trace the plan's training step on fake tensors and return its peak and the components live then.
 
     `depth_extrapolate="auto"` traces at most 5 blocks (up to three shallow traces) and extrapolates per
-    block, unless the full network is as cheap to trace; `"off"` traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
+    block, unless the full network is as cheap to trace; `"on"` always extrapolates (tests); `"off"`
+    traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
     (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either).
     """
     from dit_accel.train import spec_from_plan
 
-    if depth_extrapolate not in ("auto", "off"):
+    if depth_extrapolate not in ("auto", "on", "off"):
         raise UserError(f"--depth-extrapolate must be auto or off, got {depth_extrapolate!r}")
     autocast_device = autocast_device or ("cuda" if torch.cuda.is_available() else "cpu")
     if autocast_device not in ("cpu", "cuda"):
@@ -596,7 +597,7 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
     # Each trace also runs the embedding, final layer and loss (about two blocks' worth of ops): when the
     # shallow traces together would run as many ops as the full network, trace the full network.
     shallow_cost = sum(sum(counts) + 2 for counts in all_counts)
-    if depth_extrapolate == "off" or shallow_cost >= spec.depth + 2:
+    if depth_extrapolate == "off" or sum(base) == spec.depth or (depth_extrapolate == "auto" and shallow_cost >= spec.depth + 2):
         tracker, _ = trace(target)
         peak_bytes, components, window = tracker.peak_bytes, tracker.peak_components, tracker.peak_window
         traced_depths = [spec.depth]

@@ -1,0 +1,190 @@
+"""The tracer: storage accounting, the trainer's step on fake tensors, exact per-block extrapolation, and
+`dit-accel verify`. Models are traced on fake tensors, so even DiT-XL/2 allocates nothing here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dit_accel import memtrace
+from dit_accel.memtrace import StorageTracker, trace_training_step
+from planner.spec import model_spec
+
+
+def tiny_plan(depth=6, checkpointed_blocks=0, precision="fp32", micro_batch=4, grad_accum=1, ema=True,
+              latents="precomputed") -> dict:
+    """A 64-px DiT (8x8 latents, 16 tokens) of `depth` blocks, hidden 64."""
+    return {
+        "schema": "dit-plan/1",
+        "inputs": {},
+        "model": {"name": "DiT-custom", "resolution": 64, "depth": depth, "hidden": 64, "heads": 4, "patch": 2,
+                  "num_classes": 10},
+        "cluster": {"world_size": 1},
+        "global_batch": micro_batch * grad_accum,
+        "decision": {"micro_batch": micro_batch, "grad_accum": grad_accum, "checkpointed_blocks": checkpointed_blocks,
+                     "precision": precision, "sharding": "ddp", "latents": latents, "ema": ema},
+    }
+
+
+# --- the tracker ------------------------------------------------------------------------------------
+
+
+def test_a_storage_is_counted_once_however_many_views_and_released_when_dropped():
+    with FakeTensorMode():
+        tracker = StorageTracker()
+        with tracker:
+            a = torch.empty(1000)  # 4000 bytes
+            views = [a.view(10, 100), a[:500], a.t() if a.ndim == 2 else a.unsqueeze(0)]
+            assert tracker.total_bytes == 4000
+            b = torch.empty(250, dtype=torch.float64)  # 2000 bytes
+            assert tracker.total_bytes == 6000
+            del a, views
+            assert tracker.total_bytes == 2000
+            del b
+        assert tracker.total_bytes == 0
+        assert tracker.peak_bytes == 6000
+        assert tracker.peak_components["activations"] == 6000
+
+
+def test_tag_moves_bytes_between_components_without_changing_the_total():
+    with FakeTensorMode():
+        tracker = StorageTracker()
+        t = torch.empty(64)
+        tracker.tag(t, "weights")
+        tracker.tag(t.view(8, 8), "grads")
+        assert tracker.current["weights"] == 0 and tracker.current["grads"] == 256 and tracker.total_bytes == 256
+
+
+def test_autocast_copies_of_weights_are_their_own_component():
+    with FakeTensorMode():
+        layer = torch.nn.Linear(32, 16)
+        x = torch.randn(8, 32)
+        tracker = StorageTracker()
+        for p in layer.parameters():
+            tracker.tag(p, "weights")
+        with tracker, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+            assert tracker.current["autocast_cache"] == 2 * (32 * 16 + 16)  # bf16 weight and bias
+            assert y.dtype == torch.bfloat16
+        assert tracker.current["weights"] == 4 * (32 * 16 + 16)
+
+
+def test_roles_pick_first_second_and_last_block_of_each_run_in_processing_order():
+    kinds = [True, True, True, False, False]
+    assert memtrace._segments(kinds) == [(0, 3, True), (3, 5, False)]
+    fwd = {i: memtrace._roles(("fwd", 1, 0, i), kinds) for i in range(5)}
+    assert [r[-1] for r in fwd[0]] == ["first"] and [r[-1] for r in fwd[1]] == ["second"]
+    assert [r[-1] for r in fwd[2]] == ["last"] and [r[-1] for r in fwd[4]] == ["second", "last"]
+    bwd = {i: [r[-1] for r in memtrace._roles(("bwd", 1, 0, i), kinds)] for i in range(5)}
+    assert bwd == {0: ["last"], 1: ["second"], 2: ["first"], 3: ["second", "last"], 4: ["first"]}
+
+
+def test_shallow_trace_counts_grow_by_one_block_of_each_kind_present():
+    assert memtrace.trace_plan_counts((28, 0)) == ((2, 0), [(2, 0), (3, 0)])
+    assert memtrace.trace_plan_counts((14, 14)) == ((2, 2), [(2, 2), (3, 2), (2, 3)])
+    assert memtrace.trace_plan_counts((27, 1)) == ((2, 1), [(2, 1), (3, 1)])
+    assert memtrace.trace_plan_counts((2, 0)) == ((2, 0), [(2, 0)])
+
+
+# --- the trainer's step -----------------------------------------------------------------------------
+
+
+CASES = [
+    dict(precision="fp32", checkpointed_blocks=0),
+    dict(precision="bf16", checkpointed_blocks=3, grad_accum=2),
+    dict(precision="fp16", checkpointed_blocks=6, ema=False),
+    dict(precision="fp32", checkpointed_blocks=5, grad_accum=3),
+    dict(precision="bf16", checkpointed_blocks=2, latents="online"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_per_block_extrapolation_equals_the_full_trace(case):
+    plan = tiny_plan(depth=6, **case)
+    full = trace_training_step(plan, depth_extrapolate="off", autocast_device="cpu")
+    extrapolated = trace_training_step(plan, depth_extrapolate="on", autocast_device="cpu")
+    assert full.traced_depths == [6] and max(extrapolated.traced_depths) <= 5
+    assert extrapolated.peak_bytes == full.peak_bytes
+    assert extrapolated.components == full.components
+
+
+def test_the_trace_of_dit_xl2_holds_exactly_the_architectures_states():
+    """Weights, EMA and AdamW state at the peak follow from the parameter count alone (the traced
+    network is the planner's: same parameter count), whatever the extrapolation did."""
+    plan = tiny_plan()
+    plan["model"] = {"name": "DiT-XL/2", "resolution": 256}
+    plan["decision"].update(precision="bf16", micro_batch=32)
+    result = trace_training_step(plan, autocast_device="cpu")
+    spec = model_spec("DiT-XL/2", 256)
+    from dit_accel.model import build_model
+
+    with torch.device("meta"):
+        tensors = len(list(build_model(spec, init="torch").parameters()))
+    params = spec.params_trainable
+    assert result.depth == 28 and max(result.traced_depths) <= 5
+    assert result.components["weights"] == 4 * params
+    assert result.components["buffers"] == 4 * spec.tokens * spec.hidden
+    assert result.components["ema"] == 4 * params
+    assert result.components["optimizer"] == 8 * params + 4 * tensors  # exp_avg, exp_avg_sq, fp32 step counters
+    # bf16 autocast: the residual stream and most saved tensors are 2 bytes; about 40 bytes per token,
+    # hidden unit and block (DESIGN.md) -- a loose bracket, the grid holds the planner to the exact bytes
+    per_unit = result.components["activations"] / (32 * spec.tokens * spec.hidden * spec.depth)
+    assert 35 < per_unit < 45
+
+
+def test_checkpointing_every_block_removes_almost_all_saved_activations():
+    stored = trace_training_step(tiny_plan(checkpointed_blocks=0, micro_batch=64), autocast_device="cpu")
+    checkpointed = trace_training_step(tiny_plan(checkpointed_blocks=6, micro_batch=64), autocast_device="cpu")
+    assert checkpointed.peak_bytes < stored.peak_bytes
+    assert checkpointed.components["activations"] < stored.components["activations"]
+
+
+def test_accumulation_keeps_gradients_alive_at_the_start_of_the_next_micro_step():
+    one = trace_training_step(tiny_plan(micro_batch=64), autocast_device="cpu")
+    two = trace_training_step(tiny_plan(micro_batch=64, grad_accum=2), autocast_device="cpu")
+    assert two.components["grads"] > one.components["grads"]
+    assert two.peak_bytes > one.peak_bytes
+
+
+def test_bad_inputs_are_user_errors():
+    from dit_accel.errors import UserError
+
+    with pytest.raises(UserError, match="depth-extrapolate"):
+        trace_training_step(tiny_plan(), depth_extrapolate="sometimes")
+    with pytest.raises(UserError, match="device-autocast"):
+        trace_training_step(tiny_plan(), autocast_device="tpu")
+    if not torch.backends.cuda.is_built():
+        with pytest.raises(UserError, match="CUDA build"):
+            trace_training_step(tiny_plan(), autocast_device="cuda")
+
+
+# --- dit-accel verify -------------------------------------------------------------------------------
+
+
+def test_verify_prints_the_trace_beside_the_planner_and_what_it_cannot_see(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(tiny_plan(checkpointed_blocks=2, precision="bf16")))
+    out_json = tmp_path / "verify.json"
+    assert memtrace.main([str(plan_path), "--device-autocast", "cpu", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    expected = trace_training_step(tiny_plan(checkpointed_blocks=2, precision="bf16"), autocast_device="cpu")
+    assert f"traced peak: {expected.peak_bytes / 2**30:.3f} GiB" in out
+    for name in memtrace.COMPARED:
+        assert name in out
+    assert "CUDA context" in out and "NCCL" in out and "fragmentation" in out and "autocast" in out
+    saved = json.loads(out_json.read_text())
+    assert saved["trace"]["peak_bytes"] == expected.peak_bytes
+    assert set(saved["planner"]["components"]) == set(memtrace.COMPARED)
+
+
+def test_verify_refuses_a_missing_or_foreign_plan_in_one_line(tmp_path, capsys):
+    assert memtrace.main([str(tmp_path / "missing.json")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "something-else/9"}))
+    assert memtrace.main([str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "schema" in err

@@ -124,9 +124,9 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    from dit_accel.data.folder import write_json_atomically  # temp file, fsync, rename
+
+    write_json_atomically(Path(path), data)
 
 
 def commit(tmp_dir: Path, final_dir: Path, marker: dict) -> None:

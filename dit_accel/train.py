@@ -628,7 +628,6 @@ def train(config: TrainConfig) -> int:
         if state.get("dataset_size") != len(dataset):
             log.warning(f"the dataset has {len(dataset)} samples, the checkpoint's had {state.get('dataset_size')}: "
                         f"the data order after resuming differs from the original run's")
-        log.info(f"resumed from {resume_from} at step {state['step']}")
     # Each rank's own global RNG stream (anything not keyed per sample); restored RNG states win on resume.
     if resume_from is None:
         from accelerate.utils import set_seed
@@ -658,6 +657,8 @@ def train(config: TrainConfig) -> int:
              f"{decision['checkpointed_blocks']}/{spec.depth}; {len(dataset)} samples, {order.steps_per_epoch} steps "
              f"per epoch; lr {components.optimizer.param_groups[0]['initial_lr']:.3g}; run folder {run_dir}; "
              f"log {log_path}")
+    if resume_from is not None:
+        log.info(f"resumed from {resume_from} at step {state['step']}")
     if state["step"] >= config.max_steps:
         log.info(f"already at step {state['step']} >= --max-steps {config.max_steps}: nothing to do")
         accelerator.end_training()

@@ -520,7 +520,8 @@ def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: in
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # "fp16 needs a GPU, training fp32": the trace sets the autocast itself
     try:
-        components = train.build_components(variant, config, device=device, spec=spec)
+        with device:  # built where it runs: fake CUDA parameters cannot be moved there afterwards
+            components = train.build_components(variant, config, device=device, spec=spec)
     finally:
         quiet.setLevel(level)
     components.plan = plan

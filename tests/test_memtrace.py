@@ -136,15 +136,15 @@ def test_the_trace_of_dit_xl2_holds_exactly_the_architectures_states():
 
 
 def test_checkpointing_every_block_removes_almost_all_saved_activations():
-    stored = trace_training_step(tiny_plan(checkpointed_blocks=0, micro_batch=64), autocast_device="cpu")
-    checkpointed = trace_training_step(tiny_plan(checkpointed_blocks=6, micro_batch=64), autocast_device="cpu")
+    stored = trace_training_step(tiny_plan(depth=2, checkpointed_blocks=0, micro_batch=64), autocast_device="cpu")
+    checkpointed = trace_training_step(tiny_plan(depth=2, checkpointed_blocks=2, micro_batch=64), autocast_device="cpu")
     assert checkpointed.peak_bytes < stored.peak_bytes
     assert checkpointed.components["activations"] < stored.components["activations"]
 
 
 def test_accumulation_keeps_gradients_alive_at_the_start_of_the_next_micro_step():
-    one = trace_training_step(tiny_plan(micro_batch=64), autocast_device="cpu")
-    two = trace_training_step(tiny_plan(micro_batch=64, grad_accum=2), autocast_device="cpu")
+    one = trace_training_step(tiny_plan(depth=2, micro_batch=64), autocast_device="cpu")
+    two = trace_training_step(tiny_plan(depth=2, micro_batch=64, grad_accum=2), autocast_device="cpu")
     assert two.components["grads"] > one.components["grads"]
     assert two.peak_bytes > one.peak_bytes
 

@@ -1,0 +1,176 @@
+"""`dit-accel calibrate` without a GPU: its least squares, its search for the largest micro-batch (a fake
+measure that runs out of memory above a threshold), and the calibration file it writes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dit_accel import calibrate as cal
+from dit_accel.errors import UserError
+from planner.hardware import CALIBRATABLE, Assumptions, gpu_preset
+from planner.spec import model_spec
+
+GiB, MiB = 2**30, 2**20
+
+
+def test_fit_line_recovers_a_known_line_exactly():
+    xs = [8, 16, 32, 48]
+    intercept, slope = cal.fit_line(xs, [3 * GiB + 150 * MiB * x for x in xs])
+    assert intercept == pytest.approx(3 * GiB) and slope == pytest.approx(150 * MiB)
+
+
+def test_fit_line_is_least_squares_on_noisy_points():
+    rng = np.random.default_rng(0)
+    xs = [4, 8, 16, 24, 32]
+    ys = [1e9 + 2e7 * x + rng.normal(0, 1e6) for x in xs]
+    slope, intercept = np.polyfit(xs, ys, 1)
+    assert cal.fit_line(xs, ys) == pytest.approx((intercept, slope))
+
+
+def test_fit_line_needs_two_different_micro_batches():
+    with pytest.raises(UserError, match="two different micro-batches"):
+        cal.fit_line([8, 8], [1.0, 2.0])
+
+
+def oom_above(threshold: int, calls: list | None = None):
+    def measure(micro_batch: int) -> cal.Measurement:
+        if calls is not None:
+            calls.append(micro_batch)
+        if micro_batch > threshold:
+            raise cal.MeasureOOM(micro_batch)
+        return cal.Measurement(micro_batch, 10 * micro_batch, 11 * micro_batch, 1.0)
+    return measure
+
+
+@settings(max_examples=200, deadline=None)
+@given(threshold=st.integers(1, 2000), start=st.integers(1, 3000), growth=st.sampled_from([1.25, 2.0]))
+def test_search_finds_the_largest_micro_batch_that_fits(threshold, start, growth):
+    calls = []
+    largest, first_oom = cal.largest_fitting(oom_above(threshold, calls), start=start, limit=4096, growth=growth)
+    assert (largest, first_oom) == (threshold, threshold + 1)
+    assert len(calls) == len(set(calls))  # never measures a micro-batch twice
+    assert len(calls) <= 45
+
+
+def test_search_stops_at_the_limit_when_nothing_runs_out_of_memory():
+    calls = []
+    assert cal.largest_fitting(oom_above(10**6, calls), start=8, limit=100) == (100, None)
+    assert max(calls) == 100
+
+
+def test_search_starts_from_what_is_already_known():
+    calls = []
+    assert cal.largest_fitting(oom_above(37, calls), start=40, limit=512, known_fit=32, known_oom=64) == (37, 38)
+    assert all(32 < c < 64 for c in calls)
+
+
+# --- the whole calibration on recorded measurements ---------------------------------------------------
+
+FIXED, PER_SAMPLE = 9 * GiB, 300 * MiB
+RESERVED_RATIO = 1.08
+CONTEXT = 700 * MiB
+SATURATED_IMAGES_PER_S, HALF_TOKENS = 900.0, 2048
+TOTAL = 141 * GiB
+
+
+def recorded_measure(tokens: int, calls: list):
+    """What an H200 would report: a linear allocator peak, 8% fragmentation, a fixed context, saturating speed."""
+
+    def measure(micro_batch: int) -> cal.Measurement:
+        calls.append(micro_batch)
+        allocated = FIXED + PER_SAMPLE * micro_batch
+        reserved = int(allocated * RESERVED_RATIO)
+        if reserved + CONTEXT > TOTAL:
+            raise cal.MeasureOOM(micro_batch)
+        n = micro_batch * tokens
+        images_per_s = SATURATED_IMAGES_PER_S * n / (n + HALF_TOKENS)
+        return cal.Measurement(micro_batch, allocated, reserved, micro_batch / images_per_s,
+                               device_used_bytes=reserved + CONTEXT)
+    return measure
+
+
+def xl_plan(micro_batch=32, checkpointed_blocks=0) -> dict:
+    return {"schema": "dit-plan/1", "inputs": {"model": "DiT-XL/2"}, "model": {"name": "DiT-XL/2", "resolution": 256},
+            "cluster": {"world_size": 1}, "global_batch": micro_batch,
+            "decision": {"micro_batch": micro_batch, "grad_accum": 1, "checkpointed_blocks": checkpointed_blocks,
+                         "precision": "bf16", "sharding": "ddp", "latents": "precomputed", "ema": True},
+            "memory": {"peak_bytes": 20 * GiB}}
+
+
+def test_calibration_fits_searches_and_writes_what_the_planner_reads(tmp_path):
+    spec = model_spec("DiT-XL/2", 256)
+    calls = []
+    preset = gpu_preset("h200")
+    gpu = {"name": "NVIDIA H200", "total_bytes": TOTAL, "capability": "9.0", "preset": "h200", "_preset": preset}
+    result = cal.calibrate(xl_plan(), [8, 16, 32], steps=3, max_micro_batch=None,
+                           measure=recorded_measure(spec.tokens, calls), gpu=gpu, log=lambda line: None)
+    fit = result["fit"]
+    assert fit["fixed_bytes"] == FIXED and fit["per_sample_bytes"] == PER_SAMPLE
+    assert fit["fragmentation"] == pytest.approx(RESERVED_RATIO, rel=1e-6)
+    assert fit["outside_allocator_bytes"] == CONTEXT
+    assert fit["half_efficiency_tokens"] == HALF_TOKENS
+    largest = max(mb for mb in range(1, 2000) if int((FIXED + PER_SAMPLE * mb) * RESERVED_RATIO) + CONTEXT <= TOTAL)
+    assert result["largest_micro_batch"] == largest and result["smallest_oom_micro_batch"] == largest + 1
+    images_per_s = SATURATED_IMAGES_PER_S * 32 * spec.tokens / (32 * spec.tokens + HALF_TOKENS)
+    assert fit["images_per_s"] == pytest.approx(images_per_s)
+    assert fit["mfu"] == pytest.approx(images_per_s * 3 * spec.fwd_flops_per_image / preset.matmul_peak_flops("bf16"))
+    assert [m["micro_batch"] for m in result["measurements"]] == [8, 16, 32]  # probes are not fitted
+    assert result["schema"] == "dit-calibration/1" and result["gpu"]["name"] == "NVIDIA H200"
+    assert result["config"]["precision"] == "bf16" and result["model"]["params_trainable"] == spec.params_trainable
+    # the planner takes the assumptions as they are
+    assumptions = result["assumptions"]
+    assert set(assumptions) <= set(CALIBRATABLE)
+    calibrated = Assumptions().calibrated(assumptions)
+    assert calibrated.cuda_context_bytes == CONTEXT and calibrated.fragmentation == pytest.approx(RESERVED_RATIO - 1)
+    assert calibrated.mfu_mixed == pytest.approx(fit["mfu"])
+    path = tmp_path / "out" / "calib.json"
+    cal.write_json_atomically(path, result)
+    assert json.loads(path.read_text())["largest_micro_batch"] == largest
+    assert [p.name for p in path.parent.iterdir()] == ["calib.json"]
+
+
+def test_an_out_of_memory_among_the_requested_micro_batches_bounds_the_search():
+    spec = model_spec("DiT-XL/2", 256)
+    calls = []
+    gpu = {"name": "small GPU", "total_bytes": 20 * GiB, "capability": "8.0", "preset": None, "_preset": None}
+    global TOTAL
+    saved, TOTAL = TOTAL, 20 * GiB
+    try:
+        result = cal.calibrate(xl_plan(), [4, 8, 64], steps=1, max_micro_batch=None,
+                               measure=recorded_measure(spec.tokens, calls), gpu=gpu, log=lambda line: None)
+    finally:
+        TOTAL = saved
+    largest = max(mb for mb in range(1, 100) if int((FIXED + PER_SAMPLE * mb) * RESERVED_RATIO) + CONTEXT <= 20 * GiB)
+    assert result["largest_micro_batch"] == largest
+    assert 64 in result["out_of_memory_micro_batches"]
+    assert all(mb <= 64 for mb in calls)
+    assert result["fit"]["mfu"] is None and "mfu_mixed" not in result["assumptions"]
+
+
+def test_fewer_than_two_fitting_micro_batches_is_a_user_error():
+    spec = model_spec("DiT-XL/2", 256)
+    gpu = {"name": "tiny", "total_bytes": 10 * GiB, "preset": None, "_preset": None}
+    with pytest.raises(UserError, match="smaller ones"):
+        cal.calibrate(xl_plan(), [1, 2, 4], 1, None, oom_above(1), gpu, log=lambda line: None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_calibrate_says_so_in_one_line_and_exits_2(tmp_path, capsys):
+    assert cal.main(["--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no CUDA GPU" in err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_bad_micro_batch_lists_are_refused():
+    with pytest.raises(UserError):
+        cal._micro_batches("8")
+    with pytest.raises(UserError):
+        cal._micro_batches("8,x")
+    assert cal._micro_batches("32, 8,16") == [8, 16, 32]

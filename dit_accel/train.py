@@ -43,6 +43,7 @@ CRASH_BEFORE_COMMIT_ENV = "DIT_ACCEL_CRASH_BEFORE_COMMIT"  # testing only: "STEP
 EXIT_STOPPED = 3  # the run stopped itself (NaN/Inf); distinct from 2, bad input
 
 log = logging.getLogger("dit_accel.train")
+log.addHandler(logging.NullHandler())  # before setup_logging: silent, not Python's stderr fallback
 
 
 class TrainingStopped(Exception):
@@ -780,6 +781,11 @@ def _main(argv) -> int:
     config = parse_config(list(sys.argv[1:] if argv is None else argv))
     try:
         return train(config)
+    except UserError as error:
+        if int(os.environ.get("RANK", "0")) != 0:  # every rank finds the same problem; rank 0 says it once
+            log.error(str(error), extra={"file_only": True})
+            return 2
+        raise
     except TrainingStopped as stopped:
         if int(os.environ.get("RANK", "0")) == 0:  # every rank stops; one says why
             print(f"dit_accel.train: stopped: {stopped}", file=sys.stderr)

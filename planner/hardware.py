@@ -111,7 +111,7 @@ class Assumptions:
     default_peak_flops: float = 312e12  # used for ranking when only --vram is known: A100 dense bf16
     # --- host memory per rank (the exitcode -9 estimate) ---------------------------------------------
     host_process_bytes: int = 3 * GiB  # python + torch + CUDA libraries resident per rank
-    loader_workers: int = 8  # DataLoader workers per rank
+    loader_workers: int = 4  # DataLoader workers per rank: the trainer's --num-workers default
     loader_worker_bytes: int = 512 * MiB  # resident set of one worker process beyond shared pages
     prefetch_factor: int = 2  # batches each worker keeps ready (PyTorch's default)
     pinned_batches: int = 2  # pin_memory copies in flight

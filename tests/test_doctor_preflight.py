@@ -224,18 +224,18 @@ def test_host_ram_below_the_plans_estimate_is_the_exitcode_9_failure(xl_plan, tm
     facts = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup",
                       open_files=lambda: (65536, 65536), cpu_count=lambda: 96)
     assert facts.mem_total_bytes == 128 * GiB and facts.mem_available_bytes == 100 * GiB
-    # the planner assumed 8 workers per rank; the trainer's default 4 needs 8 ranks x 4 workers x 512 MiB less
-    need = xl_plan.host_bytes_for_workers(4)
-    assert xl_plan.host_bytes - need == 8 * 4 * (512 * 2**20 + XL_PLAN["host"]["per_rank"]["loader_prefetch"] // 8)
-    row = by_name(check_host(xl_plan, facts, loader_facts(xl_plan, 4)), "host RAM")
+    # the planner assumed 4 workers per rank; a run with 2 needs 8 ranks x 2 workers x (RSS + prefetch) less
+    need = xl_plan.host_bytes_for_workers(2)
+    assert xl_plan.host_bytes - need == 8 * 2 * (512 * 2**20 + XL_PLAN["host"]["per_rank"]["loader_prefetch"] // 4)
+    row = by_name(check_host(xl_plan, facts, loader_facts(xl_plan, 2)), "host RAM")
     assert row.status is Status.FAIL
     assert f"needs about {need / GiB:.1f} GiB per node" in row.reason and "100.0 GiB available" in row.reason
-    assert "exitcode -9" in row.reason and "assumed 8 data-loader workers" in row.reason
+    assert "exitcode -9" in row.reason and "assumed 4 data-loader workers" in row.reason
     assert "data-loader workers" in row.fix and "precomputed latents" in row.fix
     (tmp_path / "meminfo").write_text(meminfo(256, need / GiB * 1.05))  # within 10%: too close to call
     close = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup")
-    assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 4)), "host RAM").status is Status.WARN
-    assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 2)), "host RAM").status is Status.PASS
+    assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 2)), "host RAM").status is Status.WARN
+    assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 0)), "host RAM").status is Status.PASS
 
 
 def test_a_cgroup_memory_limit_counts_like_missing_ram(xl_plan, tmp_path):

@@ -71,7 +71,7 @@ def workspace(tmp_path_factory):
     }
 
 
-def run_in_process(argv: list[str], monkeypatch=None, env: dict | None = None) -> int:
+def run_in_process(argv: list[str], env: dict | None = None) -> int:
     """`python -m dit_accel.train ARGV` in this process (one process, no launcher), state reset around it."""
     from accelerate.state import AcceleratorState, GradientState
 

@@ -1,18 +1,25 @@
 """Data for dit-accel: ImageNet-layout image folders (`folder`), the latent cache (`latents`) and a
-small demo folder (`demo`). See docs/data.md."""
+small demo folder (`demo`). See docs/data.md.
 
-from dit_accel.data.folder import (
-    FolderListing, FolderSummary, ImageFolderData, center_crop_adm, list_image_folder, read_classes_json,
-    validate_image_folder, write_classes_json,
-)
-from dit_accel.data.latents import (
-    ExtractConfig, LatentCache, check_cache_matches, extract_latents, load_vae, read_manifest, verify_cache,
-    vae_identity,
-)
+The names below are imported on first use, so `python -m dit_accel.data.latents` (what `accelerate
+launch -m` runs) does not import its own module twice, and `import dit_accel.data` stays cheap."""
 
-__all__ = [
-    "FolderListing", "FolderSummary", "ImageFolderData", "center_crop_adm", "list_image_folder",
-    "read_classes_json", "validate_image_folder", "write_classes_json",
-    "ExtractConfig", "LatentCache", "check_cache_matches", "extract_latents", "load_vae", "read_manifest",
-    "verify_cache", "vae_identity",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "folder": ["FolderListing", "FolderSummary", "ImageFolderData", "center_crop_adm", "list_image_folder",
+               "read_classes_json", "validate_image_folder", "write_classes_json"],
+    "latents": ["ExtractConfig", "LatentCache", "check_cache_matches", "extract_latents", "load_vae",
+                "read_manifest", "vae_identity", "verify_cache"],
+    "demo": ["write_demo_data"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

@@ -245,13 +245,17 @@ def permissions(mode: int) -> int:
 
 
 def write_json_atomically(target: Path, payload) -> None:
-    """Write JSON to a temporary file next to `target`, then rename it over `target`."""
+    write_bytes_atomically(target, (json.dumps(payload, indent=2) + "\n").encode())
+
+
+def write_bytes_atomically(target: Path, payload: bytes) -> None:
+    """Write to a temporary file next to `target`, fsync, then rename it over `target`: a reader sees
+    the old file or the whole new one, never a part."""
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         os.fchmod(handle, permissions(0o666))
-        with os.fdopen(handle, "w") as stream:
-            json.dump(payload, stream, indent=2)
-            stream.write("\n")
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(payload)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, target)

@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +34,8 @@ import torch
 from safetensors import safe_open
 
 from dit_accel.data.folder import (
-    FolderListing, center_crop_adm, image_to_uint8, load_rgb, permissions, uint8_to_unit_range,
-    validate_image_folder, write_classes_json, write_json_atomically,
+    FolderListing, center_crop_adm, image_to_uint8, load_rgb, uint8_to_unit_range,
+    validate_image_folder, write_bytes_atomically, write_classes_json, write_json_atomically,
 )
 from dit_accel.errors import UserError, exits_cleanly
 
@@ -191,18 +190,7 @@ def _write_shard(out: Path, shard: int, tensors: dict[str, torch.Tensor], metada
     """Serialise in memory, hash, write to a temporary file, fsync, rename: a shard file is complete or absent."""
     metadata = dict(metadata, content_sha256=_sha256_tensors(tensors))
     payload = safetensors.torch.save(tensors, metadata=metadata)
-    target = out / shard_name(shard)
-    handle, temporary = tempfile.mkstemp(dir=out, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(handle, permissions(0o666))
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(payload)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_bytes_atomically(out / shard_name(shard), payload)
     return _shard_record(shard, payload, metadata)
 
 

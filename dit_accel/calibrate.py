@@ -175,7 +175,7 @@ def cuda_measure(plan: dict, spec, steps: int) -> Callable[[int], Measurement]:
     from dit_accel.memtrace import build_step_parts
 
     def measure(micro_batch: int) -> Measurement:
-        parts = None
+        parts, result, out_of_memory = None, None, False
         try:
             gc.collect()
             torch.cuda.empty_cache()
@@ -194,17 +194,19 @@ def cuda_measure(plan: dict, spec, steps: int) -> Callable[[int], Measurement]:
                 free, total = torch.cuda.mem_get_info()
                 device_used = max(device_used, total - free)
             durations.sort()
-            return Measurement(micro_batch=micro_batch,
-                               max_allocated_bytes=torch.cuda.max_memory_allocated(),
-                               max_reserved_bytes=torch.cuda.max_memory_reserved(),
-                               step_seconds=durations[len(durations) // 2],
-                               device_used_bytes=device_used, grad_accum=parts.grad_accum)
+            result = Measurement(micro_batch=micro_batch, max_allocated_bytes=torch.cuda.max_memory_allocated(),
+                                 max_reserved_bytes=torch.cuda.max_memory_reserved(),
+                                 step_seconds=durations[len(durations) // 2], device_used_bytes=device_used,
+                                 grad_accum=parts.grad_accum)
         except torch.cuda.OutOfMemoryError:
-            raise MeasureOOM(micro_batch) from None
+            out_of_memory = True  # leaving this block drops the traceback and the tensors its frames hold
         finally:
-            del parts
+            parts = None
             gc.collect()
             torch.cuda.empty_cache()
+        if out_of_memory:
+            raise MeasureOOM(micro_batch)
+        return result
 
     return measure
 

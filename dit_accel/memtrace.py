@@ -131,7 +131,9 @@ class StorageTracker(TorchDispatchMode):
     def _component_for_new(self, func, args) -> str:
         if self.in_vae:
             return "vae"
-        if torch._C._current_graph_task_id() != -1:  # inside autograd's backward
+        # Inside autograd's backward, ops run without grad mode, except a checkpointed block's recompute,
+        # which recreates that block's saved activations (and, under autocast, its weight copies).
+        if torch._C._current_graph_task_id() != -1 and not torch.is_grad_enabled():
             return "temporaries"
         if self.phase == "optimizer":
             return "temporaries"

@@ -116,3 +116,27 @@ def test_grid_covers_the_issue():
 def test_planner_matches_the_trace(point):
     problems = misses(point)
     assert not problems, "; ".join(problems)
+
+
+def markdown_table() -> str:
+    """The grid as docs/planner-accuracy.md shows it: `python tests/test_memtrace_grid.py`."""
+    mib = 2**20
+    lines = ["| # | configuration | traced peak MiB | planner MiB | error | traced peak moment | planner moment | "
+             "components off by more than 5% (traced -> planner MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for index, point in enumerate(GRID):
+        plan = make_plan(*point)
+        result = trace_training_step(plan, autocast_device="cpu")
+        comparison = compare(result, plan)
+        floor = SMALL_COMPONENT * result.peak_bytes
+        off = [f"{name} {traced / mib:.1f} -> {planned / mib:.1f}" for name, traced, planned, _ in comparison.rows
+               if planned is not None and abs(planned - traced) > COMPONENT_TOLERANCE * max(traced, floor)]
+        peak_ok = abs(comparison.peak_error) <= PEAK_TOLERANCE[point[2]]
+        lines.append(f"| {index} | {point_id(point)} | {result.peak_bytes / mib:,.1f} | "
+                     f"{comparison.planned_peak_bytes / mib:,.1f} | {comparison.peak_error:+.2%}{'' if peak_ok else ' **miss**'} | "
+                     f"{result.peak_at} | {comparison.planned_phase} | {'; '.join(off) or 'none'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -8,7 +8,7 @@ order); each rank writes whole shards of its own, each atomically (temporary fil
 rerun verifies and keeps the complete ones. Rank 0 writes manifest.json last, after every rank is done:
 a cache without a manifest is incomplete and the reader refuses it.
 
-Reading: `LatentCache(CACHE)` memory-maps the shards (safetensors) and yields
+Reading: `LatentCache(CACHE)` memory-maps the safetensors shards with numpy and yields
 `(latent, label)` with latent = (mean + std * noise - shift_factor) * scale_factor.
 
 On disk (CACHE/):
@@ -227,7 +227,7 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     listing = summary.listing
     vae, identity = load_vae(config.vae)
     downsample = 2 ** (len(vae.config.block_out_channels) - 1)
-    if config.resolution % downsample:
+    if config.resolution < downsample or config.resolution % downsample:
         raise UserError(f"--resolution {config.resolution} is not a multiple of the VAE's downsampling "
                         f"factor {downsample}; pick e.g. {config.resolution // downsample * downsample or downsample}")
     out = Path(config.out).expanduser().absolute()
@@ -252,7 +252,7 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     present: list[list[int]] = [[]]
     if state.is_main_process:
         (out / MANIFEST_NAME).unlink(missing_ok=True)
-        for leftover in out.glob(".shard-*.tmp"):
+        for leftover in out.glob(".*.tmp"):  # shards, manifest or class map never renamed into place
             leftover.unlink(missing_ok=True)
         present = [[k for k in range(layout.num_shards) if (out / shard_name(k)).is_file()]]
     broadcast_object_list(present)

@@ -2,8 +2,9 @@
 
 Builds a real cache with the real writer: demo images encoded by a tiny AutoencoderKL whose latents
 have the shape DiT-XL/2 trains on at 256 px (4 x 32 x 32), then reads it in shuffled batches of 256,
-with 0 and 2 DataLoader workers, for float16 and float32 storage. The VAE's size does not matter here:
-the reader's cost is the memory-mapped read plus one posterior draw per sample.
+with 0 and 2 DataLoader workers, for float16 and float32 storage; whole batches (`__getitems__`, what
+a plain DataLoader uses) and item by item (what a per-sample wrapper such as the trainer's uses). The
+VAE's size does not matter here: the reader's cost is the memory-mapped read plus one posterior draw.
 
     OMP_NUM_THREADS=1 python benchmarks/latent_cache_read.py [--count 4096] [--epochs 2]
 """
@@ -41,7 +42,20 @@ def build_cache(work: Path, count: int, dtype: str) -> Path:
     return out
 
 
-def samples_per_second(cache: LatentCache, workers: int, epochs: int, batch_size: int = 256) -> float:
+class OneAtATime(torch.utils.data.Dataset):
+    """The cache read item by item, as a wrapper that seeds each sample itself (the trainer's) reads it."""
+
+    def __init__(self, cache: LatentCache):
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, index: int):
+        return self.cache[index]
+
+
+def samples_per_second(cache, workers: int, epochs: int, batch_size: int = 256) -> float:
     loader = torch.utils.data.DataLoader(cache, batch_size=batch_size, shuffle=True, num_workers=workers,
                                          persistent_workers=workers > 0, drop_last=False)
     for _ in loader:  # warm-up epoch: worker start-up, page cache, first opens of the shards
@@ -69,16 +83,19 @@ def main() -> None:
             cache_bytes = sum(p.stat().st_size for p in cache_dir.glob("shard-*"))
             for seed in (None, 0):
                 cache = LatentCache(cache_dir, seed=seed)
+                noise = "per (seed, epoch, index)" if seed is not None else "torch RNG"
                 for workers in (0, 2):
                     rate = samples_per_second(cache, workers, args.epochs)
-                    rows.append([dtype, "per (seed, epoch, index)" if seed is not None else "torch RNG",
-                                 workers, f"{rate:,.0f}", f"{cache_bytes / len(cache) / 1024:.1f}"])
+                    rows.append([dtype, noise, "batch", workers, f"{rate:,.0f}",
+                                 f"{cache_bytes / len(cache) / 1024:.1f}"])
+            rate = samples_per_second(OneAtATime(LatentCache(cache_dir)), 0, args.epochs)
+            rows.append([dtype, "torch RNG", "item", 0, f"{rate:,.0f}", f"{cache_bytes / len(cache) / 1024:.1f}"])
             from accelerate.state import PartialState
             PartialState._reset_state()
 
     print(f"latent cache read, {args.count} samples of 4x32x32 (x2 views), batch 256, shuffled; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print(tabulate(rows, headers=["storage", "noise", "workers", "samples/s", "KiB/sample on disk"],
+    print(tabulate(rows, headers=["storage", "noise", "access", "workers", "samples/s", "KiB/sample on disk"],
                    tablefmt="github"))
 
 

@@ -631,10 +631,11 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
 COMPARED = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries")
 
 
-def traced_optimizer_kind(device: str) -> str:
-    """The AdamW implementation the trainer gets on `device` (dit_accel.optim.build_optimizer): fused on
-    CUDA; on a CPU PyTorch's default, the per-tensor loop (its temporaries are one parameter's worth)."""
-    return "fused" if device == "cuda" else "single"
+def traced_optimizer_kind(plan: dict, device: str) -> str:
+    """The AdamW implementation the trainer gets on `device` (dit_accel.optim.build_optimizer): the plan's
+    (default fused) on CUDA; on a CPU always PyTorch's default there, the per-tensor loop ("single": its
+    temporaries are a few copies of one parameter, which the planner does not model)."""
+    return plan["decision"].get("adamw") or "fused" if device == "cuda" else "single"
 
 
 def planner_estimate(plan: dict, autocast_device: str) -> tuple[int, dict[str, int], str]:
@@ -650,7 +651,7 @@ def planner_estimate(plan: dict, autocast_device: str) -> tuple[int, dict[str, i
     decision = plan["decision"]
     known = {f.name for f in fields(Decision)}
     values = {key: value for key, value in decision.items() if key in known}
-    values.update(sharding="ddp", adamw=traced_optimizer_kind(autocast_device))
+    values.update(sharding="ddp", adamw=traced_optimizer_kind(plan, autocast_device))
     assumptions = Assumptions()
     recorded = {key: value for key, value in plan.get("assumptions", {}).items() if hasattr(assumptions, key)}
     assumptions = assumptions.replace(**recorded).replace(autocast_device=autocast_device)

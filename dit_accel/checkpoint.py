@@ -10,10 +10,13 @@ Layout of one checkpoint folder (see docs/training.md):
 
     model.safetensors          the trained weights (accelerate's save_state)
     optimizer.bin              AdamW state (accelerate)
+    pytorch_model_fsdp_0/      sharded plans (FSDP2) instead of the two above: weights and AdamW state as
+    optimizer_0/               torch.distributed.checkpoint folders, each rank writing its own shards
     custom_checkpoint_0.pkl    the lr scheduler (registered with accelerate; never prepared, see optim.py)
     scaler.pt                  the fp16 grad scaler, only with fp16 (accelerate)
     random_states_R.pkl        python/numpy/torch RNG states of rank R, and accelerate's micro-step counter
-    ema.safetensors            fp32 EMA weights, keyed like the unwrapped model's parameters
+    ema.safetensors            fp32 EMA weights, keyed like the unwrapped model's parameters (full tensors
+                               even when sharded: gathered at save time, so sampling needs no process group)
     train_state.json           step, applied/skipped steps, data position, world size, global batch
     plan.json                  the plan this run trained with
     train_config.json          the run's TrainConfig
@@ -37,6 +40,7 @@ TMP_SUFFIX = ".tmp"
 TRAIN_STATE = "train_state.json"
 EMA_WEIGHTS = "ema.safetensors"
 MODEL_WEIGHTS = "model.safetensors"
+SHARDED_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP SHARDED_STATE_DICT folder for model 0
 PLAN = "plan.json"
 TRAIN_CONFIG = "train_config.json"
 _NAME = re.compile(r"^step_(\d{8,})$")
@@ -191,9 +195,9 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_s
     accelerator.wait_for_everyone()
     # Model, optimizer, registered scheduler, scaler on the main process; RNG states on every rank.
     accelerator.save_state(output_dir=str(tmp_dir))
+    if ema is not None and (ema.sharded or accelerator.is_main_process):
+        ema.save(tmp_dir / EMA_WEIGHTS, write=accelerator.is_main_process)  # sharded: every rank joins the gather
     if accelerator.is_main_process:
-        if ema is not None:
-            ema.save(tmp_dir / EMA_WEIGHTS)
         write_json_atomic(tmp_dir / TRAIN_STATE, train_state)
         write_json_atomic(tmp_dir / PLAN, plan)
         write_json_atomic(tmp_dir / TRAIN_CONFIG, config)
@@ -241,6 +245,8 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
         state, weights = load_file(str(checkpoint / EMA_WEIGHTS)), "ema"
     elif use_ema:
         raise UserError(f"{checkpoint} has no EMA weights ({EMA_WEIGHTS}): pass use_ema=False for the raw weights")
+    elif (checkpoint / SHARDED_MODEL).is_dir():
+        state, weights = read_sharded_model(checkpoint / SHARDED_MODEL, model), "model"
     else:
         state, weights = load_file(str(checkpoint / MODEL_WEIGHTS)), "model"
     state = {name.removeprefix("module."): tensor for name, tensor in state.items()}
@@ -248,6 +254,16 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
     model.to(device).eval()
     info = dict(read_train_state(checkpoint), checkpoint=str(checkpoint), weights=weights)
     return model, spec, info
+
+
+def read_sharded_model(folder: Path, model) -> dict:
+    """The full weights of a sharded (FSDP2, torch.distributed.checkpoint) save, read in this one process
+    into `model`'s layout: no process group needed."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
+    return state
 
 
 def _load_into(model, state: dict, strict_params_only: bool) -> None:

@@ -94,11 +94,6 @@ def spec_from_plan(plan: dict):
 
 
 def check_launch(plan: dict, world_size: int, plan_path: str) -> None:
-    sharding = plan["decision"].get("sharding", "ddp")
-    if sharding != "ddp":
-        raise UserError(f"{plan_path} shards the model ({sharding}, FSDP), which this trainer does not run yet: "
-                        f"re-plan with `dit-plan --sharding ddp` (more memory per GPU: a smaller micro-batch or "
-                        f"more checkpointed blocks), or use GPUs with more memory")
     planned = plan["cluster"]["world_size"]
     if planned != world_size:
         raise UserError(f"{plan_path} is planned for {planned} processes but {world_size} were launched: re-plan with "
@@ -119,6 +114,136 @@ def check_data_mode(plan: dict, config: TrainConfig) -> None:
                         "or precompute latents with `dit-accel extract-latents` and re-plan with --latents precomputed")
     if mode != "online" and config.vae:
         raise UserError(f"--vae is only used when the plan encodes online, but this plan's latents are {mode!r}: drop --vae")
+
+
+# --- sharded plans (FSDP2) ---------------------------------------------------------------------------------
+
+RESHARD_AFTER_FORWARD = {"zero2": False, "zero3": True}  # FSDP2's switch between SHARD_GRAD_OP and FULL_SHARD
+
+
+def is_sharded(plan: dict) -> bool:
+    return plan["decision"].get("sharding", "ddp") != "ddp"
+
+
+def fsdp_plugin_for(plan: dict, plan_path: str):
+    """The launcher's FSDP settings (accelerate_config.yaml, exported as FSDP_* variables) checked against the
+    plan; None for a DDP plan. Auto-wrap is switched off: `shard_blocks` makes the per-block units itself."""
+    sharding = plan["decision"].get("sharding", "ddp")
+    launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    remake = f"launch with the accelerate_config.yaml that dit-plan wrote next to {plan_path}"
+    if sharding == "ddp":
+        if launched_fsdp:
+            raise UserError(f"{plan_path} replicates the model (ddp) but accelerate was launched with FSDP: {remake}")
+        return None
+    if sharding not in RESHARD_AFTER_FORWARD:
+        raise UserError(f"unknown sharding {sharding!r} in {plan_path}: expected ddp, zero2 or zero3; re-plan")
+    if not launched_fsdp:
+        raise UserError(f"{plan_path} shards the model ({sharding}) but accelerate was launched without FSDP: {remake}")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # every field from the launcher's FSDP_* environment
+    wanted = RESHARD_AFTER_FORWARD[sharding]
+    problems = [
+        (plugin.fsdp_version != 2, f"fsdp_version is {plugin.fsdp_version}, this trainer shards with FSDP2 (fsdp_version: 2)"),
+        (plugin.reshard_after_forward != wanted,
+         f"fsdp_reshard_after_forward is {plugin.reshard_after_forward}, the plan's {sharding} needs {wanted}"),
+        (bool(plugin.activation_checkpointing), "fsdp_activation_checkpointing is on (it checkpoints every block; the "
+                                                "trainer checkpoints the plan's blocks itself)"),
+        (bool(plugin.cpu_ram_efficient_loading), "fsdp_cpu_ram_efficient_loading is on (every rank builds the same "
+                                                 "weights from the seed instead)"),
+        (os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true", "fsdp_offload_params is on (the plan keeps "
+                                                                            "parameters on the GPU)"),
+        (str(plugin.state_dict_type).rsplit(".", 1)[-1] != "SHARDED_STATE_DICT",
+         f"fsdp_state_dict_type is {plugin.state_dict_type}, checkpoints are written sharded (SHARDED_STATE_DICT)"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise UserError(f"the launch config does not match {plan_path}: {message}; {remake}")
+    plugin.auto_wrap_policy = None
+    return plugin
+
+
+def use_fsdp_on_cpu(accelerator, plugin, mixed_precision: str) -> None:
+    """Switch a CPU Accelerator to FSDP, which accelerate 1.15 never does by itself.
+
+    AcceleratorState turns a launch into FSDP only inside its GPU-family branch (MULTI_GPU, MULTI_XPU, ...); a
+    `cpu=True` state is MULTI_CPU and would silently wrap the model in DDP instead. (FSDP1 fails earlier still:
+    its plugin with sync_module_states asks for a GPU's current_device.) torch's `fully_shard` itself runs on a
+    CPU mesh over gloo, so here the state is set to FSDP by hand, and from then on accelerate's own FSDP2 code
+    (prepare, gradient clipping, sync, save_state/load_state) runs exactly as on GPUs: that is what the CPU
+    tests exercise. Nothing else changes: the device stays the CPU and the process group gloo.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)  # what AcceleratorState does for GPU launches
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def uses_fsdp(accelerator) -> bool:
+    if accelerator is None:
+        return False
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def shard_blocks(model: nn.Module, plugin) -> None:
+    """One FSDP2 unit per transformer block, holding the block's own layers but NOT its conditioning embedder.
+
+    Every block's `norm1.emb` is the same CombinedTimestepLabelEmbeddings, and a parameter that two FSDP units
+    see is an error; `fully_shard` on a list of modules makes them one unit (one all-gather, one
+    reduce-scatter per block, as the planner counts), so each block's unit is its layers minus the embedder,
+    and the embedder, patch embedding and final layer stay in the root unit that `accelerator.prepare` adds.
+    Activation checkpointing (set_checkpointed_blocks) wraps the block's forward, outside these units: the
+    recompute in backward runs the units' hooks again and gathers their parameters as the first pass did.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"reshard_after_forward": plugin.reshard_after_forward,
+              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+    for block in model.transformer_blocks:
+        embedder = block.norm1.emb
+        layers = [module for module in _children_without(block, embedder) if any(True for _ in module.parameters())]
+        fully_shard(layers, **kwargs)
+
+
+def _children_without(module: nn.Module, excluded: nn.Module) -> list[nn.Module]:
+    """The smallest set of submodules that covers `module` except `excluded` (and its own submodules)."""
+    covering = []
+    for child in module.children():
+        if child is excluded:
+            continue
+        if any(sub is excluded for sub in child.modules()):
+            covering.extend(_children_without(child, excluded))
+            if any(True for _ in child.parameters(recurse=False)):
+                raise ValueError(f"{type(child).__name__} holds parameters beside the shared embedder")
+        else:
+            covering.append(child)
+    return covering
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (an FSDP2 parameter), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a collective for a DTensor (every rank must call it), the tensor itself otherwise."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def set_tf32(enabled: bool, device: torch.device) -> bool:
+    """TF32 matmuls and convolutions on CUDA, as the DiT recipe trains and the planner rates fp32 (TF32 peak).
+    Returns whether TF32 is on; always False off CUDA, where the switch means nothing."""
+    if device.type != "cuda":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
 
 
 # --- the data order and per-sample randomness --------------------------------------------------------------
@@ -330,8 +455,10 @@ def build_components(plan: dict, config: TrainConfig, accelerator=None, device: 
                      spec=None) -> Components:
     """Model, EMA, optimizer, lr schedule and objective, exactly as the plan says.
 
-    With an `accelerator`, the model and optimizer are prepared (DDP, mixed precision); the scheduler is
-    NOT (see optim.py) and is registered for checkpointing instead. Without one, everything lives on
+    With an `accelerator`, the model and optimizer are prepared (DDP or FSDP2, mixed precision); the scheduler
+    is NOT (see optim.py) and is registered for checkpointing instead. Under FSDP the blocks are sharded here
+    (`shard_blocks`) before the optimizer sees the parameters, and `prepare` adds the root unit; the EMA is
+    then made of each rank's shards. Without one, everything lives on
     `device` and the step autocasts itself: that is how `dit-accel verify` traces it (`spec` overrides
     the plan's network, e.g. a shallower copy for per-block extrapolation).
     """
@@ -346,6 +473,8 @@ def build_components(plan: dict, config: TrainConfig, accelerator=None, device: 
     set_checkpointed_blocks(model, int(decision["checkpointed_blocks"]))
     model.to(device)
     model.train()
+    if uses_fsdp(accelerator):
+        shard_blocks(model, accelerator.state.fsdp_plugin)
     lr = effective_lr(config.lr, plan["global_batch"], config.scale_lr)
     optimizer = build_optimizer(model, lr, config.betas, config.weight_decay, device, decision.get("adamw"))
     scheduler = build_scheduler(optimizer, config.warmup_steps)
@@ -438,7 +567,7 @@ def optimizer_step(components: Components, loss_sum: torch.Tensor) -> StepResult
         grad_norm = accelerator.clip_grad_norm_(params, max_norm)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grad_norm = torch.as_tensor(grad_norm, device=components.device, dtype=torch.float32)
+    grad_norm = torch.as_tensor(full_tensor(grad_norm), device=components.device, dtype=torch.float32)
     loss_mean = loss_sum.float() / components.grad_accum
     fp16_scaled = accelerator is not None and accelerator.scaler is not None
     # Under fp16 the grad scaler owns overflowing gradients (it skips and lowers its scale); a NaN loss is ours.
@@ -505,11 +634,12 @@ def gib(num_bytes: float) -> str:
 
 
 def parameter_checksum(model: nn.Module) -> str:
-    """sha256 of every parameter's bytes, in name order: equal on all ranks iff the weights are."""
+    """sha256 of every parameter's bytes, in name order: equal on all ranks iff the weights are. Sharded
+    parameters are gathered first (a collective: every rank calls this)."""
     digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters()):
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(full_tensor(param.detach()).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -517,12 +647,18 @@ def parameter_checksum(model: nn.Module) -> str:
 
 
 def make_accelerator(plan: dict, config: TrainConfig, run_dir: Path):
-    """The Accelerator the plan describes; on a machine without CUDA the same config runs on the CPU."""
+    """The Accelerator the plan describes; on a machine without CUDA the same config runs on the CPU.
+
+    Sharded plans run FSDP2 with the launcher's FSDP settings (checked against the plan), reduce-scattering
+    the gradients every micro-step (`sync_each_batch`): accumulating under `no_sync` would keep a full
+    unsharded gradient per rank, which the plan does not count.
+    """
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
+    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, ProjectConfiguration
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     precision = resolve_precision(plan["decision"]["precision"], device_type)
+    fsdp_plugin = fsdp_plugin_for(plan, config.plan)
     log_with = None
     if config.tensorboard:
         try:
@@ -531,16 +667,24 @@ def make_accelerator(plan: dict, config: TrainConfig, run_dir: Path):
         except ImportError:
             print("dit_accel.train: tensorboard is not installed; logging to the text logs only "
                   "(pip install tensorboard)", file=sys.stderr)
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=device_type == "cpu",
         mixed_precision=PRECISION_TO_ACCELERATE[precision],
-        gradient_accumulation_steps=int(plan["decision"]["grad_accum"]),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=int(plan["decision"]["grad_accum"]), sync_each_batch=fsdp_plugin is not None),
+        fsdp_plugin=fsdp_plugin,
         log_with=log_with,
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
         # As planned: with gradient_as_bucket_view DDP's buckets ARE the .grad tensors (4 bytes/param less).
         kwargs_handlers=[DistributedDataParallelKwargs(
             gradient_as_bucket_view=bool(plan["decision"].get("gradient_as_bucket_view", False)))],
     )
+    if fsdp_plugin is not None and not uses_fsdp(accelerator):
+        if accelerator.device.type != "cpu":
+            raise UserError(f"{config.plan} shards the model but accelerate set up {accelerator.distributed_type}: "
+                            f"launch with the plan's accelerate_config.yaml")
+        use_fsdp_on_cpu(accelerator, fsdp_plugin, PRECISION_TO_ACCELERATE[precision])
+    return accelerator
 
 
 def build_dataset(plan: dict, config: TrainConfig, spec):
@@ -622,6 +766,7 @@ def train(config: TrainConfig) -> int:
     if resume_from is not None:
         check_resume(ckpt.read_train_state(resume_from), plan, spec, world_size, resume_from)
 
+    tf32 = set_tf32(getattr(config, "tf32", True), accelerator.device)
     components = build_components(plan, config, accelerator)
     state = {"step": 0, "applied_steps": 0, "skipped_steps": 0}
     if resume_from is not None:
@@ -652,7 +797,11 @@ def train(config: TrainConfig) -> int:
     batches = iter(loader)
 
     plan_peak = plan.get("memory", {}).get("peak_bytes")
-    log.info(f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters; world size "
+    sharding = decision.get("sharding", "ddp")
+    layout = ("replicated (DDP)" if sharding == "ddp" else
+              f"sharded {sharding} (FSDP2, reshard after forward: {RESHARD_AFTER_FORWARD[sharding]})")
+    log.info(f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters, "
+             f"{layout}; TF32 {'on' if tf32 else ('off (--no-tf32)' if components.device.type == 'cuda' else 'n/a on CPU')}; world size "
              f"{world_size} x micro-batch {micro_batch} x accumulation {grad_accum} = global batch {global_batch}; "
              f"precision {decision['precision']} on {components.device.type}; checkpointed blocks "
              f"{decision['checkpointed_blocks']}/{spec.depth}; {len(dataset)} samples, {order.steps_per_epoch} steps "
@@ -776,9 +925,27 @@ def _tracker_config(config: TrainConfig, plan: dict) -> dict:
     return values
 
 
+def _pop_tf32_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """`--tf32` / `--no-tf32` (default on). Parsed here until TrainConfig has a `tf32` field of its own."""
+    enabled = True
+    rest = []
+    for arg in argv:
+        if arg in ("--tf32", "--no-tf32", "--no_tf32"):
+            enabled = arg == "--tf32"
+        else:
+            rest.append(arg)
+    return rest, enabled
+
+
 @exits_cleanly("dit_accel.train")
 def _main(argv) -> int:
-    config = parse_config(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if hasattr(TrainConfig, "tf32"):
+        config = parse_config(argv)
+    else:
+        argv, tf32 = _pop_tf32_flag(argv)
+        config = parse_config(argv)
+        config.tf32 = tf32
     try:
         return train(config)
     except UserError as error:

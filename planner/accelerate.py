@@ -1,16 +1,19 @@
 """The Accelerate config a plan launches with: topology and precision, nothing Accelerate does not know.
 
 Accelerate 1.15 rejects unknown top-level keys, so everything else (micro-batch, accumulation, checkpointing)
-travels in plan.json. For FSDP1 the sharding strategy is written explicitly: left out, the launcher makes
-it FULL_SHARD whatever was meant.
+travels in plan.json.
+
+Sharded plans use FSDP2 (`fully_shard`, per-parameter DTensor shards): zero2 is `reshard_after_forward:
+false` (gathered parameters stay until the end of backward, like SHARD_GRAD_OP), zero3 is `true`
+(FULL_SHARD). The value is written explicitly: the launcher's default is true, i.e. zero3 whatever was
+meant. No auto-wrap: every block's embedder is the one shared CombinedTimestepLabelEmbeddings, and a
+parameter seen by two FSDP units is an error, so the trainer shards each block's own layers as one unit
+and leaves the embedder to the root unit (docs/training.md, "Sharded plans").
 """
 
 from __future__ import annotations
 
 import yaml
-
-FSDP_STRATEGY = {"zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
-WRAPPED_BLOCK = "BasicTransformerBlock"  # diffusers' DiT block: one FSDP unit per transformer block
 
 
 def accelerate_config(plan: dict) -> dict:
@@ -45,17 +48,12 @@ def accelerate_config(plan: dict) -> dict:
         config["main_process_port"] = cluster.get("main_process_port")
     if distributed_type == "FSDP":
         config["fsdp_config"] = {
-            "fsdp_version": 1,
-            "fsdp_sharding_strategy": FSDP_STRATEGY[decision["sharding"]],
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": WRAPPED_BLOCK,
-            "fsdp_backward_prefetch": "BACKWARD_PRE",
-            "fsdp_forward_prefetch": False,
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": decision["sharding"] == "zero3",
+            "fsdp_auto_wrap_policy": "NO_WRAP",  # dit_accel shards per block itself, the shared embedder in the root
             "fsdp_offload_params": False,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_sync_module_states": True,
-            "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_use_orig_params": True,
+            "fsdp_cpu_ram_efficient_loading": False,  # every rank builds the same weights from the run's seed
             "fsdp_activation_checkpointing": False,  # dit_accel checkpoints the planned blocks itself
         }
     return config

@@ -139,12 +139,15 @@ def fsdp_plugin_for(plan: dict, plan_path: str):
         raise UserError(f"unknown sharding {sharding!r} in {plan_path}: expected ddp, zero2 or zero3; re-plan")
     if not launched_fsdp:
         raise UserError(f"{plan_path} shards the model ({sharding}) but accelerate was launched without FSDP: {remake}")
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version != "2":  # checked first: FSDP1's plugin asks for a GPU before anything else on a CPU machine
+        raise UserError(f"the launch config does not match {plan_path}: fsdp_version is {version}, this trainer "
+                        f"shards with FSDP2 (fsdp_version: 2); {remake}")
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()  # every field from the launcher's FSDP_* environment
     wanted = RESHARD_AFTER_FORWARD[sharding]
     problems = [
-        (plugin.fsdp_version != 2, f"fsdp_version is {plugin.fsdp_version}, this trainer shards with FSDP2 (fsdp_version: 2)"),
         (plugin.reshard_after_forward != wanted,
          f"fsdp_reshard_after_forward is {plugin.reshard_after_forward}, the plan's {sharding} needs {wanted}"),
         (bool(plugin.activation_checkpointing), "fsdp_activation_checkpointing is on (it checkpoints every block; the "

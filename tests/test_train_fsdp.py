@@ -1,0 +1,259 @@
+"""Sharded plans (zero2 / zero3, FSDP2) on the CPU: configs written by dit-plan, two real processes over gloo
+with `accelerate launch`, compared with the DDP run of the same samples; exact resume of a sharded run;
+checkpointed blocks inside FSDP units; load_for_inference on a sharded checkpoint; the launch-config checks.
+
+Pixel-space 32 px demo images keep the runs small (no VAE): five launches of about ten seconds each.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dit_accel import checkpoint as ckpt
+from dit_accel.errors import UserError
+
+TINY = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "32",
+        "--latents", "pixel", "--num-classes", "4", "--gpus", "2", "--vram", "8G", "--global-batch", "8"]
+STEPS = 4
+QUIET = ["--num-workers", "0", "--no-progress-bar", "--log-every", "1", "--lr", "3e-3", "--no-tensorboard",
+         "--max-steps", str(STEPS), "--checkpoint-every", "2", "--keep-last", "2"]
+
+
+def _plan(out: Path, *args: str) -> Path:
+    from planner.cli import main as dit_plan
+
+    assert dit_plan([*TINY, *args, "--out", str(out)]) == 0
+    return out
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_FSDP", "DIT_ACCEL_INJECT_NAN"):
+        env.pop(name, None)
+    return env
+
+
+def _launch(plan_dir: Path, images: Path, out: Path, *args) -> Path:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(plan_dir / "accelerate_config.yaml"), "--num_processes", "2", "--main_process_port", "0",
+               "-m", "dit_accel.train", "--plan", str(plan_dir / "plan.json"), "--data-path", str(images),
+               "--output-dir", str(out), *QUIET, *map(str, args)]
+    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _dcp(folder: Path) -> dict:
+    """A torch.distributed.checkpoint folder as one flat dict, read in this process."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(folder), f"{tmp}/state.pt")
+        nested = torch.load(f"{tmp}/state.pt", weights_only=False)
+
+    def flatten(value, prefix=""):
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: value}
+    return flatten(nested)
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    model, _, info = ckpt.load_for_inference(checkpoint, use_ema=False)
+    assert info["weights"] == "model"
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+def _assert_close(a: dict, b: dict, atol: float, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= atol, f"{what}: max difference {worst}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One DDP reference and the sharded runs of the same 4 x 8 samples (all fp32 but `zero2_bf16`)."""
+    from dit_accel.data.demo import write_demo_data
+
+    root = tmp_path_factory.mktemp("fsdp")
+    images = root / "images"
+    write_demo_data(images, classes=4, per_class=8, resolution=32, seed=0)
+    fp32 = ["--precision", "fp32"]
+    plans = {
+        "ddp": _plan(root / "plan_ddp", "--sharding", "ddp", *fp32),
+        # zero3 with accumulation (micro 2 x accum 2) and one checkpointed block inside the FSDP units
+        "zero3": _plan(root / "plan_zero3", "--sharding", "zero3", "--max-micro-batch", "2", "--checkpointing", "1", *fp32),
+        "zero2": _plan(root / "plan_zero2", "--sharding", "zero2", *fp32),
+        "zero2_bf16": _plan(root / "plan_zero2_bf16", "--sharding", "zero2"),  # the planner's own precision: bf16
+    }
+    out = {name: _launch(plan, images, root / f"run_{name}") for name, plan in plans.items()}
+    # zero3 again from its own step-2 checkpoint, in another folder
+    out["zero3_resumed"] = _launch(plans["zero3"], images, root / "run_zero3_resumed",
+                                   "--resume", out["zero3"] / "checkpoints" / "step_00000002")
+    out["plans"], out["root"] = plans, root
+    return out
+
+
+@pytest.mark.slow
+def test_plans_are_what_the_runs_claim(runs):
+    decisions = {name: json.loads((plan / "plan.json").read_text())["decision"] for name, plan in runs["plans"].items()}
+    assert decisions["zero3"]["sharding"] == "zero3" and decisions["zero2"]["sharding"] == "zero2"
+    assert (decisions["zero3"]["micro_batch"], decisions["zero3"]["grad_accum"], decisions["zero3"]["checkpointed_blocks"]) == (2, 2, 1)
+    assert (decisions["ddp"]["micro_batch"], decisions["ddp"]["grad_accum"]) == (4, 1)
+    assert decisions["zero2_bf16"]["precision"] == "bf16"
+    first_line = (runs["zero3"] / "logs" / "rank0.log").read_text().splitlines()[0]
+    assert "sharded zero3 (FSDP2, reshard after forward: True)" in first_line and "TF32 n/a on CPU" in first_line
+    assert "sharded zero2 (FSDP2, reshard after forward: False)" in (runs["zero2"] / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_sharded_run_trains_and_equals_the_ddp_update(runs, sharding):
+    ddp, sharded = runs["ddp"], runs[sharding]
+    losses = _losses(sharded)
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.03
+    assert losses == pytest.approx(_losses(ddp), abs=1e-5)  # the same samples, noise and timesteps
+    final = "checkpoints/step_00000004"
+    _assert_close(_weights(sharded / final), _weights(ddp / final), 1e-6, f"{sharding} weights")
+    ema, ddp_ema = load_file(str(sharded / final / ckpt.EMA_WEIGHTS)), load_file(str(ddp / final / ckpt.EMA_WEIGHTS))
+    assert all(t.dtype == torch.float32 for t in ema.values())
+    _assert_close(ema, ddp_ema, 1e-6, f"{sharding} EMA")
+    assert (sharded / final / ckpt.SHARDED_MODEL).is_dir() and not (sharded / final / ckpt.MODEL_WEIGHTS).exists()
+
+
+@pytest.mark.slow
+def test_bf16_sharded_run_trains_close_to_fp32(runs):
+    losses = _losses(runs["zero2_bf16"])
+    assert losses[-1] < losses[0] - 0.03
+    assert losses == pytest.approx(_losses(runs["ddp"]), abs=2e-2)
+    assert losses != _losses(runs["ddp"])  # bf16 compute really happened
+    ema = load_file(str(runs["zero2_bf16"] / "checkpoints" / "step_00000004" / ckpt.EMA_WEIGHTS))
+    assert all(t.dtype == torch.float32 for t in ema.values())  # fp32 master weights and EMA
+    assert "precision bf16" in (runs["zero2_bf16"] / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_sharded_resume_is_bit_identical(runs):
+    straight, resumed = (runs[name] / "checkpoints" / "step_00000004" for name in ("zero3", "zero3_resumed"))
+    assert "resumed from" in (runs["zero3_resumed"] / "logs" / "rank0.log").read_text()
+    for folder in (ckpt.SHARDED_MODEL, "optimizer_0"):
+        a, b = _dcp(straight / folder), _dcp(resumed / folder)
+        assert a.keys() == b.keys() and any(".exp_avg_sq" in key for key in (a if folder == "optimizer_0" else {"x.exp_avg_sq": 0}))
+        differing = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+        assert not differing, f"{folder}: {differing[:3]}"
+    a, b = load_file(str(straight / ckpt.EMA_WEIGHTS)), load_file(str(resumed / ckpt.EMA_WEIGHTS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert ckpt.read_train_state(resumed)["step"] == STEPS
+
+
+@pytest.mark.slow
+def test_load_for_inference_reads_a_sharded_checkpoint(runs):
+    from dit_accel.model import embedders_tied
+
+    model, spec, info = ckpt.load_for_inference(runs["zero3"])
+    assert (info["weights"], info["step"], spec.depth) == ("ema", STEPS, 2)
+    assert embedders_tied(model) and not any(hasattr(p, "to_local") for p in model.parameters())
+    ema = load_file(str(runs["zero3"] / "checkpoints" / "step_00000004" / ckpt.EMA_WEIGHTS))
+    assert all(torch.equal(p, ema[n]) for n, p in model.named_parameters())
+    raw = _weights(runs["zero3"] / "checkpoints" / "step_00000004")
+    assert not torch.equal(raw["proj_out_2.weight"], model.proj_out_2.weight)  # the EMA lags the weights
+    with torch.no_grad():  # a normal full model: it runs
+        out = model(torch.randn(2, spec.in_channels, 32, 32), timestep=torch.tensor([1, 500]),
+                    class_labels=torch.tensor([0, 3])).sample
+    assert out.shape == (2, spec.out_channels, 32, 32) and torch.isfinite(out).all()
+
+
+# --- in-process: the units, the YAML and the launch-config checks --------------------------------------------
+
+
+def test_block_units_leave_the_shared_embedder_to_the_root():
+    from planner.spec import custom_spec
+
+    from dit_accel.model import build_model, conditioning_embedder
+    from dit_accel.train import _children_without
+
+    model = build_model(custom_spec(depth=3, hidden=32, heads=2, patch=2, resolution=32, latents="pixel", num_classes=4))
+    embedder_params = {id(p) for p in conditioning_embedder(model).parameters()}
+    seen = []
+    for block in model.transformer_blocks:
+        units = _children_without(block, block.norm1.emb)
+        params = [p for unit in units for p in unit.parameters()]
+        assert not embedder_params & {id(p) for p in params}
+        # the unit is the whole block but the embedder
+        assert {id(p) for p in params} == {id(p) for p in block.parameters()} - embedder_params
+        seen.extend(id(p) for p in params)
+    assert len(seen) == len(set(seen))  # no parameter in two units
+
+
+def _fsdp_env(monkeypatch, plan_dir: Path) -> None:
+    """The FSDP_* environment `accelerate launch` exports for this config."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(plan_dir / "accelerate_config.yaml"),
+                                               "--main_process_port", "0", "-m", "dit_accel.train"])
+    args, _, _ = _validate_launch_command(args)
+    for name, value in prepare_multi_gpu_env(args).items():
+        if name.startswith(("FSDP_", "ACCELERATE_USE_FSDP")):
+            monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("sharding, reshard", [("zero2", False), ("zero3", True)])
+def test_launch_env_from_the_yaml_gives_the_planned_fsdp2_plugin(tmp_path, monkeypatch, sharding, reshard):
+    from dit_accel.train import fsdp_plugin_for
+
+    plan_dir = _plan(tmp_path / sharding, "--sharding", sharding)
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    _fsdp_env(monkeypatch, plan_dir)
+    assert os.environ["FSDP_VERSION"] == "2" and os.environ["FSDP_RESHARD_AFTER_FORWARD"] == str(reshard).lower()
+    plugin = fsdp_plugin_for(plan, "plan.json")
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is reshard and plugin.auto_wrap_policy is None
+
+    # the other level's config, an FSDP1 config, a DDP launch: each refused with the fix
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", str(not reshard).lower())
+    with pytest.raises(UserError, match=f"fsdp_reshard_after_forward is {not reshard}, the plan's {sharding} needs {reshard}"):
+        fsdp_plugin_for(plan, "plan.json")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(UserError, match="fsdp_version is 1, this trainer shards with FSDP2"):
+        fsdp_plugin_for(plan, "plan.json")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    with pytest.raises(UserError, match="launched without FSDP: launch with the accelerate_config.yaml"):
+        fsdp_plugin_for(plan, "plan.json")
+
+
+def test_a_ddp_plan_refuses_an_fsdp_launch(tmp_path, monkeypatch):
+    from dit_accel.train import fsdp_plugin_for
+
+    plan = json.loads((_plan(tmp_path / "ddp", "--sharding", "ddp") / "plan.json").read_text())
+    assert fsdp_plugin_for(plan, "plan.json") is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(UserError, match="replicates the model"):
+        fsdp_plugin_for(plan, "plan.json")
+
+
+def test_tf32_flag_and_switch():
+    from dit_accel.train import _pop_tf32_flag, set_tf32
+
+    assert _pop_tf32_flag(["--plan", "p", "--no-tf32", "--seed", "1"]) == (["--plan", "p", "--seed", "1"], False)
+    assert _pop_tf32_flag(["--plan", "p"]) == (["--plan", "p"], True)
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.allow_tf32, cudnn.allow_tf32)
+    try:
+        matmul.allow_tf32 = cudnn.allow_tf32 = False
+        assert set_tf32(True, torch.device("cpu")) is False and not matmul.allow_tf32  # off CUDA: untouched
+        assert set_tf32(True, torch.device("cuda")) is True and matmul.allow_tf32 and cudnn.allow_tf32
+        assert set_tf32(False, torch.device("cuda")) is False and not (matmul.allow_tf32 or cudnn.allow_tf32)
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved

@@ -204,8 +204,14 @@ def shard_blocks(model: nn.Module, plugin) -> None:
     Activation checkpointing (set_checkpointed_blocks) wraps the block's forward, outside these units: the
     recompute in backward runs the units' hooks again and gathers their parameters as the first pass did.
     """
+    import warnings
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # torch warns that a unit "returned a view tensor" because nn.Linear on (batch, tokens, width) returns
+    # one; only an in-place op on it would skip the unit's backward hook, and diffusers' block uses none
+    # (tests/test_train_fsdp.py holds zero2 and zero3 equal to the DDP update).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     kwargs = {"reshard_after_forward": plugin.reshard_after_forward,
               "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
     for block in model.transformer_blocks:

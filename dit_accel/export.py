@@ -31,12 +31,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from dit_accel.errors import UserError, exits_cleanly
+from dit_accel.images import staged_folder
 
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__: class_null = [1000] * batch_size
 SCHEDULER_CONFIG = {"timestep_spacing": "leading", "set_alpha_to_one": True, "steps_offset": 0}
@@ -122,23 +122,19 @@ def write_pipeline(model, vae_path: str, out_dir: str | os.PathLike, class_names
     import diffusers
 
     from dit_accel.data.latents import load_vae
-    from dit_accel.model import _replace_dir, export_diffusers, spec_from_model
+    from dit_accel.model import export_diffusers, spec_from_model
 
     out_dir = Path(out_dir)
     spec = spec_from_model(model)
     if spec.latents == "pixel":
         raise UserError("this model works in pixel space, but a DiTPipeline always decodes latents with a VAE: "
                         "sample it with `dit-accel sample` instead")
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
-        raise UserError(f"{out_dir} exists and is not an empty folder: choose a new --out or pass --overwrite")
     if class_names is not None and len(class_names) > spec.num_classes:
         raise UserError(f"{len(class_names)} class names for a model with {spec.num_classes} classes: pass the "
                         f"--labels the model was trained with")
     exported = with_pipeline_null_class(model)
     vae, _identity = load_vae(vae_path)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir, overwrite) as staging:
         export_diffusers(exported, staging / "transformer", allow_freq_shift_change=allow_freq_shift_change)
         vae.save_pretrained(staging / "vae")
         pipeline_scheduler().save_pretrained(staging / "scheduler")
@@ -152,10 +148,6 @@ def write_pipeline(model, vae_path: str, out_dir: str | os.PathLike, class_names
         if class_names:
             index["id2label"] = {str(i): name for i, name in enumerate(class_names)}
         (staging / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-        _replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -220,12 +212,10 @@ def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: st
     from safetensors.torch import save_file
 
     from dit_accel import checkpoint as ckpt
-    from dit_accel.model import SIDECAR_FORMAT, SIDECAR_NAME, _replace_dir, spec_from_model, timestep_freq_shift
+    from dit_accel.model import SIDECAR_FORMAT, SIDECAR_NAME, spec_from_model, timestep_freq_shift
     from dit_accel.train import spec_from_plan
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
-        raise UserError(f"{out_dir} exists and is not an empty folder: choose a new --out or pass --overwrite")
     spec = spec_from_model(model)
     if not spec.learn_sigma:
         raise UserError("this checkpoint predicts no variance (learn_sigma off); dit-accel trains and samples DiTs with "
@@ -234,9 +224,7 @@ def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: st
     rebuilt = spec_from_plan(plan)
     if dataclasses.replace(rebuilt, name=spec.name) != spec:
         raise UserError(f"the plan for the imported network describes {rebuilt}, not {spec}: report this as a bug")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir, overwrite) as staging:
         final_dir = ckpt.checkpoints_dir(staging) / ckpt.checkpoint_name(IMPORT_STEP)
         checkpoint_dir = final_dir.with_name(final_dir.name + ckpt.TMP_SUFFIX)
         checkpoint_dir.mkdir(parents=True)
@@ -255,10 +243,6 @@ def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: st
                    "spec": dataclasses.asdict(spec)}
         (checkpoint_dir / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=2) + "\n")
         ckpt.commit(checkpoint_dir, final_dir, {"step": IMPORT_STEP, "imported_from": source_name})
-        _replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -1,4 +1,4 @@
-"""Model outputs to pictures: [-1, 1] tensors -> uint8 arrays -> PNG files and grids, written atomically.
+"""Model outputs to files: [-1, 1] tensors -> uint8 arrays -> PNG grids and singles; atomic file and folder writes.
 
 Kept apart from sampling so that the sampler, the exporter and the README figure all quantise the same
 way: x in [-1, 1] maps to round((x + 1) * 127.5) clamped to [0, 255], the usual 8-bit convention for
@@ -7,11 +7,13 @@ images a diffusion model was trained on after scaling pixels to [-1, 1].
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 import numpy as np
 import torch
@@ -45,19 +47,47 @@ def grid_columns(count: int, per_class: int) -> int:
     return per_class if per_class > 1 else math.ceil(math.sqrt(count))
 
 
-def save_png(image: np.ndarray, path: str | os.PathLike) -> Path:
-    """Write one (H, W, 3) uint8 array as PNG via a temporary file and a rename: never a half-written PNG."""
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    """Call `write(file)` on a temporary file beside `path`, fsync, then rename it to `path`: a reader (or a
+    rerun after a kill) sees the whole file or none of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as tmp_file:
-            Image.fromarray(image).save(tmp_file, format="PNG")
+            write(tmp_file)
+            tmp_file.flush()
+            os.fsync(tmp_file.fileno())
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return path
+
+
+def save_png(image: np.ndarray, path: str | os.PathLike) -> Path:
+    """One (H, W, 3) uint8 array as a PNG, written atomically."""
+    return write_atomically(path, lambda file: Image.fromarray(image).save(file, format="PNG"))
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: str | os.PathLike, overwrite: bool = False):
+    """Yield an empty folder beside `out_dir` to fill; when the block succeeds it replaces `out_dir` whole
+    (an old one is removed only after), when it fails it is deleted. A reader never sees half a folder."""
+    from dit_accel.errors import UserError
+    from dit_accel.model import _replace_dir as replace_dir
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
+        raise UserError(f"{out_dir} exists and is not an empty folder: choose a new --out or pass --overwrite")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield staging
+        replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def singles_dir_for(grid_path: str | os.PathLike) -> Path:
@@ -79,20 +109,8 @@ def save_grid_and_singles(images: np.ndarray, labels: list[int], grid_path: str 
     """
     grid_path = Path(grid_path)
     singles_dir = singles_dir_for(grid_path)
-    grid_path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{singles_dir.name}.", dir=grid_path.parent))
-    try:
+    with staged_folder(singles_dir, overwrite=True) as staging:
         for index, (image, label) in enumerate(zip(images, labels)):
             Image.fromarray(image).save(staging / single_image_name(index, int(label)), format="PNG")
-        if singles_dir.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{singles_dir.name}.old.", dir=grid_path.parent))
-            os.replace(singles_dir, retired / singles_dir.name)
-            os.replace(staging, singles_dir)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, singles_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     save_png(make_grid(images, columns), grid_path)
     return grid_path, singles_dir

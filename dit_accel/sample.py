@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import zipfile
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -142,17 +141,9 @@ class EvalBatch:
             return False
 
     def save_shard(self, batch: int, images: np.ndarray, labels: np.ndarray) -> None:
-        path = self.shard_path(batch)
-        handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.shard_dir)
-        try:
-            with os.fdopen(handle, "wb") as tmp_file:
-                np.savez(tmp_file, images=images, labels=labels)
-                tmp_file.flush()
-                os.fsync(tmp_file.fileno())
-            os.replace(tmp_name, path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        from dit_accel.images import write_atomically
+
+        write_atomically(self.shard_path(batch), lambda file: np.savez(file, images=images, labels=labels))
 
     def check_or_write_settings(self, fingerprint: dict, write: bool) -> None:
         """Shards of another job (other checkpoint, seed, cfg...) must never be mixed into this one."""
@@ -175,6 +166,8 @@ class EvalBatch:
 
         Streaming keeps host memory at one shard: 50,000 images of 256 px are 9.8 GB.
         """
+        from dit_accel.images import write_atomically
+
         missing = [batch for batch in range(self.num_batches) if not self.shard_path(batch).exists()]
         if missing:
             raise UserError(f"{len(missing)} of {self.num_batches} batches are missing in {self.shard_dir} "
@@ -183,10 +176,9 @@ class EvalBatch:
             image_shape = first["images"].shape[1:]
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
                   "shape": (self.num_samples, *image_shape)}
-        handle, tmp_name = tempfile.mkstemp(prefix=f".{self.npz_path.name}.", suffix=".tmp", dir=self.npz_path.parent)
-        os.close(handle)
-        try:
-            with zipfile.ZipFile(tmp_name, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+
+        def write(file) -> None:
+            with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
                 written = 0
                 with archive.open("arr_0.npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array_header_1_0(member, header)
@@ -203,12 +195,8 @@ class EvalBatch:
                                     f"{self.num_samples}: delete {self.shard_dir} and rerun")
                 with archive.open("arr_1.npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, self.labels)
-            with open(tmp_name, "rb") as tmp_file:
-                os.fsync(tmp_file.fileno())
-            os.replace(tmp_name, self.npz_path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+
+        write_atomically(self.npz_path, write)
         shutil.rmtree(self.shard_dir, ignore_errors=True)
         return self.npz_path
 

@@ -721,7 +721,24 @@ def _percent(error: float | None) -> str:
     return "n/a (trace 0)" if math.isinf(error) else f"{error:+.1%}"
 
 
-def format_report(result: TraceResult, comparison: Comparison, plan_path: str = "plan.json") -> str:
+def comparison_plan_notes(plan: dict | None) -> list[str]:
+    """What the plan says beyond what one traced process can show."""
+    if not plan:
+        return []
+    notes = []
+    memory = plan.get("memory", {})
+    if memory.get("peak_bytes"):
+        notes.append(f"the plan's own peak (its GPU's autocast, overhead, DDP buckets, fragmentation): "
+                     f"{_gib(memory['peak_bytes'])} of a {_gib(memory.get('budget_bytes'))} budget")
+    sharding = plan["decision"].get("sharding", "ddp")
+    if sharding != "ddp":
+        notes.append(f"the plan shards with {sharding} (FSDP): the trace is of one unsharded process, compared "
+                     f"with the planner's unsharded (ddp) estimate")
+    return notes
+
+
+def format_report(result: TraceResult, comparison: Comparison, plan_path: str = "plan.json",
+                  plan_notes: dict | None = None) -> str:
     """The traced step beside the planner's estimate, and what the trace cannot see."""
     from tabulate import tabulate
 
@@ -737,6 +754,8 @@ def format_report(result: TraceResult, comparison: Comparison, plan_path: str = 
         f"traced peak: {_gib(result.peak_bytes)} during {result.peak_at}; "
         f"planner's peak moment: {comparison.planned_phase.replace('_', ' ')}; planner figures are for one process "
         f"as traced (the plan's own adds DDP buckets when world_size > 1)",
+    ]
+    lines += comparison_plan_notes(plan_notes) + [
         "",
         tabulate(rows, headers=["component (live at the peak)", "traced", "planner", "planner error"],
                  tablefmt="simple", disable_numparse=True),
@@ -771,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         plan["decision"]["micro_batch"] = args.micro_batch
     result = trace_training_step(plan, depth_extrapolate=args.depth_extrapolate, autocast_device=args.device_autocast)
     comparison = compare(result, plan)
-    print(format_report(result, comparison, args.plan))
+    print(format_report(result, comparison, args.plan, plan))
     if args.json_out:
         from dit_accel.calibrate import write_json_atomically
 

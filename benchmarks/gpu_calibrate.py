@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from planner.hardware import Assumptions
-from planner.memory import COMPONENTS, Cluster, Decision, step_memory
+from planner.memory import Cluster, Decision, step_memory
 from planner.spec import model_spec
 
 MODEL, RESOLUTION, PRECISION = "DiT-XL/2", 256, "bf16"

@@ -13,9 +13,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -155,12 +152,10 @@ def planner_assumptions(fitted: dict, precision: str) -> dict:
 
 
 def write_json_atomically(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as stream:
-        json.dump(data, stream, indent=2)
-        stream.write("\n")
-    os.replace(staging, path)
+    """The whole file or none of it (dit_accel.images.write_atomically: temporary file, fsync, rename)."""
+    from dit_accel.images import write_atomically
+
+    write_atomically(path, lambda stream: stream.write((json.dumps(data, indent=2) + "\n").encode()))
 
 
 # ---------------------------------------------------------------------------------------------------

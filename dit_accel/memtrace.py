@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
-import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -469,9 +467,7 @@ def _moves_in_place():
 
 
 def fake_batch(spec, micro_batch: int, device: torch.device, online: bool) -> dict:
-    """One micro-batch as the trainer's Collate makes it (fake tensors: shapes and dtypes only)."""
-    from dit_accel.train import Collate  # noqa: F401  (the format below is Collate's)
-
+    """One micro-batch as the trainer's `Collate` makes it (on fake tensors: shapes and dtypes only)."""
     side = spec.resolution if online else spec.latent_size
     channels = 3 if online else spec.in_channels
     batch = {

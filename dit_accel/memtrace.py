@@ -26,7 +26,7 @@ from typing import Callable, Hashable
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -71,7 +71,7 @@ class StorageTracker(TorchDispatchMode):
         self.peak_window: Hashable = None
         self.window: Hashable = ("setup",)
         self.window_peaks: dict[Hashable, tuple[int, dict[str, int]]] = {}
-        self.phase = "forward"  # "forward" | "optimizer"; backward is read from autograd itself
+        self.phase = "forward"  # "forward" | "optimizer" (set by the driver); backward is read from autograd
         self.in_vae = 0
         self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref, what made it]
         self.record_peak_storages = False  # debugging: keep every live storage at the peak (slow)
@@ -90,7 +90,8 @@ class StorageTracker(TorchDispatchMode):
         if info is None:
             nbytes = storage.nbytes()
             ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
-            self._info[key] = [nbytes, component, ref, f"{self._made_by} {tuple(tensor.shape)} {tensor.dtype}"]
+            label = f"{self._made_by} {tuple(tensor.shape)} {tensor.dtype}" if self.record_peak_storages else ""
+            self._info[key] = [nbytes, component, ref, label]
             self.current[component] += nbytes
             self.total_bytes += nbytes
             self._note_peak()
@@ -185,7 +186,8 @@ class TraceResult:
 
 @dataclass
 class StepParts:
-    """The trainer's components for one configuration, built on fake tensors, and its step as two calls.
+    """The trainer's components for one configuration and its step as two calls (fake tensors for
+    `verify`, real ones for `calibrate`).
 
     `micro_step()` is the trainer's forward + backward of one micro-batch (with its accumulation context);
     `optimizer_step()` is the trainer's clip / step / zero_grad / EMA update. `checkpointed` says, in
@@ -201,7 +203,6 @@ class StepParts:
     ema_tensors: list = field(default_factory=list)
     vae: torch.nn.Module | None = None
     batch_tensors: list = field(default_factory=list)
-    optimizers: list = field(default_factory=list)
 
 
 def _in_backward() -> bool:
@@ -267,17 +268,12 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
             handles.append(module.register_forward_pre_hook(vae_enter))
             handles.append(module.register_forward_hook(vae_leave))
 
-    def optimizer_pre(optimizer, args, kwargs):
-        tracker.phase = "optimizer"
-
     def optimizer_post(optimizer, args, kwargs):
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     tracker.tag(value, "optimizer")
-        tracker.phase = "forward"
 
-    handles.append(register_optimizer_step_pre_hook(optimizer_pre))
     handles.append(register_optimizer_step_post_hook(optimizer_post))
     try:
         with tracker:
@@ -288,6 +284,7 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
                     tracker.set_window(("pre", step, micro))
                     parts.micro_step()
                 tracker.set_window(("opt", step))
+                tracker.phase = "optimizer"  # clipping, AdamW, zero_grad, the EMA update: all temporaries
                 parts.optimizer_step()
                 tracker.phase = "forward"
             tracker.set_window(("end",))
@@ -390,6 +387,17 @@ def trace_plan_counts(target: Counts) -> tuple[Counts, list[Counts]]:
     return base, [base] + extra
 
 
+def _block_of_role(role: Hashable, checkpointed: list) -> Hashable:
+    """The block window (phase, step, micro, block index) that plays `role` in a network whose blocks,
+    in forward order, are `checkpointed`; other windows are returned as they are."""
+    if role[0] not in ("fwd", "bwd") or len(role) == 4:
+        return role
+    phase, step, micro, run, _, position = role
+    start, end, _ = _segments(checkpointed)[run]
+    order = list(range(start, end)) if phase == "fwd" else list(range(end - 1, start - 1, -1))
+    return (phase, step, micro, order[{"first": 0, "second": 1, "last": -1}[position]])
+
+
 def _describe(window: Hashable) -> str:
     kind = window[0]
     if kind == "setup":
@@ -404,11 +412,7 @@ def _describe(window: Hashable) -> str:
         return f"input and embedding {where}"
     if kind == "head":
         return f"final layer, loss and start of backward {where}"
-    if len(window) == 4:
-        return f"{'forward' if kind == 'fwd' else 'backward'} of block {window[3]} {where}"
-    phase, _, _, run, checkpointed, role = window
-    what = "checkpointed" if checkpointed else "stored"
-    return f"{'forward' if phase == 'fwd' else 'backward'} of the {role} {what} block {where}"
+    return f"{'forward' if kind == 'fwd' else 'backward'} of block {window[3]} {where}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -543,7 +547,7 @@ def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: in
                      checkpointed=["forward" in block.__dict__ for block in model.transformer_blocks],
                      micro_step=micro_step, optimizer_step=optimizer_step, grad_accum=components.grad_accum,
                      ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
-                     vae=components.vae, batch_tensors=list(batch.values()), optimizers=[components.optimizer])
+                     vae=components.vae, batch_tensors=list(batch.values()))
 
 
 def _trace_once(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str,
@@ -610,8 +614,11 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
             raise AssertionError(f"the checkpointed blocks change order with depth ({patterns}): cannot extrapolate")
         roles = extrapolate(samples, target, base)
         # the latest of equal peaks: the second optimizer step, whose state is already tagged as such
-        window = max(reversed(list(roles)), key=lambda role: roles[role][0])
-        peak_bytes, components = roles[window]
+        role = max(reversed(list(roles)), key=lambda role: roles[role][0])
+        peak_bytes, components = roles[role]
+        pattern = patterns.pop()  # the kinds of the runs in forward order, e.g. (True, False)
+        target_checkpointed = [kind for kind in pattern for _ in range(target[1] if kind else target[0])]
+        window = _block_of_role(role, target_checkpointed)
         traced_depths = [sum(counts) for counts in all_counts]
     return TraceResult(peak_bytes=peak_bytes, components=dict(components), peak_at=_describe(window),
                        depth=spec.depth, checkpointed_blocks=checkpointed, micro_batch=micro_batch,

@@ -109,6 +109,7 @@ def test_per_block_extrapolation_equals_the_full_trace(case):
     assert full.traced_depths == [6] and max(extrapolated.traced_depths) <= 5
     assert extrapolated.peak_bytes == full.peak_bytes
     assert extrapolated.components == full.components
+    assert extrapolated.peak_at == full.peak_at  # e.g. "backward of block 5 (step 2, micro-step 1)"
 
 
 def test_the_trace_of_dit_xl2_holds_exactly_the_architectures_states():

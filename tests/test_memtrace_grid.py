@@ -167,8 +167,8 @@ def markdown_table() -> str:
 
 
 # Which correction a miss needs, by where the traced peak is (docs/planner-accuracy.md).
-FIX_BY_MOMENT = {"final layer": "F3", "forward of": "F3", "backward of the first": "F1 F2 F4",
-                 "backward of the last": "F5", "input and": "F6"}
+FIX_BY_MOMENT = {"final layer": "F3", "forward of": "F3", "backward of block 0 ": "F5", "backward of": "F1 F2 F4",
+                 "input and": "F6"}
 
 
 def miss_reasons() -> str:

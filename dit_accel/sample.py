@@ -58,9 +58,11 @@ class SampleSettings:
 
 
 def sample_seed(seed: int, index: int) -> int:
-    """A 63-bit torch seed for global sample `index`, well mixed so (seed, i) pairs never collide in practice."""
-    state = np.random.SeedSequence([seed, index]).generate_state(2, np.uint32)
-    return int((int(state[0]) << 31) ^ int(state[1]))
+    """The torch seed of global sample `index`: the trainer's per-sample rule (a SeedSequence mix of the two),
+    so distinct (seed, index) pairs do not collide in practice."""
+    from dit_accel.train import sample_seed as keyed_seed
+
+    return keyed_seed(seed, index)
 
 
 def sample_generators(seed: int, indices: Sequence[int], device: torch.device | str = "cpu") -> list[torch.Generator]:

@@ -127,6 +127,7 @@ def test_plans_are_what_the_runs_claim(runs):
     assert decisions["zero2_bf16"]["precision"] == "bf16"
     first_line = (runs["zero3"] / "logs" / "rank0.log").read_text().splitlines()[0]
     assert "sharded zero3 (FSDP2, reshard after forward: True)" in first_line and "TF32 n/a on CPU" in first_line
+    assert "checkpointed blocks 1/2" in first_line and "accumulation 2" in first_line
     assert "sharded zero2 (FSDP2, reshard after forward: False)" in (runs["zero2"] / "logs" / "rank1.log").read_text()
 
 

@@ -121,10 +121,6 @@ def check_data_mode(plan: dict, config: TrainConfig) -> None:
 RESHARD_AFTER_FORWARD = {"zero2": False, "zero3": True}  # FSDP2's switch between SHARD_GRAD_OP and FULL_SHARD
 
 
-def is_sharded(plan: dict) -> bool:
-    return plan["decision"].get("sharding", "ddp") != "ddp"
-
-
 def fsdp_plugin_for(plan: dict, plan_path: str):
     """The launcher's FSDP settings (accelerate_config.yaml, exported as FSDP_* variables) checked against the
     plan; None for a DDP plan. Auto-wrap is switched off: `shard_blocks` makes the per-block units itself."""

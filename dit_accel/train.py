@@ -771,7 +771,7 @@ def train(config: TrainConfig) -> int:
     if resume_from is not None:
         check_resume(ckpt.read_train_state(resume_from), plan, spec, world_size, resume_from)
 
-    tf32 = set_tf32(getattr(config, "tf32", True), accelerator.device)
+    tf32 = set_tf32(config.tf32, accelerator.device)
     components = build_components(plan, config, accelerator)
     state = {"step": 0, "applied_steps": 0, "skipped_steps": 0}
     if resume_from is not None:
@@ -930,27 +930,10 @@ def _tracker_config(config: TrainConfig, plan: dict) -> dict:
     return values
 
 
-def _pop_tf32_flag(argv: list[str]) -> tuple[list[str], bool]:
-    """`--tf32` / `--no-tf32` (default on). Parsed here until TrainConfig has a `tf32` field of its own."""
-    enabled = True
-    rest = []
-    for arg in argv:
-        if arg in ("--tf32", "--no-tf32", "--no_tf32"):
-            enabled = arg == "--tf32"
-        else:
-            rest.append(arg)
-    return rest, enabled
-
-
 @exits_cleanly("dit_accel.train")
 def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if hasattr(TrainConfig, "tf32"):
-        config = parse_config(argv)
-    else:
-        argv, tf32 = _pop_tf32_flag(argv)
-        config = parse_config(argv)
-        config.tf32 = tf32
+    config = parse_config(argv)
     try:
         return train(config)
     except UserError as error:

@@ -45,6 +45,7 @@ class TrainConfig:
     nan_policy: str = field(default="abort", metadata={"help": "on a NaN/Inf loss or gradient: abort (default) or skip the step"})
     max_skipped_steps: int = field(default=10, metadata={"help": "with --nan-policy skip, abort after this many skipped steps"})
     num_workers: int = field(default=4, metadata={"help": "DataLoader worker processes per rank"})
+    tf32: bool = field(default=True, metadata={"help": "TF32 matmuls and convolutions on CUDA (--no-tf32 for full fp32)"})
     tensorboard: bool = field(default=True, metadata={"help": "log to TensorBoard in OUTPUT_DIR/tensorboard (--no-tensorboard to turn off)"})
     progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
     debug_checksums: bool = field(default=False, metadata={"help": "write a parameter checksum per step to each rank's log (slow; for tests)"})

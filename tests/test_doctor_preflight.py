@@ -159,9 +159,10 @@ def test_bf16_plan_on_a_v100_fails(xl_plan):
 def test_tf32_for_fp32_plans(tmp_path):
     plan = load_plan(write_plan(tmp_path, make_plan(gpus=8, vram="80G", global_batch=256, precision="fp32")))
     row = by_name(check_environment(plan, env(gpus=gpus(total=80 * GiB, free=79 * GiB)), tmp_path / "accelerate_config.yaml"), "TF32")
-    assert row.status is Status.WARN and "full fp32 rate" in row.reason
-    assert by_name(check_environment(plan, env(gpus=gpus(total=80 * GiB, free=79 * GiB), tf32_matmul=True),
-                                     tmp_path / "accelerate_config.yaml"), "TF32").status is Status.PASS
+    assert row.status is Status.PASS and "turns TF32 on" in row.reason and "fp32" in row.reason
+    override = env(gpus=gpus(total=80 * GiB, free=79 * GiB), env={"NVIDIA_TF32_OVERRIDE": "0"})
+    row = by_name(check_environment(plan, override, tmp_path / "accelerate_config.yaml"), "TF32")
+    assert row.status is Status.WARN and "NVIDIA_TF32_OVERRIDE" in row.fix
 
 
 @pytest.mark.parametrize("driver_cuda, status", [("11.8", Status.FAIL), ("12.2", Status.WARN), ("12.8", Status.PASS)])
@@ -190,9 +191,9 @@ def test_the_sharding_strategy_must_match_the_plans(tmp_path):
     config_path = tmp_path / "accelerate_config.yaml"
     assert check_accelerate_config(load_plan(plan_path), config_path).status is Status.PASS
     fsdp = yaml.safe_load(config_path.read_text())["fsdp_config"]
-    write_plan(tmp_path, decision__sharding="zero3", config={"fsdp_config": {**fsdp, "fsdp_sharding_strategy": "SHARD_GRAD_OP"}})
+    write_plan(tmp_path, decision__sharding="zero3", config={"fsdp_config": {**fsdp, "fsdp_reshard_after_forward": False}})
     row = check_accelerate_config(load_plan(plan_path), config_path)
-    assert row.status is Status.FAIL and "fsdp_sharding_strategy is SHARD_GRAD_OP, the plan's zero3 needs FULL_SHARD" in row.reason
+    assert row.status is Status.FAIL and "fsdp_reshard_after_forward is False, the plan's zero3 needs True" in row.reason
     deepspeed = {"distributed_type": "DEEPSPEED", "fsdp_config": None,
                  "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": XL_PLAN["decision"]["grad_accum"]}}
     write_plan(tmp_path, decision__sharding="zero3", config=deepspeed)
@@ -200,10 +201,10 @@ def test_the_sharding_strategy_must_match_the_plans(tmp_path):
     assert row.status is Status.FAIL and "zero_stage is 2, the plan's zero3 needs 3" in row.reason
 
 
-def test_a_plan_the_trainer_cannot_run_fails_with_the_trainers_reason(tmp_path):
+def test_a_sharded_plan_passes_the_trainers_launch_check(tmp_path):
     plan = load_plan(write_plan(tmp_path, decision__sharding="zero3"))
     row = by_name(check_environment(plan, env(), tmp_path / "accelerate_config.yaml"), "trainer")
-    assert row.status is Status.FAIL and "FSDP" in row.reason and "--sharding ddp" in row.fix
+    assert row.status is Status.PASS and "zero3" in row.reason
 
 
 def test_missing_accelerate_yaml_fails(xl_plan, tmp_path):

@@ -63,17 +63,14 @@ def test_yaml_loads_with_accelerates_loader_and_passes_launch_validation(plans, 
     assert args.use_fsdp == (EXPECTED_TYPE[name] == "FSDP")
 
 
-@pytest.mark.parametrize("name, strategy", [("zero2", "SHARD_GRAD_OP"), ("zero3", "FULL_SHARD"),
-                                            ("multi-node-zero3", "FULL_SHARD")])
-def test_fsdp_strategy_reaches_the_processes(plans, name, strategy):
-    """DESIGN.md's FSDP1 pitfall: the strategy the launcher exports is the one the plan chose."""
+@pytest.mark.parametrize("name, reshard", [("zero2", "false"), ("zero3", "true"), ("multi-node-zero3", "true")])
+def test_fsdp_sharding_reaches_the_processes(plans, name, reshard):
+    """FSDP2; the launcher's default reshard_after_forward is true (zero3), so the YAML writes it explicitly."""
     plan, folder = plans[name]
-    assert plan["decision"]["fsdp_sharding_strategy"] == strategy
     args, _ = validated(folder / "accelerate_config.yaml", "--main_process_port", "0")
     env = prepare_multi_gpu_env(args)
-    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "1"
-    assert env["FSDP_SHARDING_STRATEGY"] == strategy
-    assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "BasicTransformerBlock"
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    assert env["FSDP_RESHARD_AFTER_FORWARD"] == reshard and env["FSDP_AUTO_WRAP_POLICY"] == "NO_WRAP"
 
 
 def test_multi_node_config_carries_the_rendezvous(plans):

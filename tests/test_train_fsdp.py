@@ -257,10 +257,12 @@ def test_a_ddp_plan_refuses_an_fsdp_launch(tmp_path, monkeypatch):
 
 
 def test_tf32_flag_and_switch():
-    from dit_accel.train import _pop_tf32_flag, set_tf32
+    from dit_accel.train import set_tf32
+    from dit_accel.train_config import parse_config
 
-    assert _pop_tf32_flag(["--plan", "p", "--no-tf32", "--seed", "1"]) == (["--plan", "p", "--seed", "1"], False)
-    assert _pop_tf32_flag(["--plan", "p"]) == (["--plan", "p"], True)
+    required = ["--plan", "p", "--output-dir", "o", "--latents", "l"]
+    assert parse_config(required).tf32 is True
+    assert parse_config(required + ["--no-tf32"]).tf32 is False
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = (matmul.allow_tf32, cudnn.allow_tf32)
     try:

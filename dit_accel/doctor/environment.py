@@ -269,18 +269,14 @@ def check_bf16(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
 
 
 def check_tf32(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
-    """The trainer leaves torch's TF32 defaults alone, while the planner rates a fp32 plan's matmuls at TF32
-    speed on GPUs that have it: say so when the two disagree."""
+    """dit_accel.train turns TF32 on for CUDA runs (unless --no-tf32), the rate the planner gives fp32 plans;
+    only NVIDIA_TF32_OVERRIDE=0 still takes it away."""
     state = f"TF32 matmul {'on' if facts.tf32_matmul else 'off'}, cuDNN TF32 {'on' if facts.tf32_cudnn else 'off'}"
     if facts.env.get("NVIDIA_TF32_OVERRIDE") == "0":
         return warned(GROUP, "TF32", state + "; NVIDIA_TF32_OVERRIDE=0 disables TF32 for every library",
                       "unset NVIDIA_TF32_OVERRIDE unless you need bit-exact fp32")
-    ampere = any(gpu.capability >= TF32_MIN_CAPABILITY for gpu in facts.gpus)
-    if plan.precision == "fp32" and ampere and not facts.tf32_matmul:
-        return warned(GROUP, "TF32", state + "; this fp32 plan's throughput assumes TF32 matmuls, but torch's default "
-                      "(which dit_accel.train keeps) runs them at full fp32 rate, several times slower",
-                      "re-plan with --precision bf16, or expect the fp32 rate")
-    return passed(GROUP, "TF32", state + f" (torch's defaults); the plan trains in {plan.precision}")
+    return passed(GROUP, "TF32", f"dit_accel.train turns TF32 on for CUDA (--no-tf32 keeps full fp32); "
+                  f"the plan trains in {plan.precision}")
 
 
 # --- the Accelerate YAML against the plan ----------------------------------------------------------------

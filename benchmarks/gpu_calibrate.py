@@ -77,7 +77,8 @@ def report(out_dir: Path) -> str:
                               default=0)
         largest_lines.append(f"- {checkpointed} blocks checkpointed: largest micro-batch that fits measured "
                              f"{calibration['largest_micro_batch']} (first OOM {calibration['smallest_oom_micro_batch']}), "
-                             f"planner {planned_largest}; MFU {calibration['fit']['mfu']}, "
+                             f"planner {planned_largest}; MFU "
+                             f"{'n/a' if calibration['fit']['mfu'] is None else format(calibration['fit']['mfu'], '.1%')}, "
                              f"fragmentation (reserved/allocated) {calibration['fit']['fragmentation']:.3f}, "
                              f"outside the allocator {outside / gib:.2f} GiB")
         gpu, software = calibration["gpu"], calibration["software"]

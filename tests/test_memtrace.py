@@ -189,3 +189,30 @@ def test_verify_refuses_a_missing_or_foreign_plan_in_one_line(tmp_path, capsys):
     assert memtrace.main([str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "schema" in err
+
+
+def test_the_traced_step_is_the_trainers_own(monkeypatch):
+    """verify must run dit_accel.train's functions, not a copy: count the calls it makes into them."""
+    from dit_accel import train
+
+    calls = {"build_components": 0, "train_micro_step": 0, "optimizer_step": 0}
+    for name in calls:
+        original = getattr(train, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(train, name, counted)
+    trace_training_step(tiny_plan(depth=2, grad_accum=4), depth_extrapolate="off", autocast_device="cpu")
+    # two optimizer steps: the first with one micro-step (it creates AdamW's state), the last with two
+    assert calls == {"build_components": 1, "train_micro_step": 3, "optimizer_step": 2}
+
+
+def test_value_less_scalars_take_the_healthy_path_and_known_values_stay_known():
+    with FakeTensorMode(), memtrace._AnswerScalars():
+        assert bool(torch.isfinite(torch.randn(3)).all()) is True
+        assert torch.randn(()).item() == 0.0
+        assert torch.randint(0, 5, ()).item() == 0
+        step = torch.tensor(3.0)  # a constant, like AdamW's step counter: its value is known
+        assert step.item() == 3.0

@@ -139,7 +139,8 @@ def fit_calibration(measurements: list[Measurement], step_flops_per_image: float
 
 def planner_assumptions(fitted: dict, precision: str) -> dict:
     """The subset of planner.hardware.CALIBRATABLE this calibration measured, in the planner's units."""
-    out = {"fragmentation": max(0.0, fitted["fragmentation"] - 1.0)}  # planner: reserved beyond allocated
+    # the planner's fragmentation is reserved beyond allocated, a fraction it requires to be below 1
+    out = {"fragmentation": min(0.99, max(0.0, fitted["fragmentation"] - 1.0))}
     if fitted["outside_allocator_bytes"] is not None:
         # cudaMemGetInfo cannot split the context from cuBLAS workspaces: all of it is the context here
         out["cuda_context_bytes"] = fitted["outside_allocator_bytes"]

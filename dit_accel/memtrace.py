@@ -566,13 +566,14 @@ def _runs_kinds(checkpointed: list) -> list[bool]:
 
 
 def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast_device: str | None = None,
-                        micro_batch: int | None = None) -> TraceResult:
+                        micro_batch: int | None = None, vae_config: dict | None = None) -> TraceResult:
     """Trace the plan's training step on fake tensors and return its peak and the components live then.
 
     `depth_extrapolate="auto"` traces at most 5 blocks (up to three shallow traces) and extrapolates per
     block, unless the full network is as cheap to trace; `"on"` always extrapolates (tests); `"off"`
     traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
-    (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either).
+    (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either). `vae_config`
+    (online latents): the AutoencoderKL's config; default the SD VAE's (`SD_VAE_CONFIG`).
     """
     from dit_accel.train import spec_from_plan
 
@@ -595,7 +596,7 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
 
     def trace(counts: Counts) -> tuple[StorageTracker, list]:
         shallow = dataclasses.replace(spec, depth=sum(counts))
-        return _trace_once(plan, shallow, counts[1], micro_batch, autocast_device)
+        return _trace_once(plan, shallow, counts[1], micro_batch, autocast_device, vae_config)
 
     # Each trace also runs the embedding, final layer and loss (about two blocks' worth of ops): when the
     # shallow traces together would run as many ops as the full network, trace the full network.
@@ -769,6 +770,17 @@ def format_report(result: TraceResult, comparison: Comparison, plan_path: str = 
     return "\n".join(lines)
 
 
+def _vae_config(folder: str) -> dict:
+    """The config.json of an AutoencoderKL folder (or of a pipeline folder's vae/)."""
+    import json
+
+    for candidate in (Path(folder) / "config.json", Path(folder) / "vae" / "config.json"):
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    raise UserError(f"--vae {folder} has no config.json (nor vae/config.json): pass a folder written by "
+                    f"AutoencoderKL.save_pretrained, or leave --vae out to trace the SD VAE")
+
+
 @exits_cleanly("dit-accel verify")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -782,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="whose autocast casts the ops: cuda needs a CUDA build of torch (default: cuda if "
                              "available, else cpu)")
     parser.add_argument("--micro-batch", type=int, default=None, help="trace this micro-batch instead of the plan's")
+    parser.add_argument("--vae", default=None, help="online latents: a diffusers AutoencoderKL folder whose "
+                        "config.json to trace (weights are not read); default: the SD VAE's architecture")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the trace and comparison here")
     args = parser.parse_args(argv)
     from dit_accel.train import read_plan
@@ -791,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.micro_batch < 1:
             raise UserError(f"--micro-batch must be positive, got {args.micro_batch}")
         plan["decision"]["micro_batch"] = args.micro_batch
-    result = trace_training_step(plan, depth_extrapolate=args.depth_extrapolate, autocast_device=args.device_autocast)
+    result = trace_training_step(plan, depth_extrapolate=args.depth_extrapolate, autocast_device=args.device_autocast,
+                                 vae_config=_vae_config(args.vae) if args.vae else None)
     comparison = compare(result, plan)
     print(format_report(result, comparison, args.plan, plan))
     if args.json_out:

@@ -216,3 +216,26 @@ def test_value_less_scalars_take_the_healthy_path_and_known_values_stay_known():
         assert torch.randint(0, 5, ()).item() == 0
         step = torch.tensor(3.0)  # a constant, like AdamW's step counter: its value is known
         assert step.item() == 3.0
+
+
+def test_verify_traces_the_vae_architecture_of_a_given_folder(tmp_path, capsys):
+    """--vae reads only config.json: a tiny AutoencoderKL saved here is what the trace's vae holds."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=4,
+                        layers_per_block=1)  # downsamples by 8, like the SD VAE: 64 px -> 8x8 latents
+    vae.save_pretrained(tmp_path / "vae")
+    plan = tiny_plan(depth=2, latents="online")
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    out_json = tmp_path / "v.json"
+    assert memtrace.main([str(plan_path), "--device-autocast", "cpu", "--vae", str(tmp_path / "vae"),
+                          "--json", str(out_json)]) == 0
+    weights = 4 * sum(p.numel() for p in vae.parameters())
+    traced = json.loads(out_json.read_text())["trace"]
+    assert traced["components"]["vae"] >= weights  # its weights, and its encoder's working set if that is the peak
+    sd = trace_training_step(plan, autocast_device="cpu", depth_extrapolate="off")
+    assert sd.components["vae"] > traced["components"]["vae"]  # the default SD VAE is far larger
+    assert memtrace.main([str(plan_path), "--vae", str(tmp_path / "nothing")]) == 2
+    assert "config.json" in capsys.readouterr().err

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dit_accel.data.folder import permissions
+
 
 def to_uint8_nhwc(images: torch.Tensor) -> np.ndarray:
     """(N, 3, H, W) floats in [-1, 1] -> (N, H, W, 3) uint8, the layout FID evaluators and PIL read."""
@@ -54,6 +56,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(handle, permissions(0o666))  # mkstemp makes 0600; a plain open() would honour the umask
         with os.fdopen(handle, "wb") as tmp_file:
             write(tmp_file)
             tmp_file.flush()
@@ -84,10 +87,22 @@ def staged_folder(out_dir: str | os.PathLike, overwrite: bool = False):
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         yield staging
+        _umask_permissions(staging)
         replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _umask_permissions(folder: Path) -> None:
+    """Give a finished folder the modes a plain mkdir/open would have: mkdtemp/mkstemp (here and in the
+    libraries that wrote into it) make 0700/0600, which hides a shared output from a cluster's other users."""
+    os.chmod(folder, permissions(0o777))
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), permissions(0o777))
+        for name in files:
+            os.chmod(os.path.join(root, name), permissions(0o666))
 
 
 def singles_dir_for(grid_path: str | os.PathLike) -> Path:

@@ -2,9 +2,8 @@
 a random 2-block DiT (every weight non-zero, so class and timestep reach the output) and a tiny AutoencoderKL.
 """
 
-import json
+import os
 
-import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKL, DiTPipeline
@@ -60,6 +59,10 @@ def test_exported_pipeline_gives_the_same_latents_as_dit_accel_sample(vae_dir, t
     names = ["red circle", "green square, box", "blue triangle", "yellow diamond"]
     out = write_pipeline(model, str(vae_dir), tmp_path / "pipe", names)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    weights = out / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert weights.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600: others may read it
 
     pipe = load_pipeline(out)  # offline: HF_HUB_OFFLINE=1 (conftest)
     assert type(pipe.scheduler).__name__ == "DDIMScheduler"

@@ -149,6 +149,11 @@ def test_grid_and_singles_are_written_and_deterministic(run, tmp_path, capsys):
     grid = read_png(tmp_path / "a" / "grid.png")
     assert np.array_equal(grid, make_grid(images, columns=2))  # one row per class
     assert len({img.tobytes() for img in images}) == 6
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (tmp_path / "a" / "grid.png", singles[0]):  # atomic writes still honour the umask
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "a" / "grid_images").stat().st_mode & 0o777 == 0o777 & ~umask
 
     assert sample_main([*common, "--seed", "1", "--out", tmp_path / "b" / "grid.png"]) == 0
     assert np.array_equal(read_png(tmp_path / "b" / "grid.png"), grid)

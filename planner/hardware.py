@@ -95,11 +95,11 @@ class Assumptions:
     # --- how the trainer runs the step (the plan records these, the trainer follows them) ------------
     autocast_device: str = "cuda"  # "cuda" | "cpu": whose autocast op lists decide the saved dtypes
     attention: str = "fused"  # "fused" (SDPA flash/efficient kernels) | "math" (keeps the softmax: e*heads*s^2*b)
-    backward_working_tensors: float = 2.0  # MLP-sized (b*s*4d) activation gradients alive at once in backward
-    loss_tensors: float = 4.0  # output-sized fp32 tensors the diffusion loss saves (pred, target, vb terms)
+    loss_tensors: float = 15.25  # output-sized fp32 tensors alive while the learned-sigma loss is computed (traced:
+    #                               30 latent-sized ones and the two edge-bin masks of the discretised Gaussian)
     vae_params: int = 83_653_863  # the whole SD AutoencoderKL as pipelines load it (encoder 34,163,664)
     vae_bytes_per_param: int = 4  # the VAE stays fp32: latents are encoded once, precision matters more than speed
-    vae_activation_maps: float = 4.0  # encoder peak, in full-resolution 128-channel maps per image (ResNet block: x, norm, conv)
+    vae_activation_maps: float = 5.0  # encoder peak, in full-resolution 128-channel maps per image (traced; planner/vae.py)
     # --- throughput ----------------------------------------------------------------------------------
     mfu_mixed: float = 0.33  # bf16/fp16: 107 img/s on one A100 at micro-batch 128 with checkpointing (DiT ports, DESIGN.md)
     mfu_fp32: float = 0.125  # TF32: the reference script's 26 img/s per A100 at micro-batch 32 (DESIGN.md)

@@ -3,14 +3,20 @@
 The network is the one the trainer runs: diffusers' DiTTransformer2DModel with one timestep+class embedder
 shared by all blocks. Activations are counted op by op from what autograd saves for backward in that code
 (attention.py BasicTransformerBlock with ada_norm_zero, AttnProcessor2_0 -> SDPA, FeedForward gelu-tanh 4x,
-AdaLayerNormZero, CombinedTimestepLabelEmbeddings), under fp32 or autocast, and a test holds the count to a
-real trace of saved tensors. Everything a tensor trace cannot see (optimizer state, EMA, DDP buckets, FSDP
-gather buffers, the VAE, CUDA context, NCCL, fragmentation) is added here from its own formula.
+AdaLayerNormZero, CombinedTimestepLabelEmbeddings), under fp32 or autocast. The step is then walked through
+the moments that can hold its peak, each a snapshot of what is alive then; the peak is the largest.
+`dit-accel verify` traces the trainer's real step on fake tensors and tests/test_memtrace_grid.py holds the
+CPU-autocast variant of these moments to that trace (docs/planner-accuracy.md).
 
-A step has three moments that can be the peak; the estimate takes the largest:
-  start_of_backward  weights + states + every saved activation (+ grads kept across accumulation)
-  optimizer_step     weights + grads + AdamW states + the optimizer's temporaries
-  vae_encode         (online latents) the VAE encoder's no-grad working set, before the DiT forward
+  vae_encode          (online latents) the VAE encoder's no-grad working set, before the DiT forward
+  last_block_forward  (the last block checkpointed) inside its forward: every block's input + its MLP
+  end_of_forward      the loss: every saved activation, autocast's cache of every weight, the loss terms
+  start_of_backward   inside the last block's backward: its activation and weight gradients in flight
+  end_of_backward     inside block 0's backward: nearly every gradient, block 0's (recomputed) set
+  optimizer_step      weights + grads + AdamW states + the optimizer's temporaries
+
+Everything a tensor trace cannot see (DDP buckets, FSDP gather buffers, CUDA context, NCCL, fragmentation)
+is added from its own formula.
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ from planner.spec import TIMESTEP_FREQ_DIM, DiTSpec
 from planner import vae
 
 COMPONENTS = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries", "overhead")
-PHASES = ("start_of_backward", "optimizer_step", "vae_encode")
+PHASES = ("vae_encode", "last_block_forward", "end_of_forward", "start_of_backward", "end_of_backward",
+          "optimizer_step")  # the moments, in the order the step reaches them
+BACKWARD_MOMENTS = ("start_of_backward", "end_of_backward")
+FORWARD_MOMENTS = ("last_block_forward", "end_of_forward")
 SHARDINGS = ("ddp", "zero2", "zero3")
+ADAMW_KINDS = ("fused", "foreach", "single")
 INT64_BYTES = 8
 FP32_BYTES = 4
 
@@ -54,7 +64,9 @@ class Decision:
     sharding: str  # "ddp" | "zero2" (FSDP SHARD_GRAD_OP) | "zero3" (FSDP FULL_SHARD)
     latents: str  # "precomputed" | "online" | "pixel"
     ema: bool = True
-    adamw: str = "fused"  # "fused" (one kernel, no temporary) | "foreach" (PyTorch's default off CUDA: 4 B/param more)
+    # "fused" (one kernel, no temporary; the trainer's default on CUDA) | "foreach" (PyTorch's default on CUDA
+    # when not fused: +4 B/param at the step) | "single" (the per-tensor loop, PyTorch's default on a CPU)
+    adamw: str = "fused"
     gradient_as_bucket_view: bool = True  # DDP grads alias its buckets (saves 4 B/param); Accelerate's default is off
 
     @property
@@ -81,6 +93,11 @@ class ElementBytes:
         (its cast cache holds only leaf tensors, i.e. weights), so q, k and v each save their own copy."""
         return self.norm != self.compute
 
+    @property
+    def norm_saves_block_input(self) -> bool:
+        """layer_norm in the residual dtype saves the block's input itself (one storage, not a copy)."""
+        return self.norm == self.compute
+
 
 def element_bytes(precision: str, autocast_device: str = "cuda") -> ElementBytes:
     if precision == "fp32":
@@ -105,12 +122,29 @@ def outer_matrix_params(spec: DiTSpec) -> int:
     return spec.in_channels * p * p * d + d * d + 2 * d * d + d * p * p * spec.out_channels
 
 
+def backward_held_matrix_params(spec: DiTSpec) -> int:
+    """Weight copies outside the blocks still saved once the final layer's backward has run: the patch
+    conv's and the embedder's second timestep linear's (every block's embedder call saves that one copy)."""
+    d, p = spec.hidden, spec.patch
+    return spec.in_channels * p * p * d + d * d
+
+
+def class_table_params(spec: DiTSpec) -> int:
+    """The class embedding table (with the null class): the one parameter autocast never casts."""
+    return (spec.num_classes + 1) * spec.hidden
+
+
 def buffer_bytes(spec: DiTSpec) -> int:
     """The fixed sin-cos positional table, an fp32 buffer of tokens x hidden."""
     return FP32_BYTES * spec.tokens * spec.hidden
 
 
 # --- activations: what autograd saves, op by op ------------------------------------------------------
+
+def hidden_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
+    """One residual-stream tensor (b x s x d in the compute dtype): a block's input, output or gated branch."""
+    return micro_batch * spec.tokens * spec.hidden * eb.compute
+
 
 def embedder_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
     """One call of the shared embedder and the adaLN projection that reads it (made in every block).
@@ -152,22 +186,32 @@ def block_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, attenti
 
 def checkpointed_block_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
     """A checkpointed block keeps only its input hidden states (timestep and labels are shared, counted once)."""
-    return micro_batch * spec.tokens * spec.hidden * eb.compute
+    return hidden_bytes(spec, micro_batch, eb)
+
+
+def patch_input_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
+    """The noised latents cast to the compute dtype, saved by the patch-embedding conv."""
+    return micro_batch * spec.in_channels * spec.latent_size**2 * eb.compute
+
+
+def final_layer_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
+    """The final layer: its embedder call, the adaLN-style modulation of norm_out (proj_out_1's input and
+    1 + scale), norm_out's input, statistics and output, and proj_out_2's input."""
+    b, s, d, c, n = micro_batch, spec.tokens, spec.hidden, eb.compute, eb.norm
+    tokens = b * s
+    embedder = b * (TIMESTEP_FREQ_DIM * c + 2 * d * c + INT64_BYTES + d * FP32_BYTES)
+    modulation = b * d * c + b * d * c
+    norm_out = tokens * d * n + 2 * tokens * n + tokens * d * n + tokens * d * c
+    return embedder + modulation + norm_out
 
 
 def head_and_tail_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
-    """Patch-embedding conv input; the final layer (its embedder call, adaLN-style modulation of norm_out,
-    proj_out_2's input); the loss's output-sized fp32 tensors are added separately."""
-    b, s, d, c, n = micro_batch, spec.tokens, spec.hidden, eb.compute, eb.norm
-    tokens = b * s
-    patch_input = b * spec.in_channels * spec.latent_size**2 * c
-    embedder = b * (TIMESTEP_FREQ_DIM * c + 2 * d * c + INT64_BYTES + d * FP32_BYTES)
-    final = b * d * c + b * d * c  # proj_out_1 input (SiLU output), 1 + scale
-    final += tokens * d * n + 2 * tokens * n + tokens * d * n + tokens * d * c  # norm_out in/stats/out, proj_out_2 input
-    return patch_input + embedder + final
+    """Patch-embedding conv input and the final layer; the loss's tensors are counted separately."""
+    return patch_input_bytes(spec, micro_batch, eb) + final_layer_saved_bytes(spec, micro_batch, eb)
 
 
 def loss_saved_bytes(spec: DiTSpec, micro_batch: int, loss_tensors: float) -> int:
+    """`loss_tensors` output-sized fp32 tensors of the diffusion loss."""
     return int(loss_tensors * micro_batch * spec.out_channels * spec.latent_size**2 * FP32_BYTES)
 
 
@@ -187,27 +231,47 @@ def saved_activation_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, ch
     return head_and_tail_saved_bytes(spec, micro_batch, eb) + kept
 
 
-def recompute_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, checkpointed_blocks: int,
-                    attention: str = "fused") -> int:
-    """While backward reaches a checkpointed block, its forward is rerun: one block's saved tensors are alive.
-    Counted at the start of backward, which bounds the case where the last blocks are the checkpointed ones."""
-    if not checkpointed_blocks:
-        return 0
-    return sum(block_saved_bytes(spec, micro_batch, eb, attention).values())
+def recompute_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, attention: str = "fused") -> int:
+    """What rerunning a checkpointed block's forward in backward adds to the input it kept: its saved set,
+    less that input where layer_norm saves the input itself (CPU autocast, fp32)."""
+    block = sum(block_saved_bytes(spec, micro_batch, eb, attention).values())
+    return block - (hidden_bytes(spec, micro_batch, eb) if eb.norm_saves_block_input else 0)
+
+
+def checkpointed_forward_working_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
+    """Inside a checkpointed block's forward nothing is saved, but at its MLP these are alive together: the
+    gated attention output and the residual after it (compute dtype), the modulated MLP input (the norm's
+    dtype: fp32 under CUDA autocast), and the MLP's hidden layer before and after the GELU."""
+    b, s, d = micro_batch, spec.tokens, spec.hidden
+    return b * s * d * (2 * eb.compute + eb.norm) + 2 * b * s * spec.mlp_hidden * eb.compute
+
+
+def backward_temporary_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
+    """Alive inside a block's backward at its peak (the matmul making the gradient of the MLP's hidden layer):
+    that gradient (b s 4d) and two hidden-sized activation gradients, the second MLP linear's weight gradient
+    in the compute dtype (4d x d), and the shared embedder's gradients, which autograd buffers until every
+    block has contributed: the class table's in fp32 (embedding backward) and the timestep MLP's second and
+    first linear in the compute dtype; and small ones, a per-image modulation gradient (b x d) and three
+    bias gradients (d each)."""
+    b, s, d, c = micro_batch, spec.tokens, spec.hidden, eb.compute
+    activation_grads = b * s * (spec.mlp_hidden + 2 * d) * c + b * d * c
+    mlp_weight_grad = spec.mlp_hidden * d * c + 3 * d * c
+    embedder_grads = FP32_BYTES * class_table_params(spec) + (d * d + TIMESTEP_FREQ_DIM * d) * c
+    return activation_grads + mlp_weight_grad + embedder_grads
 
 
 # --- the step ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    phases: dict  # phase -> {component: bytes}
+    phases: dict  # moment -> {component: bytes}
     peak_phase: str
     vram_bytes: int
     budget_bytes: int
 
     @property
     def components(self) -> dict[str, int]:
-        """Components at the peak phase; they sum to peak_bytes."""
+        """Components at the peak moment; they sum to peak_bytes."""
         return self.phases[self.peak_phase]
 
     @property
@@ -226,17 +290,33 @@ def _shards(decision: Decision, cluster: Cluster) -> int:
     return cluster.world_size if decision.sharded else 1
 
 
-def weights_bytes(spec, decision, cluster, assumptions, phase) -> int:
+def _eb(decision: Decision, assumptions: Assumptions) -> ElementBytes:
+    return element_bytes(decision.precision, assumptions.autocast_device)
+
+
+def moments(spec: DiTSpec, decision: Decision) -> list[str]:
+    """The moments of this step that can hold its peak."""
+    chosen = []
+    for moment in PHASES:
+        if moment == "vae_encode" and decision.latents != "online":
+            continue
+        if moment == "last_block_forward" and decision.checkpointed_blocks < spec.depth:
+            continue  # a stored last block's forward holds less than the end of the forward
+        chosen.append(moment)
+    return chosen
+
+
+def weights_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """fp32 master weights (sharded under zero2/zero3) + the positional buffer + FSDP's gathered copies.
 
     FSDP (Accelerate sets param_dtype to the mixed-precision dtype) all-gathers a unit's parameters for compute.
     SHARD_GRAD_OP keeps every unit gathered from forward until the end of backward; FULL_SHARD frees each unit
     after use and holds at most two (the current one and the prefetched next) plus the root (embedder, patch
-    embedding, final layer). Both free the gathered copies before the optimizer step.
+    embedding, final layer). Neither holds gathered copies before the forward or at the optimizer step.
     """
     params = spec.params_trainable
     total = FP32_BYTES * params // _shards(decision, cluster) + buffer_bytes(spec)
-    if decision.sharded and phase != "optimizer_step":
+    if decision.sharded and moment in FORWARD_MOMENTS + BACKWARD_MOMENTS:
         gathered = element_bytes(decision.precision).compute
         if decision.sharding == "zero2":
             total += gathered * params
@@ -245,84 +325,152 @@ def weights_bytes(spec, decision, cluster, assumptions, phase) -> int:
     return total
 
 
-def grads_bytes(spec, decision, cluster, assumptions, phase) -> int:
-    """fp32 gradients, plus DDP's flat all-reduce buckets.
+def live_gradient_params(spec: DiTSpec, decision: Decision, moment: str) -> int:
+    """Parameters whose gradient exists at `moment` (before DDP buckets and sharding).
 
-    Gradients exist at the optimizer step, and at the start of backward only when accumulating (the earlier
-    micro-steps' sums; `zero_grad(set_to_none=True)` frees them otherwise). DDP allocates buckets of another
-    4 B/param for the whole run unless gradient_as_bucket_view makes the gradients live in them. Sharded
-    runs keep 1/N of the gradients (Accelerate should then reduce-scatter every micro-step: sync_each_batch).
+    `zero_grad(set_to_none=True)` frees every gradient after the optimizer step, so with one micro-step they
+    appear only as backward makes them: the final layer's first (its backward runs first), then each block's
+    as it finishes; the shared embedder's and the patch embedding's come last. When accumulating, the earlier
+    micro-steps' sums live through the whole forward and backward.
     """
     params = spec.params_trainable
-    alive = phase == "optimizer_step" or decision.grad_accum > 1
+    if moment == "optimizer_step" or decision.grad_accum > 1:
+        return params
+    if moment == "start_of_backward":
+        return spec.param_breakdown()["final_layer"]
+    if moment == "end_of_backward":
+        return params - spec.block_params - spec.embedder_params - spec.param_breakdown()["patch_embed"]
+    return 0
+
+
+def grads_bytes(spec, decision, cluster, assumptions, moment) -> int:
+    """fp32 gradients alive at the moment (`live_gradient_params`), plus DDP's flat all-reduce buckets.
+
+    DDP allocates buckets of another 4 B/param for the whole run unless gradient_as_bucket_view makes the
+    gradients live in them. Sharded runs keep 1/N of the gradients (reduce-scattered every micro-step:
+    sync_each_batch).
+    """
+    alive = FP32_BYTES * live_gradient_params(spec, decision, moment)
     if decision.sharded:
-        return FP32_BYTES * params // cluster.world_size if alive else 0
-    buckets = FP32_BYTES * params if cluster.world_size > 1 else 0
+        return alive // cluster.world_size
+    buckets = FP32_BYTES * spec.params_trainable if cluster.world_size > 1 else 0
     if buckets and decision.gradient_as_bucket_view:
         return buckets
-    return buckets + (FP32_BYTES * params if alive else 0)
+    return buckets + alive
 
 
-def optimizer_bytes(spec, decision, cluster, assumptions, phase) -> int:
-    """AdamW's exp_avg and exp_avg_sq in fp32: 8 B/param, sharded under zero2/zero3."""
+def optimizer_bytes(spec, decision, cluster, assumptions, moment) -> int:
+    """AdamW's exp_avg and exp_avg_sq in fp32: 8 B/param, sharded under zero2/zero3 (from the first step on)."""
     return 2 * FP32_BYTES * spec.params_trainable // _shards(decision, cluster)
 
 
-def ema_bytes(spec, decision, cluster, assumptions, phase) -> int:
+def ema_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """The EMA weights in fp32 on the GPU (sharded like the parameters when FSDP shards)."""
     return FP32_BYTES * spec.params_trainable // _shards(decision, cluster) if decision.ema else 0
 
 
-def activations_bytes(spec, decision, cluster, assumptions, phase) -> int:
-    """Saved activations + the recompute working set + what the diffusion loss saves (start of backward only)."""
-    if phase != "start_of_backward":
-        return 0
-    eb = element_bytes(decision.precision, assumptions.autocast_device)
-    b, c = decision.micro_batch, decision.checkpointed_blocks
-    return (saved_activation_bytes(spec, b, eb, c, assumptions.attention)
-            + recompute_bytes(spec, b, eb, c, assumptions.attention)
-            + loss_saved_bytes(spec, b, assumptions.loss_tensors))
+def activations_bytes(spec, decision, cluster, assumptions, moment) -> int:
+    """Tensors made by the forward and still alive (saved for backward, or held by the code running).
 
-
-def autocast_cache_bytes(spec, decision, cluster, assumptions, phase) -> int:
-    """bf16/fp16 copies of weight matrices that autocast makes and that linears save for backward.
-
-    Not under FSDP (the gathered parameters are already in the compute dtype) and not in fp32. A
-    checkpointed block keeps none; during its recompute one block's copies exist again.
+    last_block_forward  (every block checkpointed) every block's input, the patch conv's input and the
+                        last block's working set at its MLP; nothing of it is saved.
+    end_of_forward      every saved tensor (stored blocks, checkpointed blocks' inputs, head and tail) and
+                        the loss's working set: the learned-sigma VB term evaluates the KL and the
+                        discretised-Gaussian NLL for every sample, `loss_tensors` output-sized fp32 tensors.
+    start_of_backward   the loss and the final layer's saved tensors are gone, and the last block's gate has
+                        freed its input (the MLP output); a checkpointed last block is recomputed first.
+                        The first blocks, when checkpointed, are recomputed only after every stored block's
+                        activations are gone, so no recompute set counts here otherwise.
+    end_of_backward     block 0's set (recomputed if checkpointed) less its MLP output, and the patch input.
     """
-    if phase != "start_of_backward" or decision.precision == "fp32" or decision.sharded:
+    if moment in ("vae_encode", "optimizer_step"):
         return 0
-    eb = element_bytes(decision.precision)
-    kept_blocks = spec.depth - decision.checkpointed_blocks + (1 if decision.checkpointed_blocks else 0)
-    return eb.compute * (outer_matrix_params(spec) + kept_blocks * block_matrix_params(spec))
+    eb = _eb(decision, assumptions)
+    b, k = decision.micro_batch, decision.checkpointed_blocks
+    hidden = hidden_bytes(spec, b, eb)
+    if moment == "last_block_forward":
+        saved_before_head = saved_activation_bytes(spec, b, eb, k, assumptions.attention) \
+            - final_layer_saved_bytes(spec, b, eb)
+        return saved_before_head + checkpointed_forward_working_bytes(spec, b, eb)
+    if moment == "end_of_forward":
+        return (saved_activation_bytes(spec, b, eb, k, assumptions.attention)
+                + loss_saved_bytes(spec, b, assumptions.loss_tensors))
+    if moment == "start_of_backward":
+        last_recomputed = recompute_bytes(spec, b, eb, assumptions.attention) if k == spec.depth else 0
+        return (saved_activation_bytes(spec, b, eb, k, assumptions.attention) - final_layer_saved_bytes(spec, b, eb)
+                - hidden + last_recomputed)
+    # end_of_backward: block 0's backward
+    if k:
+        block0 = checkpointed_block_saved_bytes(spec, b, eb) + 2 * b * INT64_BYTES \
+            + recompute_bytes(spec, b, eb, assumptions.attention)
+    else:
+        block0 = sum(block_saved_bytes(spec, b, eb, assumptions.attention).values())
+    return patch_input_bytes(spec, b, eb) + block0 - hidden
 
 
-def vae_bytes(spec, decision, cluster, assumptions, phase) -> int:
-    """Online latents: the VAE's weights for the whole run, and during the encode its no-grad working set."""
+def autocast_cache_bytes(spec, decision, cluster, assumptions, moment) -> int:
+    """bf16/fp16 copies of weights that autocast makes. Not under FSDP (the gathered parameters are already in
+    the compute dtype) and not in fp32.
+
+    In the forward autocast's cache holds a copy of every weight it cast (biases too, and those of
+    checkpointed blocks) until the context exits after the loss: every parameter but the class table (an
+    embedding is never cast); the final layer's are not made yet inside the last block. In backward only the
+    copies linears saved remain: of every stored block, the patch conv and the embedder's second timestep
+    linear (the output projections' go with the final layer's backward). A recomputed block casts its weights
+    again (and the embedder's linear), so block 0's backward holds that one block's copies.
+    """
+    if decision.precision == "fp32" or decision.sharded or moment in ("vae_encode", "optimizer_step"):
+        return 0
+    c = element_bytes(decision.precision).compute
+    k = decision.checkpointed_blocks
+    if moment == "end_of_forward":
+        return c * (spec.params_trainable - class_table_params(spec))
+    if moment == "last_block_forward":
+        return c * (spec.params_trainable - class_table_params(spec) - spec.param_breakdown()["final_layer"])
+    if moment == "start_of_backward" and k < spec.depth:
+        return c * ((spec.depth - k) * block_matrix_params(spec) + backward_held_matrix_params(spec))
+    return c * (block_matrix_params(spec) + backward_held_matrix_params(spec))
+
+
+def vae_bytes(spec, decision, cluster, assumptions, moment) -> int:
+    """Online latents: the VAE's weights for the whole run, and during the encode its no-grad working set
+    (`vae_activation_maps` full-resolution 128-channel maps; see planner/vae.py)."""
     if decision.latents != "online":
         return 0
     total = assumptions.vae_params * assumptions.vae_bytes_per_param
-    if phase == "vae_encode":
+    if moment == "vae_encode":
         total += vae.encoder_activation_bytes(spec.resolution, decision.micro_batch, assumptions.vae_activation_maps,
                                               assumptions.vae_bytes_per_param)
     return total
 
 
-def temporaries_bytes(spec, decision, cluster, assumptions, phase) -> int:
+def largest_step_temporary_params(spec: DiTSpec) -> int:
+    """PyTorch's per-tensor AdamW makes the denominator of each parameter in two steps (sqrt, then the division)
+    while the loop variable still holds the previous parameter's: most at the adaLN projection (6d x d, the
+    largest matrix) of block 0, which follows the class table."""
+    d = spec.hidden
+    return 2 * 6 * d * d + class_table_params(spec)
+
+
+def temporaries_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """Short-lived buffers at each moment.
 
-    start of backward: activation gradients in flight (`backward_working_tensors` MLP-sized tensors) and, under
-    FSDP, one unit's unsharded gradient before its reduce-scatter. optimizer step: the foreach AdamW's
-    intermediate (about one fp32 copy of the parameters it updates); fused AdamW has none.
+    Backward moments: activation and weight gradients in flight and the shared embedder's buffered gradients
+    (`backward_temporary_bytes`) and, under FSDP, one unit's unsharded gradient before its reduce-scatter.
+    Optimizer step: foreach AdamW's sqrt(exp_avg_sq) of every parameter (4 B/param); the per-tensor loop's
+    denominators of two parameters; fused AdamW none.
     """
-    eb = element_bytes(decision.precision)
-    if phase == "start_of_backward":
-        working = assumptions.backward_working_tensors * decision.micro_batch * spec.tokens * spec.mlp_hidden * eb.compute
+    eb = _eb(decision, assumptions)
+    if moment in BACKWARD_MOMENTS:
+        working = backward_temporary_bytes(spec, decision.micro_batch, eb)
         if decision.sharded:
             working += eb.compute * spec.block_params
-        return int(working)
-    if phase == "optimizer_step" and decision.adamw == "foreach":
-        return FP32_BYTES * spec.params_trainable // _shards(decision, cluster)
+        return working
+    if moment == "optimizer_step":
+        if decision.adamw == "foreach":
+            return FP32_BYTES * spec.params_trainable // _shards(decision, cluster)
+        if decision.adamw == "single":
+            return FP32_BYTES * largest_step_temporary_params(spec)
     return 0
 
 
@@ -349,6 +497,7 @@ _COMPONENT_FUNCTIONS = {
 
 def phase_components(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions,
                      phase: str) -> dict[str, int]:
+    """Every component at one moment, overhead last (it depends on the rest)."""
     parts = {name: int(fn(spec, decision, cluster, assumptions, phase)) for name, fn in _COMPONENT_FUNCTIONS.items()}
     parts["overhead"] = overhead_bytes(cluster, assumptions, sum(parts.values()))
     return {name: parts[name] for name in COMPONENTS}
@@ -356,11 +505,15 @@ def phase_components(spec: DiTSpec, decision: Decision, cluster: Cluster, assump
 
 def step_memory(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions,
                 budget_bytes: int | None = None) -> MemoryEstimate:
-    """Per-GPU memory of one training step at each moment that can be its peak."""
+    """Per-GPU memory of one training step at each moment that can be its peak; the peak is the largest."""
     if decision.sharding not in SHARDINGS:
         raise PlanError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {decision.sharding!r}")
-    phases = [p for p in PHASES if p != "vae_encode" or decision.latents == "online"]
-    by_phase = {p: phase_components(spec, decision, cluster, assumptions, p) for p in phases}
-    peak_phase = max(phases, key=lambda p: sum(by_phase[p].values()))
+    if decision.adamw not in ADAMW_KINDS:
+        raise PlanError(f"--adamw must be one of {', '.join(ADAMW_KINDS)}, got {decision.adamw!r}")
+    if not 0 <= decision.checkpointed_blocks <= spec.depth:
+        raise PlanError(f"--checkpointing {decision.checkpointed_blocks} is outside 0..{spec.depth} (the model's depth)")
+    chosen = moments(spec, decision)
+    by_moment = {m: phase_components(spec, decision, cluster, assumptions, m) for m in chosen}
+    peak = max(chosen, key=lambda m: sum(by_moment[m].values()))
     budget = cluster.vram_bytes if budget_bytes is None else budget_bytes
-    return MemoryEstimate(phases=by_phase, peak_phase=peak_phase, vram_bytes=cluster.vram_bytes, budget_bytes=budget)
+    return MemoryEstimate(phases=by_moment, peak_phase=peak, vram_bytes=cluster.vram_bytes, budget_bytes=budget)

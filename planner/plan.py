@@ -206,7 +206,7 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
 
 
 def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
-    """The activation component's terms, for plan.md's arithmetic and for checks against traces."""
+    """The activation and backward terms of the memory model, for plan.md's arithmetic and checks against traces."""
     from planner import memory
 
     eb = element_bytes(decision.precision, assumed.autocast_device)
@@ -222,8 +222,10 @@ def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
         "checkpointed_block_bytes": memory.checkpointed_block_saved_bytes(spec, b, eb),
         "head_and_tail_bytes": memory.head_and_tail_saved_bytes(spec, b, eb),
         "saved_bytes": saved_activation_bytes(spec, b, eb, c, assumed.attention),
-        "recompute_bytes": memory.recompute_bytes(spec, b, eb, c, assumed.attention),
         "loss_bytes": memory.loss_saved_bytes(spec, b, assumed.loss_tensors),
+        "recompute_bytes": memory.recompute_bytes(spec, b, eb, assumed.attention) if c else 0,
+        "checkpointed_forward_bytes": memory.checkpointed_forward_working_bytes(spec, b, eb) if c else 0,
+        "backward_temporary_bytes": memory.backward_temporary_bytes(spec, b, eb),
     }
 
 

@@ -23,7 +23,19 @@ DESCRIBE = {
     "temporaries": "short-lived buffers",
     "overhead": "CUDA context, cuBLAS, NCCL, fragmentation",
 }
-PHASE_NAMES = {"start_of_backward": "start of backward", "optimizer_step": "optimizer step", "vae_encode": "VAE encode"}
+PHASE_NAMES = {"vae_encode": "VAE encode", "last_block_forward": "last block's forward", "end_of_forward": "end of forward",
+               "start_of_backward": "start of backward", "end_of_backward": "end of backward",
+               "optimizer_step": "optimizer step"}
+# What the activations are at each moment (plan.md's arithmetic).
+ACTIVATIONS_AT = {
+    "vae_encode": "none yet (the DiT forward has not started)",
+    "last_block_forward": "every block's input and the last (checkpointed) block's working set at its MLP",
+    "end_of_forward": "every saved tensor and the loss's working set",
+    "start_of_backward": "the saved tensors less the loss, the final layer's and the last block's MLP output"
+                         " (+ the last block recomputed when checkpointed)",
+    "end_of_backward": "block 0's saved set (recomputed when checkpointed) and the patch embedding's input",
+    "optimizer_step": "none",
+}
 
 
 def _gib(n: float) -> str:
@@ -44,16 +56,20 @@ def describe(plan: dict, component: str) -> str:
             text = f"fp32 gradient shard (1/{plan['cluster']['world_size']})"
         elif plan["cluster"]["world_size"] > 1:
             text += " in DDP buckets" if d["gradient_as_bucket_view"] else " + DDP all-reduce buckets"
-        if d["grad_accum"] > 1 and m["peak_phase"] == "start_of_backward":
+        if d["grad_accum"] > 1 and m["peak_phase"] != "optimizer_step":
             text += "; kept across accumulation"
+        elif m["peak_phase"] in ("start_of_backward", "end_of_backward"):
+            text += "; those backward has made so far"
     elif component == "activations":
         a = m["activation_breakdown"]
-        text = f"saved for backward: {a['stored_blocks']} blocks stored, {a['checkpointed_blocks']} checkpointed"
-        if a["recompute_bytes"]:
-            text += " (+1 recomputed)"
+        text = f"{a['stored_blocks']} blocks stored, {a['checkpointed_blocks']} checkpointed"
+        text += {"last_block_forward": "; the last block's forward", "end_of_forward": "; + the loss",
+                 "start_of_backward": "; the last block's backward", "end_of_backward": "; block 0's backward"
+                 }.get(m["peak_phase"], "")
     elif component == "temporaries":
+        in_backward = "activation and weight gradients in flight"
         text = {"optimizer_step": "foreach AdamW intermediate" if d["adamw"] == "foreach" else "none (fused AdamW)",
-                "start_of_backward": "activation gradients in flight"}.get(m["peak_phase"], text)
+                "start_of_backward": in_backward, "end_of_backward": in_backward}.get(m["peak_phase"], text)
     elif component == "overhead":
         a = plan["assumptions"]
         text = f"CUDA context, cuBLAS{', NCCL' if plan['cluster']['world_size'] > 1 else ''}, fragmentation {a['fragmentation']:.0%}"
@@ -222,11 +238,14 @@ def plan_markdown(plan: dict) -> str:
         f"({a['autocast_device'].upper()} {d['precision']} {'autocast' if d['precision'] != 'fp32' else ''}, "
         f"{a['attention']} attention): {b} images x {s} tokens x {h} x {a['bytes_per_token_hidden_block']:.1f} B = "
         f"{format_bytes(a['stored_block_bytes'])} per block.",
-        f"- activations = {a['stored_blocks']} stored x {format_bytes(a['stored_block_bytes'])} + "
+        f"- saved for backward = {a['stored_blocks']} stored x {format_bytes(a['stored_block_bytes'])} + "
         f"{a['checkpointed_blocks']} checkpointed x {format_bytes(a['checkpointed_block_bytes'])} (their inputs) + "
-        f"patch embedding and final layer {format_bytes(a['head_and_tail_bytes'])}"
-        + (f" + one block recomputed {format_bytes(a['recompute_bytes'])}" if a["recompute_bytes"] else "")
-        + f" + loss {format_bytes(a['loss_bytes'])} = {format_bytes(m['phases']['start_of_backward']['activations'])}.",
+        f"patch embedding and final layer {format_bytes(a['head_and_tail_bytes'])} = {format_bytes(a['saved_bytes'])};"
+        f" the loss adds {format_bytes(a['loss_bytes'])} at the end of the forward"
+        + (f"; recomputing a checkpointed block adds {format_bytes(a['recompute_bytes'])}" if a["recompute_bytes"] else "")
+        + f". Backward has {format_bytes(a['backward_temporary_bytes'])} of gradients in flight inside a block.",
+        f"- activations at the {PHASE_NAMES[m['peak_phase']]}: {ACTIVATIONS_AT[m['peak_phase']]} = "
+        f"{format_bytes(m['activations'])}.",
         f"- overhead = CUDA context {format_bytes(plan['assumptions']['cuda_context_bytes'])} + cuBLAS "
         f"{format_bytes(plan['assumptions']['cublas_workspace_bytes'])}"
         + (f" + NCCL {format_bytes(plan['assumptions']['nccl_buffer_bytes'])}" if c["world_size"] > 1 else "")

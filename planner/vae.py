@@ -45,7 +45,9 @@ def encoder_macs_per_image(resolution: int) -> int:
 def encoder_activation_bytes(resolution: int, micro_batch: int, maps: float, bytes_per_element: int = 4) -> int:
     """No-grad working set of one encode: `maps` full-resolution 128-channel feature maps per image.
 
-    The first level is the widest tensor the encoder ever holds (128 x H x W); a ResNet block there keeps its
-    input, the normalised copy and the conv output alive at once, plus GroupNorm's scratch.
+    The first level is the widest the encoder ever holds (128 x H x W). A trace of diffusers' encoder finds
+    five such maps alive at once in the second ResNet block of that level: conv_in's output (held by
+    Encoder.forward while down block 0 runs), the first ResNet block's output (the second's input), and in the
+    second block its conv2 output, the residual sum and the division by output_scale_factor.
     """
     return int(maps * micro_batch * ENCODER_CHANNELS[0] * resolution * resolution * bytes_per_element)

@@ -64,35 +64,8 @@ GRID = [
 ]
 
 # The planner's misses from the last run against planner/memory.py (regenerate with
-# `python tests/test_memtrace_grid.py --misses`); F1..F6 are the corrections in docs/planner-accuracy.md.
-KNOWN_MISSES: dict[int, str] = {
-    0: 'peak +2.0%, temporaries +25% at the traced peak (backward of block 11): fix F1 F2 F4',
-    1: 'temporaries +48 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    2: 'peak +8.8%, activations +14%, autocast_cache -41%, temporaries +48 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    3: 'peak -9.5%, grads -100%, activations +97%, autocast_cache +12%, temporaries +14% at the traced peak (backward of block 0): fix F5',
-    4: 'activations -5%, temporaries +12 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    5: 'activations +11%, autocast_cache -25%, temporaries +48 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    6: 'peak +2.4%, activations +17%, temporaries +10% at the traced peak (backward of block 11): fix F1 F2 F4',
-    7: 'temporaries +24 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    8: 'activations -5%, temporaries +12 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    9: 'grads -100%, temporaries -17% at the traced peak (backward of block 23): fix F1 F2 F4',
-    10: 'activations -100%, autocast_cache -100%, temporaries -100% at the traced peak (backward of block 0): fix F5',
-    11: 'activations +8%, temporaries -35% at the traced peak (backward of block 23): fix F1 F2 F4',
-    12: 'temporaries +16 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    13: 'temporaries +17% at the traced peak (backward of block 27): fix F1 F2 F4',
-    14: 'temporaries +15% at the traced peak (backward of block 27): fix F1 F2 F4',
-    15: 'activations +6%, autocast_cache -46%, temporaries +144 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    16: 'peak -6.3%, activations -100%, autocast_cache -100%, temporaries -100% at the traced peak (backward of block 0): fix F5',
-    17: 'autocast_cache -21%, temporaries +144 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    18: 'peak -5.7%, activations +31%, autocast_cache -96%, temporaries +144 MiB at the traced peak (forward of block 27): fix F3',
-    19: 'grads -100%, temporaries -15% at the traced peak (backward of block 27): fix F1 F2 F4',
-    20: 'temporaries +36 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-    21: 'grads -100% at the traced peak (backward of block 27): fix F1 F2 F4',
-    22: 'peak -12.4%, vae -16% at the traced peak (input and embedding): fix F6',
-    23: 'peak -6.4%, vae -16% at the traced peak (input and embedding): fix F6',
-    24: 'activations -100%, autocast_cache -100%, temporaries -100% at the traced peak (backward of block 0): fix F5',
-    25: 'activations +7%, autocast_cache -46%, temporaries +64 MiB at the traced peak (final layer, loss and start of backward): fix F3',
-}
+# `python tests/test_memtrace_grid.py --misses`): none since F1-F7 of docs/planner-accuracy.md went in.
+KNOWN_MISSES: dict[int, str] = {}
 
 
 def point_id(point) -> str:

@@ -12,6 +12,8 @@ from planner.memory import (
     COMPONENTS,
     Cluster,
     Decision,
+    backward_temporary_bytes,
+    block_matrix_params,
     block_saved_bytes,
     element_bytes,
     saved_activation_bytes,
@@ -157,11 +159,52 @@ def test_bucket_view_fused_adamw_and_no_ema_each_save_four_bytes_per_param():
         assert saved == 4 * P, change
 
 
-def test_grads_survive_the_start_of_backward_only_when_accumulating():
-    once = memory(decision(grad_accum=1)).phases["start_of_backward"]["grads"]
-    accumulating = memory(decision(grad_accum=4)).phases["start_of_backward"]["grads"]
-    assert once == 4 * P  # DDP buckets only
-    assert accumulating == 8 * P  # + the summed gradients of the earlier micro-steps
+def test_gradients_appear_as_backward_makes_them():
+    """With one micro-step `zero_grad(set_to_none=True)` leaves none before the backward; the final layer's
+    come first, then each block's; inside block 0's backward all but block 0's, the shared embedder's and the
+    patch embedding's exist (traced: 2,592,530,048 B at DiT-XL/2). Accumulating keeps all of them alive."""
+    buckets = 4 * P  # 8 GPUs, no gradient_as_bucket_view
+    once = memory(decision(grad_accum=1)).phases
+    accumulating = memory(decision(grad_accum=4)).phases
+    assert once["end_of_forward"]["grads"] == buckets
+    assert once["start_of_backward"]["grads"] == buckets + 4 * XL2.param_breakdown()["final_layer"]
+    assert once["end_of_backward"]["grads"] == buckets + 2_592_530_048
+    for moment in ("end_of_forward", "start_of_backward", "end_of_backward", "optimizer_step"):
+        assert accumulating[moment]["grads"] == buckets + 4 * P, moment
+
+
+def test_backward_temporaries_match_the_traced_bytes():
+    """Inside a block's backward (DiT-XL/2, micro-batch 32): the MLP-hidden gradient, two hidden-sized ones, a
+    per-image modulation gradient, the MLP's weight and bias gradients and the shared embedder's buffered
+    gradients; the trace of the trainer's step (CPU autocast) holds 131,800,320 B of temporaries there."""
+    assert backward_temporary_bytes(XL2, 32, element_bytes("bf16", "cpu")) == 131_800_320
+    at = memory(decision(), cluster=Cluster(1, 1, 80 * 10**9)).phases
+    assert at["start_of_backward"]["temporaries"] == at["end_of_backward"]["temporaries"] > 0
+    assert at["end_of_forward"]["temporaries"] == 0
+
+
+def test_autocast_cache_holds_every_cast_weight_until_the_forward_ends():
+    """autocast's cache keeps a copy of every weight it cast (all but the class table) until it exits after the
+    loss, checkpointed blocks' too; in backward only the copies linears saved remain."""
+    c = 2
+    for checkpointed in (0, 14, 28):
+        at = memory(decision(checkpointed_blocks=checkpointed)).phases
+        assert at["end_of_forward"]["autocast_cache"] == c * (P - 1001 * XL2.hidden)
+        stored = XL2.depth - checkpointed
+        held = 4 * 2 * 2 * XL2.hidden + XL2.hidden**2  # patch conv + the embedder's second timestep linear
+        expected = c * (stored * block_matrix_params(XL2) + held) if stored else c * (block_matrix_params(XL2) + held)
+        assert at["start_of_backward"]["autocast_cache"] == expected
+    assert memory(decision(precision="fp32")).phases["end_of_forward"]["autocast_cache"] == 0
+
+
+def test_every_block_checkpointed_adds_the_last_blocks_forward_and_can_peak_at_block_0():
+    """With every block checkpointed the forward's last block holds every block's input plus its MLP working
+    set, and block 0's backward holds nearly every gradient: at micro-batch 64 (fused AdamW) that is the peak,
+    as the trace finds it."""
+    all_checkpointed = memory(decision(checkpointed_blocks=28, micro_batch=64, adamw="fused"), cluster=Cluster(1, 1, 80 * 10**9))
+    assert "last_block_forward" in all_checkpointed.phases
+    assert all_checkpointed.peak_phase == "end_of_backward"
+    assert "last_block_forward" not in memory(decision(checkpointed_blocks=27)).phases
 
 
 def test_sharding_divides_model_states_and_adds_gathered_copies():
@@ -243,5 +286,8 @@ def test_online_latents_add_the_vae():
     assert "vae_encode" in online.phases
     weights = Assumptions().vae_params * 4
     assert online.phases["optimizer_step"]["vae"] == weights
-    assert online.phases["vae_encode"]["vae"] == weights + vae.encoder_activation_bytes(256, 32, 4.0)
+    assert online.phases["vae_encode"]["vae"] == weights + vae.encoder_activation_bytes(256, 32, 5.0)
+    # traced at micro-batch 8 (CPU): weights + five 128-channel maps of 256 x 256 per image, exactly
+    eight = memory(decision(latents="online", micro_batch=8), spec=model_spec("DiT-XL/2", 256, "online"))
+    assert eight.phases["vae_encode"]["vae"] == 1_676_792_732
     assert "vae_encode" not in memory().phases

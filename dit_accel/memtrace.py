@@ -15,7 +15,6 @@ What a tensor trace cannot see is listed in `UNSEEN` and printed beside every re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import time
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Callable, Hashable
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -419,55 +417,12 @@ def _describe(window: Hashable) -> str:
 # The trainer's step for one plan, on fake tensors
 # ---------------------------------------------------------------------------------------------------
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-
 # The Stable Diffusion VAE (sd-vae-ft-ema / -mse) that DiT encodes with: its architecture, no weights.
 SD_VAE_CONFIG = {
     "in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 2, "norm_num_groups": 32,
     "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
     "up_block_types": ["UpDecoderBlock2D"] * 4, "act_fn": "silu", "sample_size": 256, "scaling_factor": 0.18215,
 }
-
-
-class _AnswerScalars(TorchDispatchMode):
-    """Answers `.item()` on fake tensors that have no value: a bool is True, a number is 0.
-
-    (Fake tensors that do carry a value, e.g. AdamW's step counter, answer with it.) The trainer reads a few scalars (the schedule's validity check, the finiteness vote before applying a
-    step, the loss and grad norm for logging); these answers take the path of a healthy run: checks pass,
-    every value is finite, every step is applied. `.item()` allocates nothing, so the trace is unchanged.
-    """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            try:
-                return func(*args, **(kwargs or {}))
-            except DataDependentOutputException:
-                pass
-            tensor = args[0]
-            if tensor.dtype == torch.bool:
-                return True
-            return 0.0 if tensor.dtype.is_floating_point else 0
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def _moves_in_place():
-    """`module.to(device)` on fake parameters that are already on `device` is a no-op rather than a failed
-    tensor swap (FakeTensorMode refuses to swap tensors it holds weak references to)."""
-    original = torch.nn.Module.to
-
-    def to(module, *args, **kwargs):
-        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
-        tensors = list(module.parameters()) + list(module.buffers())
-        if dtype is None and device is not None and all(t.device == torch.device(device) for t in tensors):
-            return module
-        return original(module, *args, **kwargs)
-
-    torch.nn.Module.to = to
-    try:
-        yield
-    finally:
-        torch.nn.Module.to = original
 
 
 def fake_batch(spec, micro_batch: int, device: torch.device, online: bool) -> dict:
@@ -499,13 +454,14 @@ def build_vae(vae_config: dict | None, device: torch.device):
 
 def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, device: str,
                      vae_config: dict | None = None) -> StepParts:
-    """The trainer's components (`dit_accel.train.build_components`, bare device, no Accelerator) and its
-    `train_micro_step` / `optimizer_step` for `spec` (which may be shallower than the plan's network).
+    """The trainer's components (`dit_accel.train.build_components`, bare device, no Accelerator, the plan's
+    own precision) and its step for `spec` (which may be shallower than the plan's network): the micro-step
+    is `train_micro_step`; the optimizer step is `check_step` then `apply_step`, the path of a finite step,
+    with no value read (`optimizer_step` only adds the decision between them and the numbers it logs).
 
     Inside a FakeTensorMode nothing it builds owns memory; outside one (`dit-accel calibrate`) it is real.
     """
     import copy
-    import logging
 
     from dit_accel import train
     from dit_accel.train_config import TrainConfig
@@ -518,18 +474,11 @@ def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: in
         decision["latents"] = "precomputed"
     config = TrainConfig(plan="(traced)", output_dir="(traced)", latents="(traced)")
     device = torch.device(device)
-    quiet = logging.getLogger("dit_accel.train")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # "fp16 needs a GPU, training fp32": the trace sets the autocast itself
-    try:
-        with device:  # built where it runs: fake CUDA parameters cannot be moved there afterwards
-            components = train.build_components(variant, config, device=device, spec=spec)
-    finally:
-        quiet.setLevel(level)
+    # The plan's precision even where a bare-device run would fall back (fp16 on a CPU): the trace is a
+    # proxy for the GPU run. Without an Accelerator there is no GradScaler (a few scalars).
+    components = train.build_components(variant, config, device=device, spec=spec,
+                                        precision=plan["decision"]["precision"])
     components.plan = plan
-    # The plan's autocast, even where the bare-device trainer would fall back (fp16 on a CPU): the trace
-    # is a proxy for the GPU run. Without an Accelerator there is no GradScaler (a few scalars).
-    components.autocast_dtype = AUTOCAST_DTYPES[plan["decision"]["precision"]]
     if online:
         components.vae, components.latent_shift_scale = build_vae(vae_config, device)
     batch = fake_batch(spec, micro_batch, device, online)
@@ -539,7 +488,9 @@ def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: in
         losses.append(train.train_micro_step(components, batch))
 
     def optimizer_step():
-        train.optimizer_step(components, torch.stack(losses).sum())
+        loss_sum = torch.stack(losses).sum()
+        check = train.check_step(components, loss_sum)  # noqa: F841 -- alive through the step, as in the trainer
+        train.apply_step(components)
         losses.clear()
 
     model = components.raw_model
@@ -554,7 +505,7 @@ def _trace_once(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, au
                 vae_config: dict | None = None) -> tuple[StorageTracker, list]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=False), _AnswerScalars(), _moves_in_place():
+    with FakeTensorMode(allow_non_fake_inputs=False):  # a value read in the step would raise here
         parts = build_step_parts(plan, spec, checkpointed_blocks, micro_batch, autocast_device, vae_config)
         tracker = StorageTracker()
         run_traced(parts, tracker)

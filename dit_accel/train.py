@@ -34,7 +34,7 @@ from dit_accel import checkpoint as ckpt
 from dit_accel.ema import EMA
 from dit_accel.errors import UserError, exits_cleanly
 from dit_accel.optim import build_optimizer, build_scheduler, effective_lr
-from dit_accel.train_config import TrainConfig, parse_config, save_config
+from dit_accel.train_config import DEFAULT_NUM_WORKERS, TrainConfig, parse_config, save_config
 
 KNOWN_PLAN_SCHEMAS = ("dit-plan/1",)
 PRECISION_TO_ACCELERATE = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
@@ -425,7 +425,7 @@ class Components:
     device: torch.device
     grad_accum: int
     accelerator: object | None = None  # accelerate.Accelerator, or None for a bare device
-    autocast_dtype: torch.dtype | None = None  # bare device only: the plan's autocast dtype
+    autocast_dtype: torch.dtype | None = None  # bare device only: the dtype the step autocasts to
     latent_shift_scale: tuple[float, float] = (0.0, 1.0)  # online encoding: the VAE's shift and scaling factors
 
     @property
@@ -445,38 +445,48 @@ class Components:
             (loss / self.grad_accum).backward()
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
 def resolve_precision(plan_precision: str, device_type: str) -> str:
     """The plan's precision on this device. fp16 needs a GradScaler and a GPU: on a CPU, run fp32 and warn
     (bf16 would be a different recipe, and fp32 is what the fp16 run approximates)."""
+    if plan_precision not in PRECISION_TO_ACCELERATE:
+        raise UserError(f"unknown precision {plan_precision!r} in the plan: expected bf16, fp16 or fp32; re-plan")
     if plan_precision == "fp16" and device_type == "cpu":
         log.warning("the plan says fp16, which needs a GPU; training in fp32 on this CPU instead")
         return "fp32"
-    if plan_precision not in PRECISION_TO_ACCELERATE:
-        raise UserError(f"unknown precision {plan_precision!r} in the plan: expected bf16, fp16 or fp32; re-plan")
     return plan_precision
 
 
 def build_components(plan: dict, config: TrainConfig, accelerator=None, device: torch.device | str | None = None,
-                     spec=None) -> Components:
+                     spec=None, precision: str | None = None) -> Components:
     """Model, EMA, optimizer, lr schedule and objective, exactly as the plan says.
 
-    With an `accelerator`, the model and optimizer are prepared (DDP or FSDP2, mixed precision); the scheduler
-    is NOT (see optim.py) and is registered for checkpointing instead. Under FSDP the blocks are sharded here
-    (`shard_blocks`) before the optimizer sees the parameters, and `prepare` adds the root unit; the EMA is
-    then made of each rank's shards. Without one, everything lives on
-    `device` and the step autocasts itself: that is how `dit-accel verify` traces it (`spec` overrides
-    the plan's network, e.g. a shallower copy for per-block extrapolation).
+    The model is built on its device (`with device:`), seeded: no CPU copy to move over, and the same
+    weights on every rank (each device type draws its own seeded stream: a CUDA run starts from other
+    weights than a CPU run of the same seed). With an `accelerator`, the model and optimizer are prepared
+    (DDP or FSDP2, mixed precision); the scheduler is NOT (see optim.py) and is registered for
+    checkpointing instead. Under FSDP the blocks are sharded here (`shard_blocks`) before the optimizer sees
+    the parameters, and `prepare` adds the root unit; the EMA is then made of each rank's shards.
+
+    Without one, everything lives on `device` and the step autocasts itself to `precision` (default: the
+    plan's, resolved for the device, so fp16 on a CPU runs fp32): that is how `dit-accel verify` traces it,
+    asking for the plan's own precision, and `spec` overrides the plan's network (a shallower copy for
+    per-block extrapolation).
     """
     from dit_accel.diffusion import Diffusion
     from dit_accel.model import build_model, set_checkpointed_blocks
 
     spec = spec or spec_from_plan(plan)
     decision = plan["decision"]
+    if accelerator is not None and precision is not None:
+        raise ValueError("precision is the Accelerator's (mixed_precision); pass it only for a bare device")
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
     torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = build_model(spec)
+    with device:
+        model = build_model(spec)
     set_checkpointed_blocks(model, int(decision["checkpointed_blocks"]))
-    model.to(device)
     model.train()
     if uses_fsdp(accelerator):
         shard_blocks(model, accelerator.state.fsdp_plugin)
@@ -488,8 +498,11 @@ def build_components(plan: dict, config: TrainConfig, accelerator=None, device: 
         model, optimizer = accelerator.prepare(model, optimizer)
         accelerator.register_for_checkpointing(scheduler)
     else:
-        precision = resolve_precision(decision["precision"], device.type)
-        autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        if precision is None:
+            precision = resolve_precision(decision["precision"], device.type)
+        elif precision not in AUTOCAST_DTYPES:
+            raise ValueError(f"precision must be one of {', '.join(AUTOCAST_DTYPES)}, got {precision!r}")
+        autocast_dtype = AUTOCAST_DTYPES[precision]
     raw = accelerator.unwrap_model(model) if accelerator is not None else model
     ema = EMA(raw, config.ema_decay) if decision.get("ema", True) else None
     vae, latent_shift_scale = None, (0.0, 1.0)
@@ -558,12 +571,29 @@ class StepResult:
     lr: float  # the lr this step used
 
 
-def optimizer_step(components: Components, loss_sum: torch.Tensor) -> StepResult:
-    """After the last micro-step: clip, agree across ranks on finiteness, then apply the step or not.
+@dataclass
+class StepCheck:
+    """What every rank knows after its last micro-step, as tensors: nothing here has been read yet."""
 
-    `loss_sum` is this rank's sum of micro-step mean losses. One all-reduce carries the loss and the
-    non-finite flag, so every rank takes the same decision; a skipped step changes no weight, optimizer
-    moment, EMA or lr-schedule position.
+    grad_norm: torch.Tensor  # this rank's view of the global gradient norm, before clipping
+    loss_mean: torch.Tensor  # this rank's mean loss over its micro-steps
+    bad: torch.Tensor  # this rank saw a non-finite loss (or gradient norm)
+    stats: torch.Tensor  # over all ranks: [mean loss, number of ranks that saw a non-finite value]
+
+    def all_finite(self) -> bool:
+        """The step's one decision made on a value (a device sync); the same on every rank."""
+        return bool(self.stats[1].item() == 0)
+
+
+def _fp16_scaled(components: Components) -> bool:
+    return components.accelerator is not None and components.accelerator.scaler is not None
+
+
+def check_step(components: Components, loss_sum: torch.Tensor) -> StepCheck:
+    """Clip the gradients and agree across ranks on whether the step is finite, without reading a value.
+
+    `loss_sum` is this rank's sum of micro-step mean losses. The gradient norm is measured always and the
+    gradients clipped to --grad-clip when given; one all-reduce carries the loss and the non-finite flag.
     """
     accelerator, model = components.accelerator, components.model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -574,25 +604,47 @@ def optimizer_step(components: Components, loss_sum: torch.Tensor) -> StepResult
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     grad_norm = torch.as_tensor(full_tensor(grad_norm), device=components.device, dtype=torch.float32)
     loss_mean = loss_sum.float() / components.grad_accum
-    fp16_scaled = accelerator is not None and accelerator.scaler is not None
     # Under fp16 the grad scaler owns overflowing gradients (it skips and lowers its scale); a NaN loss is ours.
-    bad = ~torch.isfinite(loss_mean) if fp16_scaled else ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
+    bad = ~torch.isfinite(loss_mean) if _fp16_scaled(components) else ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
     stats = torch.stack([loss_mean, bad.float()])
     if accelerator is not None and accelerator.num_processes > 1:
         stats = accelerator.reduce(stats, reduction="sum")
         stats[0] /= accelerator.num_processes
-    lr = components.scheduler.get_last_lr()[0]
-    applied = bool(stats[1].item() == 0)
+    return StepCheck(grad_norm=grad_norm, loss_mean=loss_mean, bad=bad, stats=stats)
+
+
+def apply_step(components: Components) -> bool:
+    """AdamW step, then the lr schedule and the EMA; then the gradients go. Reads no tensor value.
+
+    Returns whether the step was applied: always, except under fp16 with Accelerate, whose GradScaler
+    skips a step with overflowing gradients (and then so do the schedule and the EMA).
+    """
+    components.optimizer.step()
+    applied = not (_fp16_scaled(components) and components.accelerator.optimizer_step_was_skipped)
     if applied:
-        components.optimizer.step()
-        if fp16_scaled and accelerator.optimizer_step_was_skipped:
-            applied = False  # the scaler found inf/NaN gradients and skipped; so do the schedule and EMA
-        else:
-            components.scheduler.step()
-            if components.ema is not None:
-                components.ema.update(components.raw_model)
+        components.scheduler.step()
+        if components.ema is not None:
+            components.ema.update(components.raw_model)
     components.optimizer.zero_grad(set_to_none=True)
-    return StepResult(applied=applied, loss=float(stats[0].item()), grad_norm=float(grad_norm.item()), lr=lr)
+    return applied
+
+
+def optimizer_step(components: Components, loss_sum: torch.Tensor) -> StepResult:
+    """After the last micro-step: clip and vote (`check_step`), then apply the step (`apply_step`) or not.
+
+    Every rank takes the same decision; a skipped step changes no weight, optimizer moment, EMA or
+    lr-schedule position. The tensor work is in the two functions, which `dit-accel verify` traces on
+    value-less fake tensors; the decision and the logged numbers are the only values read here.
+    """
+    check = check_step(components, loss_sum)
+    lr = components.scheduler.get_last_lr()[0]
+    if check.all_finite():
+        applied = apply_step(components)
+    else:
+        applied = False
+        components.optimizer.zero_grad(set_to_none=True)
+    return StepResult(applied=applied, loss=float(check.stats[0].item()), grad_norm=float(check.grad_norm.item()),
+                      lr=lr)
 
 
 # --- logging -----------------------------------------------------------------------------------------------
@@ -712,6 +764,20 @@ def build_dataset(plan: dict, config: TrainConfig, spec):
     return dataset
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, as the DataLoader's own worker warning counts them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def loader_workers(requested: int | None, ranks_per_node: int, cpus: int) -> int:
+    """DataLoader workers per rank: --num-workers as given; without it the default, but no more than the node's
+    CPUs leave each rank beside its own process (cpus // ranks - 1, at least 0), so that workers do not
+    starve the ranks (and the DataLoader does not warn about it)."""
+    if requested is not None:
+        return requested
+    return max(0, min(DEFAULT_NUM_WORKERS, cpus // max(ranks_per_node, 1) - 1))
+
+
 def check_latent_cache(cache, spec, path: str) -> None:
     """The cache must hold what the plan's model takes: resolution, latent shape, classes."""
     from dit_accel.data.latents import check_cache_matches
@@ -792,13 +858,18 @@ def train(config: TrainConfig) -> int:
     if config.tensorboard and accelerator.log_with:
         accelerator.init_trackers("train", config=_tracker_config(config, plan))
 
+    ranks_per_node, cpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cpus()
+    workers = loader_workers(config.num_workers, ranks_per_node, cpus)
+    if config.num_workers is None and workers < DEFAULT_NUM_WORKERS:
+        log.info(f"{workers} DataLoader worker(s) per rank instead of {DEFAULT_NUM_WORKERS}: {cpus} CPU(s) for "
+                 f"{ranks_per_node} rank(s) on this node (--num-workers N to choose)")
     latent_shape = (spec.in_channels, spec.latent_size, spec.latent_size)  # what the network sees
     noise = SampleNoise(config.seed, components.objective.num_timesteps, latent_shape, config.class_dropout,
                         posterior_shape=latent_shape if decision["latents"] == "online" else None)
     loader = torch.utils.data.DataLoader(
         KeyedSamples(dataset, config.seed), batch_sampler=OrderedBatches(order, state["step"], rank),
-        collate_fn=Collate(noise), num_workers=config.num_workers, pin_memory=components.device.type == "cuda",
-        persistent_workers=config.num_workers > 0)
+        collate_fn=Collate(noise), num_workers=workers, pin_memory=components.device.type == "cuda",
+        persistent_workers=workers > 0)
     batches = iter(loader)
 
     plan_peak = plan.get("memory", {}).get("peak_bytes")

@@ -16,6 +16,7 @@ from pathlib import Path
 from dit_accel.errors import UserError
 
 NAN_POLICIES = ("abort", "skip")
+DEFAULT_NUM_WORKERS = 4  # DataLoader workers per rank unless the node's CPUs allow fewer
 
 
 @dataclass
@@ -44,7 +45,10 @@ class TrainConfig:
 
     nan_policy: str = field(default="abort", metadata={"help": "on a NaN/Inf loss or gradient: abort (default) or skip the step"})
     max_skipped_steps: int = field(default=10, metadata={"help": "with --nan-policy skip, abort after this many skipped steps"})
-    num_workers: int = field(default=4, metadata={"help": "DataLoader worker processes per rank"})
+    # None (the command line without --num-workers): DEFAULT_NUM_WORKERS, capped to the node's CPUs.
+    num_workers: int | None = field(default=DEFAULT_NUM_WORKERS, metadata={
+        "help": f"DataLoader worker processes per rank (default: {DEFAULT_NUM_WORKERS}, or fewer on a node whose CPUs "
+                f"cannot run that many: CPUs // ranks per node - 1)"})
     tf32: bool = field(default=True, metadata={"help": "TF32 matmuls and convolutions on CUDA (--no-tf32 for full fp32)"})
     tensorboard: bool = field(default=True, metadata={"help": "log to TensorBoard in OUTPUT_DIR/tensorboard (--no-tensorboard to turn off)"})
     progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
@@ -65,7 +69,7 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0 or self.num_workers < 0 or self.max_skipped_steps < 0:
+        if self.warmup_steps < 0 or (self.num_workers or 0) < 0 or self.max_skipped_steps < 0:
             raise UserError("--warmup-steps, --num-workers and --max-skipped-steps must not be negative")
         if not 0.0 <= self.ema_decay < 1.0:
             raise UserError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
@@ -124,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
             kind = {"int": int, "float": float}.get(type(spec.default).__name__, str)
             if spec.name == "grad_clip":
                 kind = float
+            if spec.name == "num_workers":  # not given: None, so that the trainer may cap the default
+                parser.add_argument(*flags, dest=spec.name, type=int, default=None, help=help_text)
+                continue
             parser.add_argument(*flags, dest=spec.name, type=kind, default=spec.default,
                                 help=f"{help_text} (default: {spec.default})")
     return parser

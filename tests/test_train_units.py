@@ -1,5 +1,6 @@
 """The trainer's pure parts, in-process and fast: data order, per-sample randomness, config, lr, EMA."""
 
+import math
 import random
 
 import numpy as np
@@ -181,3 +182,50 @@ def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):
     assert main(["--plan", str(plan), "--latents", "c", "--print-command"]) == 0
     assert capsys.readouterr().out.startswith("accelerate launch --config_file ")
     assert main(["--latents", "c"]) == 2
+
+
+def test_loader_workers_default_is_capped_by_the_nodes_cpus_and_an_explicit_count_is_obeyed():
+    from dit_accel.train import loader_workers
+
+    assert parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l"]).num_workers is None  # not given
+    assert parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l", "--num-workers", "4"]).num_workers == 4
+    assert loader_workers(None, ranks_per_node=8, cpus=96) == 4  # plenty: the default
+    assert loader_workers(None, ranks_per_node=1, cpus=2) == 1  # one CPU for the rank, one for a worker
+    assert loader_workers(None, ranks_per_node=8, cpus=16) == 1
+    assert loader_workers(None, ranks_per_node=2, cpus=2) == 0  # load in the rank's own process
+    assert loader_workers(None, ranks_per_node=8, cpus=4) == 0
+    assert loader_workers(6, ranks_per_node=2, cpus=2) == 6  # asked for: obeyed
+    assert loader_workers(0, ranks_per_node=1, cpus=64) == 0
+
+
+def test_optimizer_step_applies_a_finite_step_and_leaves_everything_as_it_was_on_a_non_finite_one():
+    """check_step + the all-finite decision + apply_step: a skipped step moves no weight, AdamW moment, EMA
+    or lr-schedule position, and both paths end with the gradients cleared."""
+    from dit_accel.train import build_components, optimizer_step, train_micro_step
+
+    plan = {"schema": "dit-plan/1", "inputs": {}, "cluster": {"world_size": 1}, "global_batch": 2,
+            "model": {"name": "DiT-custom", "resolution": 32, "depth": 1, "hidden": 32, "heads": 2, "patch": 2,
+                      "num_classes": 4},
+            "decision": {"micro_batch": 2, "grad_accum": 1, "checkpointed_blocks": 0, "precision": "fp32",
+                         "sharding": "ddp", "latents": "precomputed", "ema": True}}
+    components = build_components(plan, TrainConfig(plan="p", output_dir="o", latents="l", warmup_steps=3))
+    generator = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(2, 4, 4, 4, generator=generator), "y": torch.tensor([0, 3]), "t": torch.tensor([5, 900]),
+             "noise": torch.randn(2, 4, 4, 4, generator=generator), "drop": torch.tensor([False, True])}
+
+    def snapshot():
+        return ([p.detach().clone() for p in components.model.parameters()],
+                [t.clone() for t in components.ema.shadow.values()],
+                [t.clone() for s in components.optimizer.state.values() for t in s.values()],
+                components.scheduler.last_epoch)
+
+    result = optimizer_step(components, train_micro_step(components, batch))
+    assert result.applied and math.isfinite(result.loss) and result.grad_norm > 0 and result.lr == pytest.approx(1e-4 / 3)
+    before = snapshot()
+    skipped = optimizer_step(components, train_micro_step(components, batch, loss_multiplier=math.nan))
+    assert not skipped.applied and math.isnan(skipped.loss)
+    after = snapshot()
+    assert after[3] == before[3] == 1
+    for old, new in zip(before[:3], after[:3]):
+        assert len(old) == len(new) > 0 and all(torch.equal(a, b) for a, b in zip(old, new))
+    assert all(p.grad is None for p in components.model.parameters())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -41,40 +42,44 @@ class Diffusion:
     and a subset for a respaced sampling chain (see `respace`): the model is always called with it.
     """
 
-    def __init__(self, betas: Sequence[float] | torch.Tensor, timestep_map: Sequence[int] | torch.Tensor | None = None):
-        betas = torch.as_tensor(betas, dtype=torch.float64).flatten()
-        if len(betas) < 2 or not bool(((betas > 0) & (betas <= 1)).all()):
+    def __init__(self, betas: Sequence[float] | np.ndarray | torch.Tensor,
+                 timestep_map: Sequence[int] | torch.Tensor | None = None):
+        # The schedule is float64 arithmetic on the CPU, in numpy as the DiT reference computes it, so that
+        # building it reads no tensor value: `dit-accel verify` builds the objective on value-less fake tensors.
+        betas = np.asarray(betas, dtype=np.float64).reshape(-1)
+        if len(betas) < 2 or not ((betas > 0) & (betas <= 1)).all():
             raise UserError("a diffusion schedule needs at least 2 steps with betas in (0, 1]")
         self.num_timesteps = len(betas)
         self.timestep_map = (torch.arange(self.num_timesteps) if timestep_map is None
                              else torch.as_tensor(timestep_map, dtype=torch.long))
         alphas = 1.0 - betas
-        alphas_cumprod = torch.cumprod(alphas, dim=0)
-        alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
+        alphas_cumprod = np.cumprod(alphas)
+        alphas_cumprod_prev = np.append(1.0, alphas_cumprod[:-1])
         posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
-        self.tables = {
+        tables = {
             "betas": betas,
-            "log_betas": torch.log(betas),
+            "log_betas": np.log(betas),
             "alphas_cumprod": alphas_cumprod,
             "alphas_cumprod_prev": alphas_cumprod_prev,
-            "sqrt_alphas_cumprod": alphas_cumprod.sqrt(),
-            "sqrt_one_minus_alphas_cumprod": (1.0 - alphas_cumprod).sqrt(),
-            "sqrt_recip_alphas_cumprod": (1.0 / alphas_cumprod).sqrt(),
-            "sqrt_recipm1_alphas_cumprod": (1.0 / alphas_cumprod - 1.0).sqrt(),
+            "sqrt_alphas_cumprod": np.sqrt(alphas_cumprod),
+            "sqrt_one_minus_alphas_cumprod": np.sqrt(1.0 - alphas_cumprod),
+            "sqrt_recip_alphas_cumprod": np.sqrt(1.0 / alphas_cumprod),
+            "sqrt_recipm1_alphas_cumprod": np.sqrt(1.0 / alphas_cumprod - 1.0),
             # The posterior variance is 0 at t = 0; its log is clipped to the value at t = 1.
-            "posterior_log_variance_clipped": torch.log(torch.cat([posterior_variance[1:2], posterior_variance[1:]])),
-            "posterior_mean_coef1": betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
-            "posterior_mean_coef2": (1.0 - alphas_cumprod_prev) * alphas.sqrt() / (1.0 - alphas_cumprod),
+            "posterior_log_variance_clipped": np.log(np.append(posterior_variance[1], posterior_variance[1:])),
+            "posterior_mean_coef1": betas * np.sqrt(alphas_cumprod_prev) / (1.0 - alphas_cumprod),
+            "posterior_mean_coef2": (1.0 - alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - alphas_cumprod),
             # Without learned sigma: the "fixed large" variance (beta_t, with beta_0 -> posterior variance at 1).
-            "fixed_large_log_variance": torch.log(torch.cat([posterior_variance[1:2], betas[1:]])),
+            "fixed_large_log_variance": np.log(np.append(posterior_variance[1], betas[1:])),
+            "posterior_variance": posterior_variance,
         }
-        self.tables["posterior_variance"] = posterior_variance
+        self.tables = {name: torch.tensor(values) for name, values in tables.items()}  # float64, CPU
         self._on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     @classmethod
     def linear(cls, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> "Diffusion":
         """DiT's schedule: betas evenly spaced from beta_start to beta_end (float64, like diffusers' in float32)."""
-        return cls(torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64))
+        return cls(np.linspace(beta_start, beta_end, num_timesteps, dtype=np.float64))
 
     @classmethod
     def from_scheduler_config(cls, config=None) -> "Diffusion":

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import sys
 
+from planner.calibration import load_calibration
 from planner.errors import PlanError
 from planner.hardware import Assumptions, assumption_names, assumption_types
 from planner.outputs import check_out_dir, write_plan_dir
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
                      help="override an assumed constant (repeatable); --list-assumptions shows them")
     out.add_argument("--list-assumptions", action="store_true", help="print the assumed constants and exit")
+    out.add_argument("--calibration", metavar="FILE",
+                     help="use the figures `dit-accel calibrate` measured on the GPU (context, fragmentation, MFU) "
+                          "in place of the assumed ones")
     return p
 
 
@@ -158,6 +162,7 @@ def common_kwargs(args) -> dict:
         main_process_ip=args.main_process_ip,
         main_process_port=_int(args.main_process_port, "--main-process-port") if args.main_process_port else None,
         assumptions=parse_assumptions(args.assume) or None,
+        calibration=args.calibration,
         **custom,
     )
 
@@ -182,6 +187,8 @@ def run(argv: list[str] | None) -> int:
         return 0
     combos = combinations(args)
     kwargs = common_kwargs(args)
+    if args.calibration is not None:
+        load_calibration(args.calibration)  # a bad file is one error, not one per sweep row
     if len(combos) > 1:
         if args.out is not None:
             raise PlanError("a sweep prints one table and writes no files: drop --out, or plan one combination")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from planner.calibration import apply_calibration, check_calibration, load_calibration
 from planner.errors import PlanError
 from planner.hardware import Assumptions, gpu_preset
 from planner.host import host_estimate
@@ -88,10 +89,16 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
               adamw: str = "fused", gradient_as_bucket_view: bool = True, depth: int | None = None,
               hidden: int | None = None, heads: int | None = None, patch: int | None = None,
               num_classes: int | None = None, main_process_ip: str | None = None,
-              main_process_port: int | None = None, assumptions=None) -> dict:
-    """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring)."""
-    inputs = {k: v for k, v in locals().items() if k != "assumptions"}  # the parameters, as given
+              main_process_port: int | None = None, assumptions=None, calibration=None) -> dict:
+    """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
+
+    `assumptions`: overrides of assumed constants (a dict, or an `Assumptions`). `calibration`: a file written
+    by `dit-accel calibrate` (path) or its parsed dict; its measured figures replace the assumed ones where
+    they apply to this plan (planner/calibration.py), and `assumptions` still override them.
+    """
+    inputs = {k: v for k, v in locals().items() if k not in ("assumptions", "calibration")}  # as given
     inputs["assumptions"] = dict(assumptions) if isinstance(assumptions, dict) else None
+    inputs["calibration"] = str(calibration) if calibration is not None and not isinstance(calibration, dict) else None
 
     gpus_per_node = _positive_int(gpus, "--gpus")
     nodes = _positive_int(nodes, "--nodes")
@@ -133,6 +140,17 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
     check_global_batch(global_batch, world)
 
     resolved_precision = resolve_precision(precision, preset)
+    calibrated = None
+    if calibration is not None:
+        if isinstance(calibration, dict):
+            data, source = check_calibration(calibration), None
+        else:
+            data, source = load_calibration(calibration), str(calibration)
+        base = assumptions if isinstance(assumptions, Assumptions) else Assumptions()
+        base, calibrated, calibration_warnings = apply_calibration(
+            data, source, base, spec, resolved_precision, preset.name if preset else None, vram_bytes)
+        assumed = base.replace(**dict(assumptions)) if isinstance(assumptions, dict) else base
+        warnings += calibration_warnings
     space = SearchSpace(global_batch=global_batch, precision=resolved_precision, latents=latents, ema=bool(ema),
                         sharding=sharding, checkpointing=_checkpointing(checkpointing), max_micro_batch=max_micro_batch,
                         adamw=adamw, gradient_as_bucket_view=bool(gradient_as_bucket_view))
@@ -201,6 +219,7 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
                       round(c.throughput.images_per_s, 2)] for c in path],
         },
         "assumptions": dataclasses.asdict(assumed),
+        "calibration": calibrated,  # null, or the file, GPU and date of the measured figures used
         "warnings": warnings,
     }
 

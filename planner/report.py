@@ -6,6 +6,7 @@ import json
 
 from tabulate import tabulate
 
+from planner.calibration import describe as calibration_line
 from planner.memory import COMPONENTS
 from planner.units import format_bytes, gib
 
@@ -141,7 +142,10 @@ def render(plan: dict, fmt: str = "table") -> str:
     sections = [("Decision", decision_rows(plan)), (f"Memory per GPU at its peak ({peak})", memory_rows(plan)),
                 ("Alternatives (fastest first)", alternative_rows(plan))]
     heading = {"table": "{}", "markdown": "### {}", "github": "### {}", "latex": "% {}"}[fmt]
-    out = [heading.format(title(plan)), f"units: {plan['units']}", ""]
+    out = [heading.format(title(plan)), f"units: {plan['units']}"]
+    if plan.get("calibration"):
+        out.append(calibration_line(plan["calibration"]))
+    out.append("")
     for name, (headers, rows) in sections:
         if not rows:
             continue
@@ -205,6 +209,9 @@ def plan_markdown(plan: dict) -> str:
         f"# Training plan: {title(plan)}",
         "",
         f"Units: {plan['units']}. Memory is per GPU; `dit-plan` wrote this with schema `{plan['schema']}`.",
+        "",
+        (f"Measured figures: {calibration_line(plan['calibration'])}." if plan.get("calibration")
+         else "No calibration: every overhead, the fragmentation and the MFU are assumed (see Assumptions)."),
         "",
         "## Inputs",
         "",

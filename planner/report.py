@@ -67,6 +67,8 @@ def describe(plan: dict, component: str) -> str:
         text += {"last_block_forward": "; the last block's forward", "end_of_forward": "; + the loss",
                  "start_of_backward": "; the last block's backward", "end_of_backward": "; block 0's backward"
                  }.get(m["peak_phase"], "")
+    elif component == "autocast_cache" and m["peak_phase"] in ("end_of_forward", "last_block_forward"):
+        text = "autocast's cached bf16/fp16 copy of every weight it cast"
     elif component == "temporaries":
         in_backward = "activation and weight gradients in flight"
         text = {"optimizer_step": "foreach AdamW intermediate" if d["adamw"] == "foreach" else "none (fused AdamW)",

@@ -188,8 +188,9 @@ class StepParts:
     `verify`, real ones for `calibrate`).
 
     `micro_step()` is the trainer's forward + backward of one micro-batch (with its accumulation context);
-    `optimizer_step()` is the trainer's clip / step / zero_grad / EMA update. `checkpointed` says, in
-    forward order, which blocks recompute their activations in backward.
+    `optimizer_step()` is the trainer's finite step: `check_step` (clip, vote) then `apply_step` (AdamW, lr
+    schedule, EMA, zero_grad). `checkpointed` says, in forward order, which blocks recompute their
+    activations in backward.
     """
 
     model: torch.nn.Module
@@ -489,8 +490,9 @@ def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: in
 
     def optimizer_step():
         loss_sum = torch.stack(losses).sum()
-        check = train.check_step(components, loss_sum)  # noqa: F841 -- alive through the step, as in the trainer
-        train.apply_step(components)
+        check = train.check_step(components, loss_sum)
+        train.apply_step(components)  # with `check` and `loss_sum` alive, as in the trainer's optimizer_step
+        del check, loss_sum
         losses.clear()
 
     model = components.raw_model

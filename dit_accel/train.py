@@ -614,10 +614,10 @@ def check_step(components: Components, loss_sum: torch.Tensor) -> StepCheck:
 
 
 def apply_step(components: Components) -> bool:
-    """AdamW step, then the lr schedule and the EMA; then the gradients go. Reads no tensor value.
+    """AdamW step, then the lr schedule and the EMA; then the gradients go. Reads no tensor value itself.
 
     Returns whether the step was applied: always, except under fp16 with Accelerate, whose GradScaler
-    skips a step with overflowing gradients (and then so do the schedule and the EMA).
+    (reading its overflow flag) skips a step with overflowing gradients, and then so do the schedule and EMA.
     """
     components.optimizer.step()
     applied = not (_fp16_scaled(components) and components.accelerator.optimizer_step_was_skipped)

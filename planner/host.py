@@ -24,18 +24,17 @@ def sample_bytes(spec: DiTSpec, latents: str) -> int:
 def per_rank_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) -> dict[str, int]:
     """Host bytes of one rank at its worst moment (resuming), by part.
 
-    model_states: the fp32 model built on the CPU, the EMA copy, and on resume the optimizer state that
-    `load_state` reads to the CPU (8 B/param) plus the model and EMA state dicts; the larger of start and
-    resume. vae: online latents load the VAE on the CPU first.
+    model_states: on resume `load_state` reads the model, EMA and optimizer state dicts to the CPU
+    (4 + 4 + 8 B/param); start-up holds less (the model is built on the GPU), so resume is the figure.
+    vae: online latents load the VAE on the CPU first.
     """
     params = spec.params_trainable
     ema = FP32_BYTES * params if decision.ema else 0
-    start = FP32_BYTES * params + ema
     resume = FP32_BYTES * params + 2 * FP32_BYTES * params + ema
     batch = decision.micro_batch * sample_bytes(spec, decision.latents)
     return {
         "process": assumptions.host_process_bytes,
-        "model_states": max(start, resume),
+        "model_states": resume,
         "vae": assumptions.vae_params * FP32_BYTES if decision.latents == "online" else 0,
         "loader_workers": assumptions.loader_workers * assumptions.loader_worker_bytes,
         "loader_prefetch": assumptions.loader_workers * assumptions.prefetch_factor * batch,

@@ -140,10 +140,6 @@ def markdown_table() -> str:
 
 
 # Which correction a miss needs, by where the traced peak is (docs/planner-accuracy.md).
-FIX_BY_MOMENT = {"final layer": "F3", "forward of": "F3", "backward of block 0 ": "F5", "backward of": "F1 F2 F4",
-                 "input and": "F6"}
-
-
 def miss_reasons() -> str:
     """KNOWN_MISSES as Python source, from a fresh run against the current planner."""
     lines = ["KNOWN_MISSES: dict[int, str] = {"]
@@ -159,8 +155,8 @@ def miss_reasons() -> str:
             if planned is not None and abs(planned - traced) > COMPONENT_TOLERANCE * max(traced, floor):
                 parts.append(f"{name} {f'{error:+.0%}' if traced else f'+{planned / 2**20:.0f} MiB'}")
         if parts:
-            fix = next(code for moment, code in FIX_BY_MOMENT.items() if result.peak_at.startswith(moment))
-            reason = f"{', '.join(parts)} at the traced peak ({result.peak_at.split(' (')[0]}): fix {fix}"
+            reason = (f"{', '.join(parts)} at the traced peak ({result.peak_at.split(' (')[0]}); "
+                      f"the planner's peak is at {plan['memory']['peak_phase']}: see docs/planner-accuracy.md")
             lines.append(f"    {index}: {reason!r},")
     return "\n".join(lines + ["}"])
 

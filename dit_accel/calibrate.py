@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from dit_accel.atomic import write_json_atomically
 from dit_accel.errors import UserError, exits_cleanly
 
 SCHEMA = "dit-calibration/1"
@@ -150,13 +150,6 @@ def planner_assumptions(fitted: dict, precision: str) -> dict:
     if fitted["half_efficiency_tokens"] is not None:
         out["half_efficiency_tokens"] = fitted["half_efficiency_tokens"]
     return out
-
-
-def write_json_atomically(path: Path, data: dict) -> None:
-    """The whole file or none of it (dit_accel.images.write_atomically: temporary file, fsync, rename)."""
-    from dit_accel.images import write_atomically
-
-    write_atomically(path, lambda stream: stream.write((json.dumps(data, indent=2) + "\n").encode()))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from dit_accel.errors import UserError, exits_cleanly
-from dit_accel.images import staged_folder
+from dit_accel.atomic import staged_folder, write_json_atomically
 
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__: class_null = [1000] * batch_size
 SCHEDULER_CONFIG = {"timestep_spacing": "leading", "set_alpha_to_one": True, "steps_offset": 0}
@@ -147,7 +147,7 @@ def write_pipeline(model, vae_path: str, out_dir: str | os.PathLike, class_names
         }
         if class_names:
             index["id2label"] = {str(i): name for i, name in enumerate(class_names)}
-        (staging / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_json_atomically(staging / "model_index.json", index)
     return out_dir
 
 
@@ -212,7 +212,7 @@ def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: st
     from safetensors.torch import save_file
 
     from dit_accel import checkpoint as ckpt
-    from dit_accel.model import SIDECAR_FORMAT, SIDECAR_NAME, spec_from_model, timestep_freq_shift
+    from dit_accel.model import SIDECAR_NAME, sidecar, spec_from_model
     from dit_accel.train import spec_from_plan
 
     out_dir = Path(out_dir)
@@ -234,14 +234,12 @@ def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: st
             os.link(checkpoint_dir / ckpt.EMA_WEIGHTS, checkpoint_dir / ckpt.MODEL_WEIGHTS)
         except OSError:
             shutil.copyfile(checkpoint_dir / ckpt.EMA_WEIGHTS, checkpoint_dir / ckpt.MODEL_WEIGHTS)
-        ckpt.write_json_atomic(checkpoint_dir / ckpt.PLAN, plan)
-        ckpt.write_json_atomic(staging / ckpt.PLAN, plan)
-        ckpt.write_json_atomic(checkpoint_dir / ckpt.TRAIN_STATE, {
+        write_json_atomically(checkpoint_dir / ckpt.PLAN, plan)
+        write_json_atomically(staging / ckpt.PLAN, plan)
+        write_json_atomically(checkpoint_dir / ckpt.TRAIN_STATE, {
             "step": IMPORT_STEP, "applied_steps": 0, "skipped_steps": 0, "imported_from": source_name,
             "world_size": None, "global_batch": None})
-        sidecar = {"format": SIDECAR_FORMAT, "timestep_freq_shift": timestep_freq_shift(model),
-                   "spec": dataclasses.asdict(spec)}
-        (checkpoint_dir / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=2) + "\n")
+        write_json_atomically(checkpoint_dir / SIDECAR_NAME, sidecar(model))
         ckpt.commit(checkpoint_dir, final_dir, {"step": IMPORT_STEP, "imported_from": source_name})
     return out_dir
 

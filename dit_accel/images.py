@@ -1,4 +1,4 @@
-"""Model outputs to files: [-1, 1] tensors -> uint8 arrays -> PNG grids and singles; atomic file and folder writes.
+"""Model outputs to files: [-1, 1] tensors -> uint8 arrays -> PNG grids and singles, written atomically.
 
 Kept apart from sampling so that the sampler, the exporter and the README figure all quantise the same
 way: x in [-1, 1] maps to round((x + 1) * 127.5) clamped to [0, 255], the usual 8-bit convention for
@@ -7,19 +7,15 @@ images a diffusion model was trained on after scaling pixels to [-1, 1].
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable
 
 import numpy as np
 import torch
 from PIL import Image
 
-from dit_accel.data.folder import permissions
+from dit_accel.atomic import staged_folder, write_atomically
 
 
 def to_uint8_nhwc(images: torch.Tensor) -> np.ndarray:
@@ -49,60 +45,9 @@ def grid_columns(count: int, per_class: int) -> int:
     return per_class if per_class > 1 else math.ceil(math.sqrt(count))
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
-    """Call `write(file)` on a temporary file beside `path`, fsync, then rename it to `path`: a reader (or a
-    rerun after a kill) sees the whole file or none of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(handle, permissions(0o666))  # mkstemp makes 0600; a plain open() would honour the umask
-        with os.fdopen(handle, "wb") as tmp_file:
-            write(tmp_file)
-            tmp_file.flush()
-            os.fsync(tmp_file.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def save_png(image: np.ndarray, path: str | os.PathLike) -> Path:
     """One (H, W, 3) uint8 array as a PNG, written atomically."""
     return write_atomically(path, lambda file: Image.fromarray(image).save(file, format="PNG"))
-
-
-@contextlib.contextmanager
-def staged_folder(out_dir: str | os.PathLike, overwrite: bool = False):
-    """Yield an empty folder beside `out_dir` to fill; when the block succeeds it replaces `out_dir` whole
-    (an old one is removed only after), when it fails it is deleted. A reader never sees half a folder."""
-    from dit_accel.errors import UserError
-    from dit_accel.model import _replace_dir as replace_dir
-
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
-        raise UserError(f"{out_dir} exists and is not an empty folder: choose a new --out or pass --overwrite")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        yield staging
-        _umask_permissions(staging)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def _umask_permissions(folder: Path) -> None:
-    """Give a finished folder the modes a plain mkdir/open would have: mkdtemp/mkstemp (here and in the
-    libraries that wrote into it) make 0700/0600, which hides a shared output from a cluster's other users."""
-    os.chmod(folder, permissions(0o777))
-    for root, dirs, files in os.walk(folder):
-        for name in dirs:
-            os.chmod(os.path.join(root, name), permissions(0o777))
-        for name in files:
-            os.chmod(os.path.join(root, name), permissions(0o666))
 
 
 def singles_dir_for(grid_path: str | os.PathLike) -> Path:

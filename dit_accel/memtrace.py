@@ -763,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     comparison = compare(result, plan)
     print(format_report(result, comparison, args.plan, plan))
     if args.json_out:
-        from dit_accel.calibrate import write_json_atomically
+        from dit_accel.atomic import write_json_atomically
 
         write_json_atomically(Path(args.json_out), {
             "trace": result.to_json(),

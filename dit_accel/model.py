@@ -28,8 +28,6 @@ import json
 import math
 import os
 import pickle
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -40,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dit_accel.atomic import staged_folder, write_json_atomically
 from dit_accel.errors import UserError
 from planner.spec import FAMILY, LATENT_CHANNELS, PIXEL_CHANNELS, VAE_DOWNSAMPLE, DiTSpec
 
@@ -413,38 +412,20 @@ def diffusers_state_dict(model: DiTTransformer2DModel) -> dict[str, torch.Tensor
     return state
 
 
+def sidecar(model: DiTTransformer2DModel) -> dict:
+    """What `dit_accel.json` holds beside a model's weights: the spec and the timestep shift, which a diffusers
+    config.json cannot say. `load_model` and `load_for_inference` rebuild the model from it."""
+    return {"format": SIDECAR_FORMAT, "timestep_freq_shift": timestep_freq_shift(model),
+            "spec": dataclasses.asdict(spec_from_model(model))}
+
+
 def _write_diffusers_layout(model: DiTTransformer2DModel, out_dir: Path, overwrite: bool) -> Path:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"{out_dir} exists and is a file: choose a folder path for the model")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"{out_dir} is not empty: choose a new folder or pass --overwrite")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir, overwrite) as staging:
         state = {key: tensor.to("cpu") for key, tensor in diffusers_state_dict(model).items()}
         save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
         model.save_config(str(staging))
-        sidecar = {"format": SIDECAR_FORMAT, "timestep_freq_shift": timestep_freq_shift(model),
-                   "spec": dataclasses.asdict(spec_from_model(model))}
-        (staging / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=2) + "\n")
-        _replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        write_json_atomically(staging / SIDECAR_NAME, sidecar(model))
     return out_dir
-
-
-def _replace_dir(staging: Path, out_dir: Path) -> None:
-    """Move a finished folder into place; an old one is moved aside first and removed only afterwards."""
-    if not out_dir.exists() or not any(out_dir.iterdir()):
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(staging, out_dir)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-    os.replace(out_dir, old / out_dir.name)
-    os.replace(staging, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # --- original DiT checkpoints -----------------------------------------------------------------------------
@@ -527,11 +508,22 @@ def spec_from_original_state_dict(state: dict[str, torch.Tensor], heads: int | N
                              out_channels=out_channels, latent_size=latent_size, num_classes=num_classes)
 
 
+NETWORK_FIELDS = ("depth", "hidden", "heads", "patch", "in_channels", "out_channels", "latent_size", "num_classes")
+
+
+def network_mismatch(found: DiTSpec, wanted: DiTSpec) -> str | None:
+    """The first network field in which two specs differ, as 'FIELD F (wanted W)'; None when the weights of one
+    fit the other (resolution and latent mode may differ as long as the shapes agree)."""
+    for field in NETWORK_FIELDS:
+        if getattr(found, field) != getattr(wanted, field):
+            return f"{field} {getattr(found, field)} (wanted {getattr(wanted, field)})"
+    return None
+
+
 def _check_same_network(spec: DiTSpec, inferred: DiTSpec) -> None:
-    for field in ("depth", "hidden", "heads", "patch", "in_channels", "out_channels", "latent_size", "num_classes"):
-        if getattr(spec, field) != getattr(inferred, field):
-            raise UserError(f"the checkpoint has {field} {getattr(inferred, field)} but the spec asks for "
-                            f"{getattr(spec, field)}: pass the spec the checkpoint was trained with (or none)")
+    mismatch = network_mismatch(inferred, spec)
+    if mismatch:
+        raise UserError(f"the checkpoint has {mismatch}: pass the spec the checkpoint was trained with (or none)")
 
 
 def _check_positional_table(state: dict[str, torch.Tensor], model: DiTTransformer2DModel) -> None:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dit_accel import calibrate as cal
+from dit_accel.atomic import write_json_atomically
 from dit_accel.errors import UserError
 from planner.hardware import CALIBRATABLE, Assumptions, gpu_preset
 from planner.spec import model_spec
@@ -130,7 +131,7 @@ def test_calibration_fits_searches_and_writes_what_the_planner_reads(tmp_path):
     assert calibrated.cuda_context_bytes == CONTEXT and calibrated.fragmentation == pytest.approx(RESERVED_RATIO - 1)
     assert calibrated.mfu_mixed == pytest.approx(fit["mfu"])
     path = tmp_path / "out" / "calib.json"
-    cal.write_json_atomically(path, result)
+    write_json_atomically(path, result)
     assert json.loads(path.read_text())["largest_micro_batch"] == largest
     assert [p.name for p in path.parent.iterdir()] == ["calib.json"]
 

@@ -287,12 +287,23 @@ def test_shift_zero_round_trips_and_export_refuses_without_consent(tmp_path):
 
 def test_saving_refuses_to_overwrite_unless_asked(tmp_path):
     save_model(tiny_model(seed=0), tmp_path / "m")
-    with pytest.raises(UserError, match="not empty"):
+    with pytest.raises(UserError, match="not an empty folder"):
         save_model(tiny_model(seed=1), tmp_path / "m")
     save_model(tiny_model(seed=1), tmp_path / "m", overwrite=True)
     x, t, y = inputs()
     torch.testing.assert_close(run(load_model(tmp_path / "m").eval(), x, t, y), run(tiny_model(seed=1), x, t, y))
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging folders left behind
+
+
+def test_saved_model_folders_get_umask_permissions(tmp_path):
+    """A reported bug: save_model left mkdtemp's 0700 folder (and 0600 files), unreadable by a cluster's other users."""
+    from dit_accel.atomic import permissions
+
+    folder = save_model(tiny_model(), tmp_path / "m")
+    assert folder.stat().st_mode & 0o777 == permissions(0o777)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors",
+                                                         "dit_accel.json"]
+    assert all(p.stat().st_mode & 0o777 == permissions(0o666) for p in folder.iterdir())
 
 
 def test_bad_folders_give_one_line_errors(tmp_path):
@@ -429,7 +440,7 @@ def test_original_checkpoint_errors():
     sd = original_state_dict()
     with pytest.raises(UserError, match="--heads"):
         load_original_dit(sd)
-    with pytest.raises(UserError, match="depth 3 but the spec asks for 2"):
+    with pytest.raises(UserError, match=r"depth 3 \(wanted 2\)"):
         load_original_dit(original_state_dict(depth=3), spec=tiny_spec())
     bad_table = dict(sd, pos_embed=sd["pos_embed"] + 0.01)
     with pytest.raises(UserError, match="sin-cos"):

@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from dit_accel.data.folder import permissions
+from dit_accel.atomic import staged_folder
 from dit_accel.errors import UserError, exits_cleanly
 
 SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
@@ -92,34 +90,14 @@ def write_demo_data(out: str | os.PathLike, *, classes: int = 4, per_class: int 
         raise UserError(f"{target} exists and is a file; pick another folder for the demo data")
     if target.is_dir() and any(target.iterdir()) and not force:
         raise UserError(f"{target} already exists and is not empty; pick a new folder or pass --force to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
-    try:
-        staging.chmod(permissions(0o777))
+    with staged_folder(target, overwrite=True) as staging:  # refused above unless empty or --force
         for class_index in range(classes):
             folder = staging / class_name(class_index)
             folder.mkdir()
             for image_index in range(per_class):
                 rng = np.random.default_rng((seed, class_index, image_index))
                 draw_example(class_index, resolution, rng).save(folder / f"{image_index:05d}.png")
-        _swap_into_place(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
-
-
-def _swap_into_place(staging: Path, target: Path) -> None:
-    """Rename the finished folder onto `target`; an old `target` is moved aside first and then deleted,
-    so at no moment does `target` hold a mix of old and new files."""
-    if not target.exists():
-        os.replace(staging, target)
-        return
-    old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
-    os.replace(target, old / "content")
-    os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

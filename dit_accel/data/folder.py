@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dit_accel.atomic import write_json_atomically
 from dit_accel.errors import UserError
 
 # Lower-case suffixes taken as images (ImageNet's own files end in ".JPEG").
@@ -234,34 +234,6 @@ def read_classes_json(folder: str | os.PathLike) -> list[str]:
     if not path.is_file():
         raise UserError(f"no classes.json in {folder}; it is written by training and by extract-latents")
     return list(json.loads(path.read_text())["classes"])
-
-
-def permissions(mode: int) -> int:
-    """`mode` less the process umask: what open() would give; mkstemp/mkdtemp make 0600/0700 instead,
-    which would hide a shared cache or data folder from the other users of a cluster."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
-
-
-def write_json_atomically(target: Path, payload) -> None:
-    write_bytes_atomically(target, (json.dumps(payload, indent=2) + "\n").encode())
-
-
-def write_bytes_atomically(target: Path, payload: bytes) -> None:
-    """Write to a temporary file next to `target`, fsync, then rename it over `target`: a reader sees
-    the old file or the whole new one, never a part."""
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        os.fchmod(handle, permissions(0o666))
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(payload)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,9 +33,10 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
+from dit_accel.atomic import write_bytes_atomically, write_json_atomically
 from dit_accel.data.folder import (
     FolderListing, center_crop_adm, image_to_uint8, load_rgb, uint8_to_unit_range,
-    validate_image_folder, write_bytes_atomically, write_classes_json, write_json_atomically,
+    validate_image_folder, write_classes_json,
 )
 from dit_accel.errors import UserError, exits_cleanly
 

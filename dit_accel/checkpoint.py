@@ -20,6 +20,7 @@ Layout of one checkpoint folder (see docs/training.md):
     train_state.json           step, applied/skipped steps, data position, world size, global batch
     plan.json                  the plan this run trained with
     train_config.json          the run's TrainConfig
+    dit_accel.json             the network's spec and timestep shift (0 for weights from an original DiT)
     COMPLETE                   written last; its presence is what makes the folder a checkpoint
 """
 
@@ -32,6 +33,7 @@ import re
 import shutil
 from pathlib import Path
 
+from dit_accel.atomic import replace_folder, write_json_atomically
 from dit_accel.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -127,12 +129,6 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    from dit_accel.data.folder import write_json_atomically  # temp file, fsync, rename
-
-    write_json_atomically(Path(path), data)
-
-
 def commit(tmp_dir: Path, final_dir: Path, marker: dict) -> None:
     """Make a fully written tmp folder a checkpoint: fsync, marker, rename. Main process only."""
     _fsync_tree(tmp_dir)
@@ -143,15 +139,8 @@ def commit(tmp_dir: Path, final_dir: Path, marker: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    replaced = None
-    if final_dir.exists():  # re-training over a step after resuming from an older checkpoint
-        replaced = final_dir.with_name(final_dir.name + ".old")
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(final_dir, replaced)
-    os.replace(tmp_dir, final_dir)
+    replace_folder(tmp_dir, final_dir)  # re-training over a step after resuming from an older checkpoint replaces it
     _fsync_dir(final_dir.parent)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
 
 
 def rotate(run_dir: str | Path, keep_last: int) -> list[Path]:
@@ -163,7 +152,8 @@ def rotate(run_dir: str | Path, keep_last: int) -> list[Path]:
         shutil.rmtree(path)
         deleted.append(path)
     for entry in folder.iterdir() if folder.is_dir() else []:
-        if entry.is_dir() and (entry.name.endswith(TMP_SUFFIX) or entry.name.endswith(".old")):
+        # a crash mid-write leaves step_N.tmp; one mid-replace, the old step_N moved aside (.step_N.old.*)
+        if entry.is_dir() and (entry.name.endswith(TMP_SUFFIX) or entry.name.startswith(".")):
             shutil.rmtree(entry, ignore_errors=True)
             deleted.append(entry)
     return deleted
@@ -181,8 +171,10 @@ logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsNote())
 
 
 def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_state: dict, plan: dict,
-                    config: dict, keep_last: int, before_commit=None) -> Path:
+                    config: dict, keep_last: int, sidecar: dict | None = None, before_commit=None) -> Path:
     """Write a checkpoint for `step` from ALL ranks; return its final folder once it is complete.
+
+    `sidecar` (`dit_accel.model.sidecar(model)`) records what the weights alone do not say: the timestep shift.
 
     `before_commit(tmp_dir)` is a test hook run on the main process after the data is written and before
     the marker: a test kills the process there to prove a half-written checkpoint is never loaded.
@@ -198,9 +190,13 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_s
     if ema is not None and (ema.sharded or accelerator.is_main_process):
         ema.save(tmp_dir / EMA_WEIGHTS, write=accelerator.is_main_process)  # sharded: every rank joins the gather
     if accelerator.is_main_process:
-        write_json_atomic(tmp_dir / TRAIN_STATE, train_state)
-        write_json_atomic(tmp_dir / PLAN, plan)
-        write_json_atomic(tmp_dir / TRAIN_CONFIG, config)
+        write_json_atomically(tmp_dir / TRAIN_STATE, train_state)
+        write_json_atomically(tmp_dir / PLAN, plan)
+        write_json_atomically(tmp_dir / TRAIN_CONFIG, config)
+        if sidecar is not None:
+            from dit_accel.model import SIDECAR_NAME
+
+            write_json_atomically(tmp_dir / SIDECAR_NAME, sidecar)
     accelerator.wait_for_everyone()  # every rank's random_states_R.pkl is on disk
     if accelerator.is_main_process:
         expected = [f"random_states_{rank}.pkl" for rank in range(accelerator.num_processes)]
@@ -229,18 +225,20 @@ def load_checkpoint(accelerator, checkpoint: str | Path, *, ema) -> dict:
 def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, device="cpu"):
     """(model, spec, info) for sampling or export: the EMA weights by default, in fp32, in eval mode.
 
-    `checkpoint_or_run_dir` is a checkpoint folder or a run folder (its newest complete checkpoint).
-    `info` holds the train state plus `checkpoint` (the folder) and `weights` ("ema" or "model").
+    `checkpoint_or_run_dir` is a checkpoint folder or a run folder (its newest complete checkpoint). The
+    timestep shift comes from the checkpoint's `dit_accel.json` when it has one (0 for weights that began as an
+    original DiT checkpoint), else it is diffusers' (1). `info` holds the train state plus `checkpoint` (the
+    folder) and `weights` ("ema" or "model").
     """
     from safetensors.torch import load_file
 
-    from dit_accel.model import build_model
+    from dit_accel.model import DIFFUSERS_FREQ_SHIFT, build_model, read_sidecar
     from dit_accel.train import spec_from_plan
 
     checkpoint = resolve_checkpoint(checkpoint_or_run_dir)
     plan = json.loads((checkpoint / PLAN).read_text())
     spec = spec_from_plan(plan)
-    model = build_model(spec)
+    model = build_model(spec, timestep_freq_shift=read_sidecar(checkpoint).get("timestep_freq_shift", DIFFUSERS_FREQ_SHIFT))
     if use_ema and (checkpoint / EMA_WEIGHTS).exists():
         state, weights = load_file(str(checkpoint / EMA_WEIGHTS)), "ema"
     elif use_ema:
@@ -254,6 +252,21 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
     model.to(device).eval()
     info = dict(read_train_state(checkpoint), checkpoint=str(checkpoint), weights=weights)
     return model, spec, info
+
+
+def load_weights(path: str | Path, use_ema: bool = True, device="cpu"):
+    """(model, spec, info) from any folder of DiT weights dit-accel reads: a checkpoint or run folder
+    (`load_for_inference`: EMA or raw weights), or a diffusers transformer or DiTPipeline folder (its one set of
+    weights; `info["weights"]` is "diffusers"). Sampling, export and fine-tuning (`--init-from`) all start here."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path} does not exist: pass a run folder, a checkpoint folder or a diffusers DiT folder")
+    if (path / "config.json").is_file() or (path / "transformer" / "config.json").is_file():
+        from dit_accel.model import load_model, spec_from_model
+
+        model = load_model(path).to(device).eval()
+        return model, spec_from_model(model), {"checkpoint": str(path.absolute()), "weights": "diffusers"}
+    return load_for_inference(path, use_ema=use_ema, device=device)
 
 
 def read_sharded_model(folder: Path, model) -> dict:

@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from dit_accel.atomic import write_atomically, write_json_atomically
 from dit_accel.errors import UserError, exits_cleanly
 
 SAMPLERS = ("ddpm", "ddim")
@@ -143,8 +144,6 @@ class EvalBatch:
             return False
 
     def save_shard(self, batch: int, images: np.ndarray, labels: np.ndarray) -> None:
-        from dit_accel.images import write_atomically
-
         write_atomically(self.shard_path(batch), lambda file: np.savez(file, images=images, labels=labels))
 
     def check_or_write_settings(self, fingerprint: dict, write: bool) -> None:
@@ -158,18 +157,13 @@ class EvalBatch:
                     f"{self.shard_dir} holds shards made with other settings ({', '.join(changed)} differ): "
                     f"rerun with the same settings to resume, or delete {self.shard_dir} to start over")
         elif write:
-            self.shard_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.shard_dir / ".settings.json.tmp"
-            tmp.write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
-            os.replace(tmp, settings_path)
+            write_json_atomically(settings_path, fingerprint)
 
     def assemble(self) -> Path:
         """Stream every shard, in global order, into npz_path (arr_0 images, arr_1 labels), then drop the shards.
 
         Streaming keeps host memory at one shard: 50,000 images of 256 px are 9.8 GB.
         """
-        from dit_accel.images import write_atomically
-
         missing = [batch for batch in range(self.num_batches) if not self.shard_path(batch).exists()]
         if missing:
             raise UserError(f"{len(missing)} of {self.num_batches} batches are missing in {self.shard_dir} "
@@ -217,25 +211,18 @@ class Source:
 def load_source(path: str | os.PathLike, use_ema: bool = True, device: torch.device | str = "cpu") -> Source:
     """A trainer checkpoint or run folder (EMA weights by default), or a diffusers transformer/pipeline folder.
 
-    A checkpoint written by `import-dit` carries the original DiT's timestep shift (0) in `dit_accel.json`;
-    it is applied here so the imported network computes what the original did.
+    The timestep shift travels with the weights (`dit_accel.json`): a checkpoint written by `import-dit`, or
+    fine-tuned from one, computes with the original DiT's shift (0).
     """
     from dit_accel import checkpoint as ckpt
-    from dit_accel.model import SIDECAR_NAME, load_model, read_sidecar, set_timestep_freq_shift, spec_from_model
 
     path = Path(path)
     if not path.exists():
         raise UserError(f"--checkpoint {path} does not exist: pass a run folder, a checkpoint folder or a diffusers "
                         f"DiT pipeline folder")
-    if (path / "config.json").is_file() or (path / "transformer" / "config.json").is_file():
-        model = load_model(path).to(device).eval()
-        return Source(model, spec_from_model(model), {"checkpoint": str(path.absolute()), "weights": "diffusers"}, {})
-    model, spec, info = ckpt.load_for_inference(path, use_ema=use_ema, device=device)
-    checkpoint_dir = Path(info["checkpoint"])
-    if (checkpoint_dir / SIDECAR_NAME).is_file():
-        set_timestep_freq_shift(model, read_sidecar(checkpoint_dir).get("timestep_freq_shift", 1))
-    config_path = checkpoint_dir / ckpt.TRAIN_CONFIG
-    train_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    model, spec, info = ckpt.load_weights(path, use_ema=use_ema, device=device)
+    config_path = Path(info["checkpoint"]) / ckpt.TRAIN_CONFIG
+    train_config = json.loads(config_path.read_text()) if info["weights"] != "diffusers" and config_path.is_file() else {}
     return Source(model, spec, info, train_config)
 
 

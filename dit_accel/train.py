@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from dit_accel import checkpoint as ckpt
+from dit_accel.atomic import write_json_atomically
 from dit_accel.ema import EMA
 from dit_accel.errors import UserError, exits_cleanly
 from dit_accel.optim import build_optimizer, build_scheduler, effective_lr
@@ -405,6 +406,44 @@ def _unpack_item(item):
     return item[0], item[1]
 
 
+# --- initial weights of a fine-tuning run (--init-from) -----------------------------------------------------
+
+
+@dataclass
+class InitWeights:
+    """Weights a NEW run starts from: the parameters by name and the timestep shift they were trained with
+    (0 for weights that began as an original DiT checkpoint; see docs/model.md, "The shift rule")."""
+
+    parameters: dict[str, torch.Tensor]
+    timestep_freq_shift: int
+    source: str  # where they came from: for the log and train_state.json
+
+
+def read_init_weights(path: str, spec, use_ema: bool = False) -> InitWeights:
+    """--init-from: a dit-accel checkpoint or run folder (raw weights, or EMA with `use_ema`; import-dit writes
+    such a run) or a diffusers DiT folder; refused in one line when its network is not the plan's."""
+    from dit_accel.model import network_mismatch, timestep_freq_shift
+
+    model, found, info = ckpt.load_weights(path, use_ema=use_ema)
+    mismatch = network_mismatch(found, spec)
+    if mismatch:
+        raise UserError(f"--init-from {path} is another network than the plan's {spec.name}: {mismatch}; plan the network "
+                        f"of those weights (dit-plan --depth/--hidden/--heads/--patch/--num-classes/--resolution) or pass "
+                        f"matching weights")
+    parameters = {name: param.detach() for name, param in model.named_parameters()}
+    return InitWeights(parameters, timestep_freq_shift(model), f"{info['checkpoint']} ({info['weights']} weights)")
+
+
+@torch.no_grad()
+def load_init_weights(model: nn.Module, init: InitWeights) -> None:
+    """Copy the weights into a freshly built (unsharded, unprepared) model of the same network."""
+    names = {name for name, _ in model.named_parameters()}
+    if names != set(init.parameters):
+        raise ValueError(f"--init-from weights do not fit the model: {sorted(names ^ set(init.parameters))[:3]}")
+    for name, param in model.named_parameters():
+        param.copy_(init.parameters[name])
+
+
 # --- the components ----------------------------------------------------------------------------------------
 
 
@@ -460,7 +499,8 @@ def resolve_precision(plan_precision: str, device_type: str) -> str:
 
 
 def build_components(plan: dict, config: TrainConfig, accelerator=None, device: torch.device | str | None = None,
-                     spec=None, precision: str | None = None) -> Components:
+                     spec=None, precision: str | None = None, init: InitWeights | None = None,
+                     timestep_freq_shift: int | None = None) -> Components:
     """Model, EMA, optimizer, lr schedule and objective, exactly as the plan says.
 
     The model is built on its device (`with device:`), seeded: no CPU copy to move over, and the same
@@ -474,18 +514,26 @@ def build_components(plan: dict, config: TrainConfig, accelerator=None, device: 
     plan's, resolved for the device, so fp16 on a CPU runs fp32): that is how `dit-accel verify` traces it,
     asking for the plan's own precision, and `spec` overrides the plan's network (a shallower copy for
     per-block extrapolation).
+
+    `init` (--init-from) replaces the seeded weights before anything else sees them, so the EMA starts equal to
+    them and the optimizer state is fresh; the model then uses the init's timestep shift. `timestep_freq_shift`
+    (a resumed run's, from its checkpoint) overrides it; the default is diffusers' (1).
     """
     from dit_accel.diffusion import Diffusion
-    from dit_accel.model import build_model, set_checkpointed_blocks
+    from dit_accel.model import DIFFUSERS_FREQ_SHIFT, build_model, set_checkpointed_blocks
 
     spec = spec or spec_from_plan(plan)
     decision = plan["decision"]
     if accelerator is not None and precision is not None:
         raise ValueError("precision is the Accelerator's (mixed_precision); pass it only for a bare device")
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
+    if timestep_freq_shift is None:
+        timestep_freq_shift = init.timestep_freq_shift if init is not None else DIFFUSERS_FREQ_SHIFT
     torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     with device:
-        model = build_model(spec)
+        model = build_model(spec, timestep_freq_shift=timestep_freq_shift)
+    if init is not None:
+        load_init_weights(model, init)  # on every rank, before sharding: each rank then keeps its shard
     set_checkpointed_blocks(model, int(decision["checkpointed_blocks"]))
     model.train()
     if uses_fsdp(accelerator):
@@ -834,12 +882,27 @@ def train(config: TrainConfig) -> int:
     dataset = build_dataset(plan, config, spec)
     order = SampleOrder(len(dataset), global_batch, micro_batch, grad_accum, world_size, config.seed)
     resume_from = ckpt.resolve_resume(config.resume, run_dir)
+    init = None
+    if config.init_from:
+        existing = ckpt.latest_checkpoint(run_dir)
+        if existing is not None:  # a restarted job: continue this run, never start it over from the init weights
+            resume_from = resume_from or existing
+            log.info(f"--init-from {config.init_from} ignored: {run_dir} already holds {existing.name}, so the run "
+                     f"resumes from it")
+        else:
+            init = read_init_weights(config.init_from, spec, use_ema=config.init_from_ema)
+    resume_shift = None
     if resume_from is not None:
+        from dit_accel.model import read_sidecar
+
         check_resume(ckpt.read_train_state(resume_from), plan, spec, world_size, resume_from)
+        resume_shift = read_sidecar(resume_from).get("timestep_freq_shift")  # None: diffusers' shift
 
     tf32 = set_tf32(config.tf32, accelerator.device)
-    components = build_components(plan, config, accelerator)
+    components = build_components(plan, config, accelerator, init=init, timestep_freq_shift=resume_shift)
     state = {"step": 0, "applied_steps": 0, "skipped_steps": 0}
+    if init is not None:
+        state["init_from"] = init.source  # kept in every checkpoint's train_state.json
     if resume_from is not None:
         state.update(ckpt.load_checkpoint(accelerator, resume_from, ema=components.ema))
         if state.get("dataset_size") != len(dataset):
@@ -853,8 +916,11 @@ def train(config: TrainConfig) -> int:
     last_good = resume_from
 
     if is_main:
+        from dit_accel.data.folder import write_classes_json
+
         save_config(config, run_dir / ckpt.TRAIN_CONFIG)
-        ckpt.write_json_atomic(run_dir / ckpt.PLAN, plan)
+        write_json_atomically(run_dir / ckpt.PLAN, plan)
+        write_classes_json(run_dir, dataset.classes)  # the names sample and export give the class indices
     if config.tensorboard and accelerator.log_with:
         accelerator.init_trackers("train", config=_tracker_config(config, plan))
 
@@ -885,6 +951,12 @@ def train(config: TrainConfig) -> int:
              f"log {log_path}")
     if resume_from is not None:
         log.info(f"resumed from {resume_from} at step {state['step']}")
+    if init is not None:
+        log.info(f"initialized from {init.source}, timestep shift {init.timestep_freq_shift}: step 0 with a fresh "
+                 f"optimizer, lr schedule and data order; the EMA starts at these weights")
+    from dit_accel.model import sidecar
+
+    weights_sidecar = sidecar(components.raw_model)  # the timestep shift, carried into every checkpoint
     if state["step"] >= config.max_steps:
         log.info(f"already at step {state['step']} >= --max-steps {config.max_steps}: nothing to do")
         accelerator.end_training()
@@ -977,7 +1049,7 @@ def train(config: TrainConfig) -> int:
             before_commit = _crash_now if crash_step == step else None
             last_good = ckpt.save_checkpoint(accelerator, run_dir, step, ema=components.ema, train_state=train_state,
                                              plan=plan, config=config.to_json(), keep_last=config.keep_last,
-                                             before_commit=before_commit)
+                                             sidecar=weights_sidecar, before_commit=before_commit)
             log.info(f"checkpoint {last_good}")
     progress.close()
     log.info(f"done: step {state['step']}, {state['skipped_steps']} skipped; newest checkpoint {last_good}")

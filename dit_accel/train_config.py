@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,12 @@ class TrainConfig:
 
     max_steps: int = field(default=400_000, metadata={"help": "optimizer steps to train to (DiT's main results: 400K)"})
     resume: str | None = field(default=None, metadata={"help": "'auto' (newest complete checkpoint in the run folder) or a checkpoint/run folder"})
+    init_from: str | None = field(default=None, metadata={
+        "help": "start a NEW run (step 0, fresh optimizer) from these weights: a dit-accel run or checkpoint folder "
+                "(e.g. one made by `dit-accel import-dit`) or a diffusers DiT transformer/pipeline folder; ignored once "
+                "--output-dir holds a checkpoint (the run then resumes from it)"})
+    init_from_ema: bool = field(default=False, metadata={
+        "help": "with --init-from a dit-accel checkpoint: start from its EMA weights instead of its raw weights"})
     checkpoint_every: int = field(default=5_000, metadata={"help": "optimizer steps between checkpoints (one is also written at the end)"})
     keep_last: int = field(default=3, metadata={"help": "complete checkpoints to keep; older ones are deleted after a new one is complete"})
     log_every: int = field(default=100, metadata={"help": "optimizer steps between log lines"})
@@ -63,6 +68,11 @@ class TrainConfig:
         sources = [name for name in ("data_path", "latents") if getattr(self, name)]
         if len(sources) != 1:
             raise UserError("pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)")
+        if self.init_from and self.resume not in (None, "auto"):
+            raise UserError(f"--init-from starts a new run from weights but --resume {self.resume} continues a run: pass "
+                            f"one of them (--resume auto with --init-from is fine: it resumes once the run has a checkpoint)")
+        if self.init_from_ema and not self.init_from:
+            raise UserError("--init-from-ema chooses the weights of --init-from: add --init-from RUN_OR_CHECKPOINT, or drop it")
         positive = ("max_steps", "checkpoint_every", "keep_last", "log_every")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -146,4 +156,6 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 
 def save_config(config: TrainConfig, path: Path) -> None:
-    path.write_text(json.dumps(config.to_json(), indent=2) + "\n")
+    from dit_accel.atomic import write_json_atomically
+
+    write_json_atomically(path, config.to_json())

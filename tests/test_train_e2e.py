@@ -324,3 +324,93 @@ def test_two_processes_agree_on_a_nan_seen_by_one_rank(workspace, tmp_path):
     assert checksums == _checksums(run, 1) and max(checksums) == 3
     assert checksums[3] == checksums[2]
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+# --- fine-tuning from other weights (--init-from) -----------------------------------------------------------
+
+
+def _imported_original(tmp_path: Path) -> Path:
+    """An original-repository DiT state dict of the plans' tiny network, through `dit-accel import-dit`."""
+    from test_export import HEADS, original_state_dict
+
+    from dit_accel.export import import_main
+
+    torch.save(original_state_dict(num_classes=4, seed=3), tmp_path / "DiT-tiny.pt")
+    assert import_main(["--checkpoint", str(tmp_path / "DiT-tiny.pt"), "--out", str(tmp_path / "imported"),
+                        "--heads", str(HEADS)]) == 0
+    return tmp_path / "imported"
+
+
+def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
+    from dit_accel.model import build_model, read_sidecar, save_model, timestep_freq_shift
+    from dit_accel.train import build_components, read_init_weights, read_plan, spec_from_plan
+    from dit_accel.train_config import TrainConfig
+
+    imported = _imported_original(tmp_path)
+    original = load_file(str(imported / "checkpoints" / "step_00000000" / ckpt.MODEL_WEIGHTS))
+
+    # Step 0 of the new run: the imported weights, the EMA equal to them, the original's shift, a fresh AdamW.
+    plan = read_plan(workspace["plan1"])
+    init = read_init_weights(str(imported), spec_from_plan(plan))
+    assert init.timestep_freq_shift == 0
+    config = TrainConfig(plan=str(workspace["plan1"]), output_dir=str(tmp_path / "unused"),
+                         latents=str(workspace["latents"]), init_from=str(imported))
+    components = build_components(plan, config, device="cpu", init=init)
+    assert timestep_freq_shift(components.raw_model) == 0 and not components.optimizer.state
+    for name, param in components.raw_model.named_parameters():
+        assert torch.equal(param, original[name]) and torch.equal(components.ema.shadow[name], original[name]), name
+    # A diffusers folder is a source too (stock diffusers' shift, 1, unless its dit_accel.json says otherwise).
+    saved = save_model(build_model(spec_from_plan(plan)), tmp_path / "diffusers")
+    assert read_init_weights(str(saved), spec_from_plan(plan)).timestep_freq_shift == 1
+
+    # Train 2 steps from the import: every checkpoint carries shift 0 and names where the run began.
+    run = tmp_path / "finetune"
+    common = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", run, *QUIET,
+              "--no-tensorboard", "--checkpoint-every", 1, "--init-from", imported]
+    assert run_in_process([*common, "--max-steps", 2]) == 0
+    assert "initialized from" in (run / "logs" / "rank0.log").read_text()
+    classes = json.loads((workspace["latents"] / "manifest.json").read_text())["classes"]
+    assert json.loads((run / "classes.json").read_text())["classes"] == classes
+    first = run / "checkpoints" / "step_00000001"
+    for checkpoint in (first, run / "checkpoints" / "step_00000002"):
+        assert read_sidecar(checkpoint)["timestep_freq_shift"] == 0
+        assert str(imported) in ckpt.read_train_state(checkpoint)["init_from"]
+    # After one step the EMA moved (1 - decay) of the way from the imported weights to the trained ones.
+    raw, spec, _ = ckpt.load_for_inference(first, use_ema=False)
+    ema = load_file(str(first / ckpt.EMA_WEIGHTS))
+    for name, param in raw.named_parameters():
+        expected = original[name] + (param - original[name]) * (1 - 0.9999)
+        assert torch.allclose(ema[name], expected, atol=1e-7, rtol=0), name
+    assert not torch.equal(raw.proj_out_2.weight, original["proj_out_2.weight"])  # it trained
+
+    # load_for_inference gives the fine-tuned network with the original's shift: the same outputs as those
+    # weights under shift 0, and not those of shift 1.
+    tuned, _, _ = ckpt.load_for_inference(run, use_ema=False)
+    x, t, y = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 900]), torch.tensor([0, 2])
+    outputs = []
+    for shift in (0, 1):
+        reference = build_model(spec, timestep_freq_shift=shift, init="torch").eval()
+        reference.load_state_dict(dict(tuned.state_dict()))
+        with torch.no_grad():
+            outputs.append(reference(x, timestep=t, class_labels=y).sample)
+    with torch.no_grad():
+        ours = tuned(x, timestep=t, class_labels=y).sample
+    assert torch.equal(ours, outputs[0]) and not torch.allclose(ours, outputs[1], atol=1e-4)
+
+    # A restarted job: the run's own checkpoint wins over --init-from (and keeps the shift).
+    assert run_in_process([*common, "--max-steps", 3, "--resume", "auto"]) == 0
+    log_text = (run / "logs" / "rank0.log").read_text()
+    assert "ignored" in log_text and "step_00000002 at step 2" in log_text
+    assert read_sidecar(run / "checkpoints" / "step_00000003")["timestep_freq_shift"] == 0
+    assert ckpt.read_train_state(run / "checkpoints" / "step_00000003")["step"] == 3
+
+    # Another network, or --init-from with an explicit --resume: one line each.
+    wide = json.loads(workspace["plan1"].read_text())
+    wide["inputs"]["hidden"] = wide["model"]["hidden"] = 64
+    (tmp_path / "wide.json").write_text(json.dumps(wide))
+    base = ["--latents", workspace["latents"], *QUIET, "--no-tensorboard", "--max-steps", 1, "--init-from", imported]
+    err = _one_line_error(capsys, ["--plan", tmp_path / "wide.json", "--output-dir", tmp_path / "wide", *base])
+    assert "hidden 32 (wanted 64)" in err and "--init-from" in err
+    err = _one_line_error(capsys, ["--plan", workspace["plan1"], "--output-dir", tmp_path / "x", *base,
+                                   "--resume", run])
+    assert "--init-from" in err and "--resume" in err

@@ -902,6 +902,7 @@ def train(config: TrainConfig) -> int:
     components = build_components(plan, config, accelerator, init=init, timestep_freq_shift=resume_shift)
     state = {"step": 0, "applied_steps": 0, "skipped_steps": 0}
     if init is not None:
+        init.parameters.clear()  # the host copy (4 bytes per parameter on every rank) is on the device now
         state["init_from"] = init.source  # kept in every checkpoint's train_state.json
     if resume_from is not None:
         state.update(ckpt.load_checkpoint(accelerator, resume_from, ema=components.ema))

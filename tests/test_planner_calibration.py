@@ -37,6 +37,7 @@ def recorded_h200(tokens: int):
 @pytest.fixture(scope="module")
 def calibration_file(tmp_path_factory):
     from dit_accel import calibrate as cal
+    from dit_accel.atomic import write_json_atomically
 
     spec = model_spec("DiT-XL/2", 256)
     plan = {"schema": "dit-plan/1", "model": {"name": "DiT-XL/2", "resolution": 256}, "cluster": {"world_size": 1},
@@ -48,7 +49,7 @@ def calibration_file(tmp_path_factory):
     result = cal.calibrate(plan, [8, 16, 32], steps=3, max_micro_batch=None, measure=recorded_h200(spec.tokens),
                            gpu=gpu, log=lambda line: None)
     path = tmp_path_factory.mktemp("calibration") / "h200.json"
-    cal.write_json_atomically(path, result)
+    write_json_atomically(path, result)
     return path
 
 

@@ -21,6 +21,7 @@ Two rules the rest of dit-accel relies on (docs/model.md has the reasoning):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -232,6 +233,8 @@ def set_checkpointed_blocks(model: DiTTransformer2DModel, n: int) -> None:
     The first blocks are chosen because every block costs the same, and checkpointing is non-reentrant
     (`use_reentrant=False`): works with DDP, unused parameters and keyword arguments. The block's own
     `forward` is swapped per instance (as Accelerate does for autocast), so parameter names do not change.
+    Under autocast a checkpointed block casts its weights without autocast's cache, so their copies do not
+    live to the end of the forward; the shared embedder it calls stays cached (gradients stay bit-identical).
     """
     blocks = model.transformer_blocks
     if not isinstance(n, int) or not 0 <= n <= len(blocks):
@@ -242,6 +245,11 @@ def set_checkpointed_blocks(model: DiTTransformer2DModel, n: int) -> None:
             block.forward = functools.partial(_checkpointed_forward, block)
         else:
             block.__dict__.pop("forward", None)
+    for embedder in {id(block.norm1.emb): block.norm1.emb for block in blocks}.values():  # one when tied
+        if n:
+            embedder.forward = functools.partial(_forward_with_autocast_cache, embedder)
+        else:
+            embedder.__dict__.pop("forward", None)
 
 
 def checkpointed_blocks(model: DiTTransformer2DModel) -> int:
@@ -249,10 +257,46 @@ def checkpointed_blocks(model: DiTTransformer2DModel) -> int:
 
 
 def _checkpointed_forward(block: nn.Module, *args, **kwargs):
-    forward = type(block).forward
     if not torch.is_grad_enabled():
-        return forward(block, *args, **kwargs)
-    return checkpoint(forward, block, *args, use_reentrant=False, **kwargs)
+        return type(block).forward(block, *args, **kwargs)
+    return checkpoint(_forward_without_autocast_cache, block, *args, use_reentrant=False, **kwargs)
+
+
+def _forward_without_autocast_cache(block: nn.Module, *args, **kwargs):
+    """The block's forward with autocast's weight cache off, in the first pass and in the recompute alike.
+
+    Autocast caches the bf16/fp16 copy of every weight it casts until the outermost autocast exits (after the
+    loss), so a checkpointed block, which saves nothing, would still keep its weights' copies through the
+    whole forward. Uncached, each copy lives only while its op needs it (in the recompute, as long as backward
+    saves it). The cast values are the same, so are the outputs. Outside autocast (fp32, FSDP's pure low
+    precision, sampling) this is the plain forward.
+    """
+    with _autocast_cache(_first_tensor(args, kwargs).device.type, enabled=False):
+        return type(block).forward(block, *args, **kwargs)
+
+
+def _forward_with_autocast_cache(embedder: nn.Module, *args, **kwargs):
+    """The shared embedder's forward with autocast's cache on, also when a checkpointed block calls it.
+
+    Every block calls the one embedder. Cached, all calls read one cast copy of its weights, whose gradient
+    autograd sums in the compute dtype before it reaches the fp32 weights, exactly as without checkpointing;
+    cast anew in each checkpointed block, the sum would be taken in fp32 (different rounding) and the
+    copies would be made again in every block."""
+    with _autocast_cache(_first_tensor(args, kwargs).device.type, enabled=True):
+        return type(embedder).forward(embedder, *args, **kwargs)
+
+
+def _autocast_cache(device_type: str, enabled: bool):
+    """The running autocast (same device type and dtype) with its weight cache switched on or off; nothing
+    outside autocast. Nested, it neither clears the outer cache nor outlives it."""
+    if not torch.is_autocast_enabled(device_type) or torch.is_autocast_cache_enabled() == enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=enabled)
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor:
+    """The first tensor argument (a block's hidden states, the embedder's timesteps): autocast's device."""
+    return next(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
 
 
 # --- diffusers layout: load ---------------------------------------------------------------------------

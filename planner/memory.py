@@ -10,7 +10,8 @@ CPU-autocast variant of these moments to that trace (docs/planner-accuracy.md).
 
   vae_encode          (online latents) the VAE encoder's no-grad working set, before the DiT forward
   last_block_forward  (the last block checkpointed) inside its forward: every block's input + its MLP
-  end_of_forward      the loss: every saved activation, autocast's cache of every weight, the loss terms
+  end_of_forward      the loss: every saved activation, autocast's cache of the weights cast outside
+                      checkpointed blocks, the loss terms
   start_of_backward   inside the last block's backward: its activation and weight gradients in flight
   end_of_backward     inside block 0's backward: nearly every gradient, block 0's (recomputed) set
   optimizer_step      weights + grads + AdamW states + the optimizer's temporaries
@@ -412,21 +413,25 @@ def autocast_cache_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """bf16/fp16 copies of weights that autocast makes. Not under FSDP (the gathered parameters are already in
     the compute dtype) and not in fp32.
 
-    In the forward autocast's cache holds a copy of every weight it cast (biases too, and those of
-    checkpointed blocks) until the context exits after the loss: every parameter but the class table (an
-    embedding is never cast); the final layer's are not made yet inside the last block. In backward only the
-    copies linears saved remain: of every stored block, the patch conv and the embedder's second timestep
-    linear (the output projections' go with the final layer's backward). A recomputed block casts its weights
-    again (and the embedder's linear), so block 0's backward holds that one block's copies.
+    In the forward autocast's cache holds a copy of every weight it cast outside checkpointed blocks (biases
+    too) until the context exits after the loss: every parameter but the class table (an embedding is never
+    cast) and the checkpointed blocks' own. A checkpointed block casts with the cache off (dit_accel.model), so
+    its copies live only while its ops run; the shared embedder it calls stays cached. Inside the last block's
+    forward, when every block is checkpointed, the cache holds the patch conv's and the embedder's copies (the
+    final layer has cast nothing yet). In backward only the copies
+    linears saved remain: of every stored block, the patch conv and the embedder's second timestep linear (the
+    output projections' go with the final layer's backward). A recomputed block casts its weights again (and
+    the embedder's linear), so block 0's backward holds that one block's copies.
     """
     if decision.precision == "fp32" or decision.sharded or moment in ("vae_encode", "optimizer_step"):
         return 0
     c = element_bytes(decision.precision).compute
     k = decision.checkpointed_blocks
     if moment == "end_of_forward":
-        return c * (spec.params_trainable - class_table_params(spec))
+        return c * (spec.params_trainable - class_table_params(spec) - k * spec.block_params)
     if moment == "last_block_forward":
-        return c * (spec.params_trainable - class_table_params(spec) - spec.param_breakdown()["final_layer"])
+        return c * (spec.params_trainable - class_table_params(spec) - spec.param_breakdown()["final_layer"]
+                    - spec.depth * spec.block_params)
     if moment == "start_of_backward" and k < spec.depth:
         return c * ((spec.depth - k) * block_matrix_params(spec) + backward_held_matrix_params(spec))
     return c * (block_matrix_params(spec) + backward_held_matrix_params(spec))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import DiTTransformer2DModel
 from diffusers.models.attention_processor import AttnProcessor2_0
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dit_accel.errors import UserError
 from dit_accel.model import (
@@ -199,6 +201,85 @@ def test_checkpointing_first_n_blocks_keeps_gradients(n):
     for (name, p_ref), (_, p) in zip(reference.named_parameters(), model.named_parameters()):
         assert p.grad is not None and p.grad.abs().sum() > 0, name
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class WeightCasts(TorchDispatchMode):
+    """Every copy made of a parameter (autocast's casts), by parameter name, with a weak reference to its storage
+    so a test can ask which copies are still alive (held by autocast's cache or by autograd)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.names = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+        self.copies: dict[str, list] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default:
+            name = self.names.get(args[0].untyped_storage().data_ptr())
+            if name is not None:
+                self.copies.setdefault(name, []).append((out.dtype, weakref.ref(out.untyped_storage())))
+        return out
+
+    def alive(self) -> set[str]:
+        return {name for name, copies in self.copies.items() if any(ref() is not None for _, ref in copies)}
+
+
+def _block_of(name):
+    """The block index of a block's own parameter (not the shared embedder's), else None."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "transformer_blocks" and ".norm1.emb." not in name else None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_checkpointed_blocks_cast_weights_without_autocast_cache(dtype):
+    """autocast caches every weight copy until it exits (after the loss): a checkpointed block's copies would
+    outlive its forward although nothing of it is saved. The checkpointed blocks cast uncached, in the outer
+    autocast's dtype; stored blocks, the shared embedder (also when a checkpointed block calls it) and the
+    outer layers stay cached."""
+    model = tiny_model(depth=3).train()
+    set_checkpointed_blocks(model, 2)
+    x, t, y = inputs()
+    casts = WeightCasts(model)
+    with casts, torch.autocast("cpu", dtype=dtype):
+        out = model(x, timestep=t, class_labels=y).sample
+        alive = casts.alive()  # still inside autocast, as at the loss
+    assert out.dtype == dtype and {d for copies in casts.copies.values() for d, _ in copies} == {dtype}
+    block_params = {name for name, _ in model.named_parameters() if _block_of(name) is not None}
+    assert {name for name in block_params if _block_of(name) == 2} <= alive  # the stored block: cached
+    assert not {name for name in alive if _block_of(name) in (0, 1)}  # checkpointed blocks: uncached, gone
+    assert {"transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.weight", "pos_embed.proj.weight",
+            "proj_out_2.weight"} <= alive
+    # each weight was cast once in the forward: the shared embedder's copy served all four calls (cached)
+    assert all(len(copies) == 1 for copies in casts.copies.values())
+
+
+def test_checkpointed_blocks_outside_autocast_cast_nothing():
+    """fp32 training and sampling: the checkpointed forward enters no autocast of its own."""
+    model = tiny_model(depth=2).train()
+    set_checkpointed_blocks(model, 2)
+    x, t, y = inputs()
+    casts = WeightCasts(model)
+    with casts:
+        out = model(x, timestep=t, class_labels=y).sample
+        (out**2).mean().backward()
+    assert casts.copies == {} and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_checkpointed_gradients_under_autocast_equal_the_unchecked_models_exactly(n):
+    """The uncached casts give the same values as the cached ones, and the shared embedder's gradient is summed
+    through its one cached copy as without checkpointing, so bf16 gradients are bit-identical."""
+    reference, model = tiny_model(depth=3), tiny_model(depth=3)
+    set_checkpointed_blocks(model, n)
+    x, t, y = inputs()
+    for net in (reference, model):
+        net.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (net(x, timestep=t, class_labels=y).sample.float() ** 2).mean()
+        loss.backward()
+    for (name, p_ref), (_, p) in zip(reference.named_parameters(), model.named_parameters()):
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        assert torch.equal(p.grad, p_ref.grad), name
 
 
 def test_checkpointing_can_be_changed_and_is_validated():

@@ -183,17 +183,21 @@ def test_backward_temporaries_match_the_traced_bytes():
     assert at["end_of_forward"]["temporaries"] == 0
 
 
-def test_autocast_cache_holds_every_cast_weight_until_the_forward_ends():
-    """autocast's cache keeps a copy of every weight it cast (all but the class table) until it exits after the
-    loss, checkpointed blocks' too; in backward only the copies linears saved remain."""
+def test_autocast_cache_holds_the_weights_cast_outside_checkpointed_blocks_until_the_forward_ends():
+    """autocast's cache keeps a copy of every weight cast outside a checkpointed block (all but the class table
+    and the checkpointed blocks' own weights, which are cast uncached; the shared embedder stays cached) until
+    it exits after the loss; in backward only the copies linears saved remain."""
     c = 2
     for checkpointed in (0, 14, 28):
         at = memory(decision(checkpointed_blocks=checkpointed)).phases
-        assert at["end_of_forward"]["autocast_cache"] == c * (P - 1001 * XL2.hidden)
+        assert at["end_of_forward"]["autocast_cache"] == c * (P - 1001 * XL2.hidden - checkpointed * XL2.block_params)
         stored = XL2.depth - checkpointed
         held = 4 * 2 * 2 * XL2.hidden + XL2.hidden**2  # patch conv + the embedder's second timestep linear
         expected = c * (stored * block_matrix_params(XL2) + held) if stored else c * (block_matrix_params(XL2) + held)
         assert at["start_of_backward"]["autocast_cache"] == expected
+    every = memory(decision(checkpointed_blocks=28)).phases  # inside block 27: the patch conv and the embedder
+    timestep_mlp = XL2.embedder_params - 1001 * XL2.hidden
+    assert every["last_block_forward"]["autocast_cache"] == c * (XL2.param_breakdown()["patch_embed"] + timestep_mlp)
     assert memory(decision(precision="fp32")).phases["end_of_forward"]["autocast_cache"] == 0
 
 

@@ -239,12 +239,33 @@ def recompute_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, attention
     return block - (hidden_bytes(spec, micro_batch, eb) if eb.norm_saves_block_input else 0)
 
 
-def checkpointed_forward_working_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
-    """Inside a checkpointed block's forward nothing is saved, but at its MLP these are alive together: the
-    gated attention output and the residual after it (compute dtype), the modulated MLP input (the norm's
-    dtype: fp32 under CUDA autocast), and the MLP's hidden layer before and after the GELU."""
-    b, s, d = micro_batch, spec.tokens, spec.hidden
-    return b * s * d * (2 * eb.compute + eb.norm) + 2 * b * s * spec.mlp_hidden * eb.compute
+def checkpointed_forward_peak(spec: DiTSpec, micro_batch: int, eb: ElementBytes,
+                              casts_weights: bool = False) -> tuple[int, int]:
+    """(activations, weight copies) alive at the peak inside a checkpointed block's forward. Nothing of it is
+    saved; always alive are the block's adaLN output (b x 6d) and, at its MLP, the gated attention output and
+    the residual after it (compute dtype) and the modulated MLP input (the norm's dtype: fp32 under CUDA
+    autocast). The peak is the larger of two points: at the GELU (the MLP's hidden layer before and after it)
+    or at the MLP's output linear (the GELU output, the linear's output and, under autocast, its weight and
+    bias copy, cast uncached: `casts_weights`), which wins when the micro-batch has few tokens (b s < ~4d/3)."""
+    b, s, d, c = micro_batch, spec.tokens, spec.hidden, eb.compute
+    tokens, hidden = b * s, spec.mlp_hidden
+    common = tokens * d * (2 * c + eb.norm) + b * 6 * d * c
+    at_gelu = common + 2 * tokens * hidden * c
+    at_output = common + tokens * hidden * c + tokens * d * c
+    output_copy = (hidden * d + d) * c if casts_weights else 0
+    return (at_gelu, 0) if at_gelu >= at_output + output_copy else (at_output, output_copy)
+
+
+def checkpointed_forward_working_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes,
+                                       casts_weights: bool = False) -> int:
+    """Everything a checkpointed block's forward holds at its peak (`checkpointed_forward_peak`), in bytes."""
+    return sum(checkpointed_forward_peak(spec, micro_batch, eb, casts_weights))
+
+
+def noised_input_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
+    """The noised latents x_t in fp32, which the objective holds through the network's forward (the loss reads
+    them) beside the compute-dtype copy the patch conv saves; in fp32 they are that saved input itself."""
+    return 0 if eb.compute == FP32_BYTES else micro_batch * spec.in_channels * spec.latent_size**2 * FP32_BYTES
 
 
 def backward_temporary_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
@@ -373,8 +394,8 @@ def ema_bytes(spec, decision, cluster, assumptions, moment) -> int:
 def activations_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """Tensors made by the forward and still alive (saved for backward, or held by the code running).
 
-    last_block_forward  (every block checkpointed) every block's input, the patch conv's input and the
-                        last block's working set at its MLP; nothing of it is saved.
+    last_block_forward  (every block checkpointed) every block's input, the patch conv's input, the noised
+                        input x_t and the last block's working set at its MLP; nothing of it is saved.
     end_of_forward      every saved tensor (stored blocks, checkpointed blocks' inputs, head and tail) and
                         the loss's working set: the learned-sigma VB term evaluates the KL and the
                         discretised-Gaussian NLL for every sample, `loss_tensors` output-sized fp32 tensors.
@@ -392,7 +413,8 @@ def activations_bytes(spec, decision, cluster, assumptions, moment) -> int:
     if moment == "last_block_forward":
         saved_before_head = saved_activation_bytes(spec, b, eb, k, assumptions.attention) \
             - final_layer_saved_bytes(spec, b, eb)
-        return saved_before_head + checkpointed_forward_working_bytes(spec, b, eb)
+        working, _ = checkpointed_forward_peak(spec, b, eb, casts_weights(decision))
+        return saved_before_head + noised_input_bytes(spec, b, eb) + working
     if moment == "end_of_forward":
         return (saved_activation_bytes(spec, b, eb, k, assumptions.attention)
                 + loss_saved_bytes(spec, b, assumptions.loss_tensors))
@@ -409,6 +431,12 @@ def activations_bytes(spec, decision, cluster, assumptions, moment) -> int:
     return patch_input_bytes(spec, b, eb) + block0 - hidden
 
 
+def casts_weights(decision: Decision) -> bool:
+    """Autocast casts the weights (bf16/fp16 over fp32 master weights); not in fp32 and not under FSDP, whose
+    gathered parameters are already in the compute dtype."""
+    return decision.precision != "fp32" and not decision.sharded
+
+
 def autocast_cache_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """bf16/fp16 copies of weights that autocast makes. Not under FSDP (the gathered parameters are already in
     the compute dtype) and not in fp32.
@@ -418,20 +446,22 @@ def autocast_cache_bytes(spec, decision, cluster, assumptions, moment) -> int:
     cast) and the checkpointed blocks' own. A checkpointed block casts with the cache off (dit_accel.model), so
     its copies live only while its ops run; the shared embedder it calls stays cached. Inside the last block's
     forward, when every block is checkpointed, the cache holds the patch conv's and the embedder's copies (the
-    final layer has cast nothing yet). In backward only the copies
+    final layer has cast nothing yet), beside the block's own uncached copy in use at its peak, if any
+    (`checkpointed_forward_peak`). In backward only the copies
     linears saved remain: of every stored block, the patch conv and the embedder's second timestep linear (the
     output projections' go with the final layer's backward). A recomputed block casts its weights again (and
     the embedder's linear), so block 0's backward holds that one block's copies.
     """
-    if decision.precision == "fp32" or decision.sharded or moment in ("vae_encode", "optimizer_step"):
+    if not casts_weights(decision) or moment in ("vae_encode", "optimizer_step"):
         return 0
     c = element_bytes(decision.precision).compute
     k = decision.checkpointed_blocks
     if moment == "end_of_forward":
         return c * (spec.params_trainable - class_table_params(spec) - k * spec.block_params)
     if moment == "last_block_forward":
-        return c * (spec.params_trainable - class_table_params(spec) - spec.param_breakdown()["final_layer"]
-                    - spec.depth * spec.block_params)
+        _, in_use = checkpointed_forward_peak(spec, decision.micro_batch, _eb(decision, assumptions), True)
+        return in_use + c * (spec.params_trainable - class_table_params(spec) - spec.param_breakdown()["final_layer"]
+                             - spec.depth * spec.block_params)
     if moment == "start_of_backward" and k < spec.depth:
         return c * ((spec.depth - k) * block_matrix_params(spec) + backward_held_matrix_params(spec))
     return c * (block_matrix_params(spec) + backward_held_matrix_params(spec))

@@ -243,7 +243,8 @@ def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
         "saved_bytes": saved_activation_bytes(spec, b, eb, c, assumed.attention),
         "loss_bytes": memory.loss_saved_bytes(spec, b, assumed.loss_tensors),
         "recompute_bytes": memory.recompute_bytes(spec, b, eb, assumed.attention) if c else 0,
-        "checkpointed_forward_bytes": memory.checkpointed_forward_working_bytes(spec, b, eb) if c else 0,
+        "checkpointed_forward_bytes": memory.checkpointed_forward_working_bytes(
+            spec, b, eb, memory.casts_weights(decision)) if c else 0,
         "backward_temporary_bytes": memory.backward_temporary_bytes(spec, b, eb),
     }
 

@@ -67,8 +67,12 @@ def describe(plan: dict, component: str) -> str:
         text += {"last_block_forward": "; the last block's forward", "end_of_forward": "; + the loss",
                  "start_of_backward": "; the last block's backward", "end_of_backward": "; block 0's backward"
                  }.get(m["peak_phase"], "")
-    elif component == "autocast_cache" and m["peak_phase"] in ("end_of_forward", "last_block_forward"):
+    elif component == "autocast_cache" and m["peak_phase"] == "last_block_forward":
+        text = "autocast's cached copies of the patch conv and the embedder (checkpointed blocks cast uncached)"
+    elif component == "autocast_cache" and m["peak_phase"] == "end_of_forward":
         text = "autocast's cached bf16/fp16 copy of every weight it cast"
+        if d["checkpointed_blocks"]:
+            text += f" outside the {d['checkpointed_blocks']} checkpointed blocks"
     elif component == "temporaries":
         in_backward = "activation and weight gradients in flight"
         text = {"optimizer_step": "foreach AdamW intermediate" if d["adamw"] == "foreach" else "none (fused AdamW)",

@@ -83,10 +83,14 @@ class ElementBytes:
              autocast, so diffusers' residual stream is bf16).
     norm:    layer_norm inputs, outputs and statistics. CUDA autocast runs layer_norm in fp32, so it saves an
              fp32 copy of its bf16 input and returns fp32; CPU autocast runs it in bf16.
+    table:   the class-embedding table as the forward reads it: fp32 master weights under autocast (an
+             embedding is never cast, so the conditioning, timestep + class embedding, is fp32 and so is the
+             table's gradient); the compute dtype in pure low precision (FSDP2's bf16 parameters).
     """
 
     compute: int
     norm: int
+    table: int = FP32_BYTES
 
     @property
     def linear_input_casts(self) -> bool:
@@ -100,11 +104,17 @@ class ElementBytes:
         return self.norm == self.compute
 
 
-def element_bytes(precision: str, autocast_device: str = "cuda") -> ElementBytes:
+def element_bytes(precision: str, autocast_device: str = "cuda", pure: bool = False) -> ElementBytes:
+    """Saved dtypes of a bf16/fp16 step under autocast over fp32 weights (`autocast_device`'s op lists), or,
+    `pure`, with the parameters themselves in bf16/fp16 and no autocast: sharded plans, whose FSDP2
+    MixedPrecisionPolicy gathers bf16 parameters and casts the network's input, while Accelerate's FSDP2 path
+    adds no autocast. Then every op runs in the compute dtype on either device, layer norms included."""
     if precision == "fp32":
         return ElementBytes(compute=4, norm=4)
     if precision not in ("bf16", "fp16"):
         raise PlanError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
+    if pure:
+        return ElementBytes(compute=2, norm=2, table=2)
     return ElementBytes(compute=2, norm=4 if autocast_device == "cuda" else 2)
 
 
@@ -151,11 +161,12 @@ def embedder_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> i
     """One call of the shared embedder and the adaLN projection that reads it (made in every block).
 
     sinusoids cast to the compute dtype (saved by linear_1), linear_1 output (SiLU), SiLU output (linear_2),
-    class labels (embedding), the fp32 conditioning (timestep emb + fp32 class emb; saved by the adaLN SiLU),
-    the adaLN linear's input, and its 6d output (the gates are saved as views of it).
+    class labels (embedding), the conditioning (timestep emb + class emb, in the table's dtype: fp32 under
+    autocast; saved by the adaLN SiLU), the adaLN linear's input, and its 6d output (the gates are saved as
+    views of it).
     """
     b, d, c = micro_batch, spec.hidden, eb.compute
-    return b * (TIMESTEP_FREQ_DIM * c + 2 * d * c + INT64_BYTES + d * FP32_BYTES + d * c + 6 * d * c)
+    return b * (TIMESTEP_FREQ_DIM * c + 2 * d * c + INT64_BYTES + d * eb.table + d * c + 6 * d * c)
 
 
 def block_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, attention: str = "fused") -> dict[str, int]:
@@ -200,7 +211,7 @@ def final_layer_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -
     1 + scale), norm_out's input, statistics and output, and proj_out_2's input."""
     b, s, d, c, n = micro_batch, spec.tokens, spec.hidden, eb.compute, eb.norm
     tokens = b * s
-    embedder = b * (TIMESTEP_FREQ_DIM * c + 2 * d * c + INT64_BYTES + d * FP32_BYTES)
+    embedder = b * (TIMESTEP_FREQ_DIM * c + 2 * d * c + INT64_BYTES + d * eb.table)
     modulation = b * d * c + b * d * c
     norm_out = tokens * d * n + 2 * tokens * n + tokens * d * n + tokens * d * c
     return embedder + modulation + norm_out
@@ -272,13 +283,13 @@ def backward_temporary_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) 
     """Alive inside a block's backward at its peak (the matmul making the gradient of the MLP's hidden layer):
     that gradient (b s 4d) and two hidden-sized activation gradients, the second MLP linear's weight gradient
     in the compute dtype (4d x d), and the shared embedder's gradients, which autograd buffers until every
-    block has contributed: the class table's in fp32 (embedding backward) and the timestep MLP's second and
-    first linear in the compute dtype; and small ones, a per-image modulation gradient (b x d) and three
-    bias gradients (d each)."""
+    block has contributed: the class table's in its own dtype (embedding backward; fp32 under autocast) and the
+    timestep MLP's second and first linear in the compute dtype; and small ones, a per-image modulation
+    gradient (b x d) and three bias gradients (d each)."""
     b, s, d, c = micro_batch, spec.tokens, spec.hidden, eb.compute
     activation_grads = b * s * (spec.mlp_hidden + 2 * d) * c + b * d * c
     mlp_weight_grad = spec.mlp_hidden * d * c + 3 * d * c
-    embedder_grads = FP32_BYTES * class_table_params(spec) + (d * d + TIMESTEP_FREQ_DIM * d) * c
+    embedder_grads = eb.table * class_table_params(spec) + (d * d + TIMESTEP_FREQ_DIM * d) * c
     return activation_grads + mlp_weight_grad + embedder_grads
 
 
@@ -313,7 +324,8 @@ def _shards(decision: Decision, cluster: Cluster) -> int:
 
 
 def _eb(decision: Decision, assumptions: Assumptions) -> ElementBytes:
-    return element_bytes(decision.precision, assumptions.autocast_device)
+    """Sharded plans compute in pure low precision (FSDP2's bf16 parameters, no autocast); the others autocast."""
+    return element_bytes(decision.precision, assumptions.autocast_device, pure=decision.sharded)
 
 
 def moments(spec: DiTSpec, decision: Decision) -> list[str]:

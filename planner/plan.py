@@ -228,11 +228,13 @@ def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
     """The activation and backward terms of the memory model, for plan.md's arithmetic and checks against traces."""
     from planner import memory
 
-    eb = element_bytes(decision.precision, assumed.autocast_device)
+    eb = element_bytes(decision.precision, assumed.autocast_device, pure=decision.sharded)
     b, c = decision.micro_batch, decision.checkpointed_blocks
     block = sum(memory.block_saved_bytes(spec, b, eb, assumed.attention).values())
     return {
         "autocast_device": assumed.autocast_device,
+        # sharded plans: FSDP2's bf16/fp16 parameters and no autocast, every op in the compute dtype
+        "pure_low_precision": decision.sharded and decision.precision != "fp32",
         "attention": assumed.attention,
         "stored_blocks": spec.depth - c,
         "stored_block_bytes": block,

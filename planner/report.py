@@ -83,6 +83,16 @@ def describe(plan: dict, component: str) -> str:
     return text
 
 
+def _compute_regime(breakdown: dict, decision: dict) -> str:
+    """How the step computes: fp32, autocast on CUDA/CPU, or pure bf16/fp16 (sharded plans: FSDP2's bf16
+    parameters, no autocast)."""
+    if decision["precision"] == "fp32":
+        return "fp32"
+    if breakdown.get("pure_low_precision"):
+        return f"pure {decision['precision']} under FSDP2, no autocast"
+    return f"{breakdown['autocast_device'].upper()} {decision['precision']} autocast"
+
+
 def title(plan: dict) -> str:
     c, m = plan["cluster"], plan["model"]
     nodes = f"{c['nodes']} node{'s' if c['nodes'] > 1 else ''}"
@@ -248,7 +258,7 @@ def plan_markdown(plan: dict) -> str:
         f" EMA = {'4 B x P' if d['ema'] else 'off'}"
         f"{' / ' + str(c['world_size']) if d['sharding'] != 'ddp' and d['ema'] else ''} = {format_bytes(m['ema'])}.",
         f"- One stored block saves {a['bytes_per_token_hidden_block']:.1f} B per token x hidden "
-        f"({a['autocast_device'].upper()} {d['precision']} {'autocast' if d['precision'] != 'fp32' else ''}, "
+        f"({_compute_regime(a, d)}, "
         f"{a['attention']} attention): {b} images x {s} tokens x {h} x {a['bytes_per_token_hidden_block']:.1f} B = "
         f"{format_bytes(a['stored_block_bytes'])} per block.",
         f"- saved for backward = {a['stored_blocks']} stored x {format_bytes(a['stored_block_bytes'])} + "

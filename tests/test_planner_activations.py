@@ -3,7 +3,9 @@
 The traced network is the trainer's: DiTTransformer2DModel with one embedder shared by all blocks. The trace
 records every tensor packed for backward (storages de-duplicated, parameters excluded), exactly the set the
 planner's `saved_activation_bytes` counts. CPU only: fp32, and bf16 under CPU autocast (whose op lists keep
-layer_norm in bf16; the CUDA variant is the planner's default and needs a GPU to trace).
+layer_norm in bf16; the CUDA variant is the planner's default and needs a GPU to trace); and pure bf16, the
+compute of one FSDP2 rank in a sharded plan (bf16 parameters, the input cast to bf16, no autocast), which
+runs every op in bf16 on either device.
 """
 
 import pytest
@@ -46,8 +48,13 @@ def checkpoint_blocks(model, count):
     model.enable_gradient_checkpointing(gradient_checkpointing_func=run)
 
 
-def trace_saved(model, spec, micro_batch, autocast):
-    """Bytes autograd saves for backward in one forward: (activation bytes, bf16 weight-copy bytes)."""
+def trace_saved(model, spec, micro_batch, autocast, pure=False):
+    """Bytes autograd saves for backward in one forward: (activation bytes, bf16 weight-copy bytes).
+
+    `pure`: the model's parameters in bf16 and no autocast, as FSDP2's MixedPrecisionPolicy runs a sharded
+    plan's step (it gathers bf16 parameters and casts the root's floating inputs to bf16)."""
+    if pure:
+        model = model.to(torch.bfloat16)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_casts = [p.detach().to(torch.bfloat16) for p in model.parameters() if p.ndim >= 2]
     seen = {}
@@ -70,6 +77,8 @@ def trace_saved(model, spec, micro_batch, autocast):
 
     size = spec.latent_size
     x = torch.randn(micro_batch, spec.in_channels, size, size, requires_grad=False)
+    if pure:
+        x = x.to(torch.bfloat16)
     t = torch.randint(0, 1000, (micro_batch,))
     y = torch.randint(0, spec.num_classes, (micro_batch,))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
@@ -118,6 +127,24 @@ def test_checkpointed_blocks_keep_only_their_inputs(checkpointed, precision):
     assert weight_copies == (expected_copies if precision == "bf16" else 0)
     # and checkpointing really saves: each checkpointed block is cheaper than a stored one
     assert predicted < saved_activation_bytes(spec, 4, eb, checkpointed_blocks=checkpointed - 1)
+
+
+@pytest.mark.parametrize("checkpointed", [0, 1, 3])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"d{s.depth}h{s.hidden}s{s.tokens}{s.latents[0]}")
+def test_pure_bf16_of_a_sharded_plan_matches_a_real_trace(spec, checkpointed):
+    """Sharded plans: every saved tensor in bf16 (layer norms too, on the CPU and CUDA alike), the conditioning
+    and the class table in bf16, no weight copies. To the byte."""
+    checkpointed = min(checkpointed, spec.depth)
+    model = tied_dit(spec)
+    if checkpointed:
+        checkpoint_blocks(model, checkpointed)
+    traced, weight_copies = trace_saved(model, spec, micro_batch=3, autocast=False, pure=True)
+    pure = element_bytes("bf16", autocast_device="cuda", pure=True)
+    assert pure == element_bytes("bf16", autocast_device="cpu", pure=True)
+    assert saved_activation_bytes(spec, 3, pure, checkpointed_blocks=checkpointed) == traced
+    assert weight_copies == 0  # the parameters are bf16 themselves: nothing is cast
+    # the autocast figures the planner used for sharded plans before: fp32 conditioning (and on CUDA fp32 norms)
+    assert saved_activation_bytes(spec, 3, element_bytes("bf16", "cpu"), checkpointed_blocks=checkpointed) > traced
 
 
 def test_saved_activations_scale_with_micro_batch_like_the_trace():

@@ -172,9 +172,17 @@ class TraceResult:
     traced_depths: list[int] = field(default_factory=list)  # the depths really traced (extrapolated if shallower)
     seconds: float = 0.0
     unseen: tuple[str, ...] = UNSEEN
+    # a sharded plan is traced as ONE rank's compute (`sharded_step_parts`); "ddp": the whole unsharded step
+    sharding: str = "ddp"
+    world_size: int = 1
+    peak_moment: str = ""  # sharded: the planner's moment (planner.memory.PHASES) that the traced peak is
+
 
     def to_json(self) -> dict:
-        return {key: (list(value) if isinstance(value, tuple) else value) for key, value in self.__dict__.items()}
+        values = {key: (list(value) if isinstance(value, tuple) else value) for key, value in self.__dict__.items()}
+        if self.sharding == "ddp":  # a DDP trace's JSON as it always was
+            del values["sharding"], values["world_size"], values["peak_moment"]
+        return values
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -202,6 +210,9 @@ class StepParts:
     ema_tensors: list = field(default_factory=list)
     vae: torch.nn.Module | None = None
     batch_tensors: list = field(default_factory=list)
+    # called when a parameter's gradient is complete; default: count `param.grad` as grads (a sharded trace
+    # frees it and keeps a 1/N fp32 shard instead, as FSDP2's reduce-scatter does)
+    on_grad: Callable[[torch.nn.Parameter, "StorageTracker"], None] | None = None
 
 
 def _in_backward() -> bool:
@@ -254,9 +265,15 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
     for index, block in enumerate(parts.blocks):
         handles.append(block.register_forward_pre_hook(block_pre(index)))
         handles.append(block.register_forward_hook(block_post(index)))
+    if parts.on_grad is None:
+        def on_grad(p):
+            tracker.tag(p.grad, "grads")
+    else:
+        def on_grad(p):
+            parts.on_grad(p, tracker)
     for param in parts.model.parameters():
         if param.requires_grad:
-            handles.append(param.register_post_accumulate_grad_hook(lambda p: tracker.tag(p.grad, "grads")))
+            handles.append(param.register_post_accumulate_grad_hook(on_grad))
     if parts.vae is not None:
         def vae_enter(module, args):
             tracker.in_vae += 1
@@ -397,6 +414,25 @@ def _block_of_role(role: Hashable, checkpointed: list) -> Hashable:
     return (phase, step, micro, order[{"first": 0, "second": 1, "last": -1}[position]])
 
 
+def planner_moment(window: Hashable, components: dict[str, int], depth: int) -> str:
+    """The planner's moment (planner.memory.PHASES) that a traced peak in `window` is, or "" if none.
+
+    The final layer's window runs the loss and then starts backward: before backward nothing is a temporary.
+    """
+    kind = window[0]
+    if kind == "head":
+        return "start_of_backward" if components.get("temporaries") else "end_of_forward"
+    if kind == "fwd" and window[3] == depth - 1:
+        return "last_block_forward"
+    if kind == "bwd":
+        return {depth - 1: "start_of_backward", 0: "end_of_backward"}.get(window[3], "")
+    if kind == "opt":
+        return "optimizer_step"
+    if kind == "pre" and components.get("vae"):
+        return "vae_encode"
+    return ""
+
+
 def _describe(window: Hashable) -> str:
     kind = window[0]
     if kind == "setup":
@@ -454,13 +490,15 @@ def build_vae(vae_config: dict | None, device: torch.device):
 
 
 def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, device: str,
-                     vae_config: dict | None = None) -> StepParts:
+                     vae_config: dict | None = None, sharded_world_size: int = 0) -> StepParts:
     """The trainer's components (`dit_accel.train.build_components`, bare device, no Accelerator, the plan's
     own precision) and its step for `spec` (which may be shallower than the plan's network): the micro-step
     is `train_micro_step`; the optimizer step is `check_step` then `apply_step`, the path of a finite step,
     with no value read (`optimizer_step` only adds the decision between them and the numbers it logs).
 
     Inside a FakeTensorMode nothing it builds owns memory; outside one (`dit-accel calibrate`) it is real.
+
+    `sharded_world_size` > 0: one rank's compute of a sharded plan instead (`make_sharded`).
     """
     import copy
 
@@ -478,7 +516,7 @@ def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: in
     # The plan's precision even where a bare-device run would fall back (fp16 on a CPU): the trace is a
     # proxy for the GPU run. Without an Accelerator there is no GradScaler (a few scalars).
     components = train.build_components(variant, config, device=device, spec=spec,
-                                        precision=plan["decision"]["precision"])
+                                        precision="fp32" if sharded_world_size else plan["decision"]["precision"])
     components.plan = plan
     if online:
         components.vae, components.latent_shift_scale = build_vae(vae_config, device)
@@ -496,19 +534,64 @@ def build_step_parts(plan: dict, spec, checkpointed_blocks: int, micro_batch: in
         losses.clear()
 
     model = components.raw_model
-    return StepParts(model=model, blocks=list(model.transformer_blocks),
-                     checkpointed=["forward" in block.__dict__ for block in model.transformer_blocks],
-                     micro_step=micro_step, optimizer_step=optimizer_step, grad_accum=components.grad_accum,
-                     ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
-                     vae=components.vae, batch_tensors=list(batch.values()))
+    parts = StepParts(model=model, blocks=list(model.transformer_blocks),
+                      checkpointed=["forward" in block.__dict__ for block in model.transformer_blocks],
+                      micro_step=micro_step, optimizer_step=optimizer_step, grad_accum=components.grad_accum,
+                      ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
+                      vae=components.vae, batch_tensors=list(batch.values()))
+    if sharded_world_size:
+        make_sharded(parts, plan["decision"]["precision"], sharded_world_size, losses)
+    return parts
+
+
+def make_sharded(parts: StepParts, precision: str, world_size: int, losses: list) -> None:
+    """Turn the traced step into ONE rank's compute of a sharded plan, as FSDP2 runs it, as far as one process
+    can show it.
+
+    FSDP2's MixedPrecisionPolicy gathers every unit's parameters in the compute dtype and casts the root's
+    floating inputs to it, and Accelerate's FSDP2 path adds no autocast: here the parameters themselves are
+    converted (the buffers stay fp32, as FSDP2 leaves them), a pre-hook on the root casts its inputs, and the
+    step runs without autocast (so there is no autocast cache). The converted parameters stand for the gathered
+    copies of every unit (zero2's layout). Each gradient, once complete, is freed and replaced by a 1/world_size
+    fp32 shard, as the reduce-scatter leaves it (accumulated into over micro-steps). The fp32 master weights,
+    AdamW state and EMA are not traced (`sharded_accounting` adds them from the traced sizes), nor is the
+    optimizer step, which only drops the gradient shards here.
+    """
+    from dit_accel.train import AUTOCAST_DTYPES
+
+    compute_dtype = AUTOCAST_DTYPES[precision] or torch.float32
+    for param in parts.model.parameters():
+        param.data = param.data.to(compute_dtype)
+
+    def cast_inputs(module, args, kwargs):
+        def cast(value):
+            return value.to(compute_dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        return tuple(map(cast, args)), {key: cast(value) for key, value in kwargs.items()}
+
+    parts.model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+    grad_shards: dict[int, torch.Tensor] = {}
+
+    def on_grad(param, tracker):
+        if id(param) not in grad_shards:
+            shard = torch.zeros(math.ceil(param.numel() / world_size), dtype=torch.float32, device=param.device)
+            tracker.tag(shard, "grads")
+            grad_shards[id(param)] = shard
+        param.grad = None  # the unsharded gradient is gone after its reduce-scatter
+
+    def optimizer_step():
+        grad_shards.clear()
+        losses.clear()
+
+    parts.on_grad, parts.optimizer_step, parts.ema_tensors = on_grad, optimizer_step, []
 
 
 def _trace_once(plan: dict, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str,
-                vae_config: dict | None = None) -> tuple[StorageTracker, list]:
+                vae_config: dict | None = None, sharded_world_size: int = 0) -> tuple[StorageTracker, list]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=False):  # a value read in the step would raise here
-        parts = build_step_parts(plan, spec, checkpointed_blocks, micro_batch, autocast_device, vae_config)
+        parts = build_step_parts(plan, spec, checkpointed_blocks, micro_batch, autocast_device, vae_config,
+                                 sharded_world_size)
         tracker = StorageTracker()
         run_traced(parts, tracker)
     return tracker, parts.checkpointed
@@ -527,6 +610,9 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
     traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
     (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either). `vae_config`
     (online latents): the AutoencoderKL's config; default the SD VAE's (`SD_VAE_CONFIG`).
+
+    A sharded plan (zero2/zero3) is traced as one rank's compute under FSDP2 (`make_sharded`: parameters in the
+    compute dtype, no autocast, 1/world_size fp32 gradient shards); `sharded_accounting` completes it.
     """
     from dit_accel.train import spec_from_plan
 
@@ -543,13 +629,18 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
     checkpointed = int(decision["checkpointed_blocks"])
     if not 0 <= checkpointed <= spec.depth:
         raise UserError(f"plan decision.checkpointed_blocks {checkpointed} is outside 0..{spec.depth}: re-create the plan")
+    sharding = decision.get("sharding", "ddp")
+    world_size = max(1, int(plan.get("cluster", {}).get("world_size") or 1)) if sharding != "ddp" else 1
+    if sharding not in ("ddp", "zero2", "zero3"):
+        raise UserError(f"plan decision.sharding {sharding!r} is not ddp, zero2 or zero3: re-create the plan")
     target = (spec.depth - checkpointed, checkpointed)
     base, all_counts = trace_plan_counts(target)
     started = time.perf_counter()
 
     def trace(counts: Counts) -> tuple[StorageTracker, list]:
         shallow = dataclasses.replace(spec, depth=sum(counts))
-        return _trace_once(plan, shallow, counts[1], micro_batch, autocast_device, vae_config)
+        return _trace_once(plan, shallow, counts[1], micro_batch, autocast_device, vae_config,
+                           world_size if sharding != "ddp" else 0)
 
     # Each trace also runs the embedding, final layer and loss (about two blocks' worth of ops): when the
     # shallow traces together would run as many ops as the full network, trace the full network.
@@ -577,7 +668,9 @@ def trace_training_step(plan: dict, *, depth_extrapolate: str = "auto", autocast
     return TraceResult(peak_bytes=peak_bytes, components=dict(components), peak_at=_describe(window),
                        depth=spec.depth, checkpointed_blocks=checkpointed, micro_batch=micro_batch,
                        precision=decision["precision"], autocast_device=autocast_device,
-                       traced_depths=traced_depths, seconds=round(time.perf_counter() - started, 2))
+                       traced_depths=traced_depths, seconds=round(time.perf_counter() - started, 2),
+                       sharding=sharding, world_size=world_size,
+                       peak_moment=planner_moment(window, components, spec.depth) if sharding != "ddp" else "")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -595,9 +688,9 @@ def traced_optimizer_kind(plan: dict, device: str) -> str:
     return plan["decision"].get("adamw") or "fused" if device == "cuda" else "single"
 
 
-def planner_estimate(plan: dict, autocast_device: str) -> tuple[int, dict[str, int], str]:
-    """The planner's traceable peak for this plan as a single process would trace it: (bytes, components
-    at the planner's peak moment without overhead, that moment). World size 1: no DDP buckets."""
+def planner_phases(plan: dict, autocast_device: str, sharding: str = "ddp", world_size: int = 1) -> dict:
+    """The planner's components at each moment of this plan's step, for `world_size` processes of `sharding`
+    on one node, with the AdamW a trace on `autocast_device` runs."""
     from dataclasses import fields
 
     from dit_accel.train import spec_from_plan
@@ -608,18 +701,25 @@ def planner_estimate(plan: dict, autocast_device: str) -> tuple[int, dict[str, i
     decision = plan["decision"]
     known = {f.name for f in fields(Decision)}
     values = {key: value for key, value in decision.items() if key in known}
-    values.update(sharding="ddp", adamw=traced_optimizer_kind(plan, autocast_device))
+    values.update(sharding=sharding, adamw=traced_optimizer_kind(plan, autocast_device))
     assumptions = Assumptions()
     recorded = {key: value for key, value in plan.get("assumptions", {}).items() if hasattr(assumptions, key)}
     assumptions = assumptions.replace(**recorded).replace(autocast_device=autocast_device)
-    cluster = Cluster(nodes=1, gpus_per_node=1, vram_bytes=int(plan.get("cluster", {}).get("vram_bytes") or 2**50))
-    estimate = step_memory(spec, Decision(**values), cluster, assumptions)
+    cluster = Cluster(nodes=1, gpus_per_node=world_size,
+                      vram_bytes=int(plan.get("cluster", {}).get("vram_bytes") or 2**50))
+    return step_memory(spec, Decision(**values), cluster, assumptions).phases
+
+
+def planner_estimate(plan: dict, autocast_device: str) -> tuple[int, dict[str, int], str]:
+    """The planner's traceable peak for this plan as a single process would trace it: (bytes, components
+    at the planner's peak moment without overhead, that moment). World size 1: no DDP buckets."""
+    phases = planner_phases(plan, autocast_device)
     best_phase, best = None, -1
-    for phase, components in estimate.phases.items():
+    for phase, components in phases.items():
         traceable = sum(components[name] for name in COMPARED)
         if traceable > best:
             best_phase, best = phase, traceable
-    return best, {name: estimate.phases[best_phase][name] for name in COMPARED}, best_phase
+    return best, {name: phases[best_phase][name] for name in COMPARED}, best_phase
 
 
 @dataclass
@@ -664,6 +764,132 @@ def compare(result: TraceResult, plan: dict) -> Comparison:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Sharded plans: one rank, part traced, part derived
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardedComparison:
+    """One rank of a sharded plan beside the planner's estimate for that rank.
+
+    At the traced compute peak (forward/backward), every component is either traced (activations, autocast
+    cache, VAE, temporaries, the emulated gradient shards), derived from the traced sizes (the fp32 master
+    shard, AdamW state and EMA: 1/world_size of the traced parameters), or, for zero3's gathered parameters,
+    modelled as the planner models them (one process cannot reshard). `rows` say which, in their last field.
+    The optimizer step is not traced: its states are derived the same way (no temporaries).
+    """
+
+    rows: list  # (name, rank bytes, planned bytes or None, relative error or None, how it is known)
+    compute_peak_bytes: int  # the rank at the traced compute peak, derived as the rows say (with the batch)
+    planned_compute_bytes: int  # the planner at the traced peak's moment (traceable components)
+    planned_compute_phase: str
+    optimizer_step_bytes: int  # derived: master shard + buffer + grad, AdamW and EMA shards
+    planned_optimizer_step_bytes: int  # the planner's, with its AdamW temporaries
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.compute_peak_bytes, self.optimizer_step_bytes)
+
+    @property
+    def planned_peak_bytes(self) -> int:
+        return max(self.planned_compute_bytes, self.planned_optimizer_step_bytes)
+
+    def component_error(self, name: str) -> float | None:
+        return next(row[3] for row in self.rows if row[0] == name)
+
+
+def compare_sharded(result: TraceResult, plan: dict) -> ShardedComparison:
+    """Complete the traced compute of one rank (`make_sharded`) with what one process cannot trace, and put it
+    beside the planner's sharded estimate for the same moment, component by component."""
+    from dit_accel.train import spec_from_plan
+
+    spec = spec_from_plan(plan)
+    world_size, traced = result.world_size, result.components
+    compute_bytes = 4 if result.precision == "fp32" else 2
+    dtype = {2: result.precision, 4: "fp32"}[compute_bytes]
+    gathered = traced["weights"]  # every parameter, converted to the compute dtype: all units gathered at once
+    params = gathered // compute_bytes
+    master = 4 * params // world_size
+    if result.sharding == "zero3":
+        held_blocks = min(2, spec.depth)  # the unit in use and the prefetched next, plus the root (planner's rule)
+        gathered = compute_bytes * (params - (spec.depth - held_blocks) * spec.block_params)
+        gathered_how = f"modelled {dtype} gathered parameters: root unit + {held_blocks} block units (planner's rule)"
+    else:
+        gathered_how = f"traced {dtype} gathered parameters: every unit, forward to end of backward"
+    ema = 4 * params // world_size if plan["decision"].get("ema", True) else 0
+    derived = f"derived: 1/{world_size} of the traced {params:,} parameters"
+    rank = {
+        "weights": (master + traced["buffers"] + gathered,
+                    f"{derived} x 4 B (fp32 master shard) + traced fp32 buffer + {gathered_how}"),
+        "grads": (traced["grads"], f"traced: fp32 1/{world_size} shards as each reduce-scatter leaves them (emulated)"),
+        "optimizer": (2 * 4 * params // world_size, f"{derived} x 8 B (AdamW exp_avg, exp_avg_sq)"),
+        "ema": (ema, f"{derived} x 4 B (fp32 EMA)" if ema else "no EMA"),
+        "activations": (traced["activations"], f"traced: pure {dtype}, no autocast"),
+        "autocast_cache": (traced["autocast_cache"], "traced: no autocast, so no cache"),
+        "vae": (traced["vae"], "traced"),
+        "temporaries": (traced["temporaries"], "traced: unsharded grads freed per parameter, not per unit"),
+    }
+    phases = planner_phases(plan, result.autocast_device, result.sharding, world_size)
+    compute_phases = {phase: parts for phase, parts in phases.items() if phase != "optimizer_step"}
+    # the planner at the moment the trace peaked, else at its own largest forward/backward moment
+    planned_phase = result.peak_moment if result.peak_moment in compute_phases else \
+        max(compute_phases, key=lambda phase: sum(compute_phases[phase][name] for name in COMPARED))
+    planned = compute_phases[planned_phase]
+    rows = [(name, rank[name][0], planned[name], relative_error(planned[name], rank[name][0]), rank[name][1])
+            for name in COMPARED]
+    rows.append(("batch (inputs, noise, labels)", traced.get("batch", 0), None, None, "traced"))
+    optimizer_step = master + traced["buffers"] + 4 * params // world_size + 2 * 4 * params // world_size + ema
+    return ShardedComparison(
+        rows=rows, compute_peak_bytes=sum(row[1] for row in rows),
+        planned_compute_bytes=sum(planned[name] for name in COMPARED), planned_compute_phase=planned_phase,
+        optimizer_step_bytes=optimizer_step,
+        planned_optimizer_step_bytes=sum(phases["optimizer_step"][name] for name in COMPARED))
+
+
+def format_sharded_report(result: TraceResult, comparison: ShardedComparison, plan_path: str = "plan.json",
+                          plan_notes: dict | None = None) -> str:
+    """One rank of a sharded plan beside the planner, each figure labelled traced, derived or modelled."""
+    from tabulate import tabulate
+
+    rows = [(name, _gib(rank), _gib(planned), _percent(error), how) for name, rank, planned, error, how in comparison.rows]
+    rows.append(("rank at the compute peak", _gib(comparison.compute_peak_bytes), _gib(comparison.planned_compute_bytes),
+                 _percent(relative_error(comparison.planned_compute_bytes, comparison.compute_peak_bytes)), ""))
+    rows.append(("optimizer step", _gib(comparison.optimizer_step_bytes), _gib(comparison.planned_optimizer_step_bytes),
+                 _percent(relative_error(comparison.planned_optimizer_step_bytes, comparison.optimizer_step_bytes)),
+                 "derived states, not traced (the planner adds AdamW's temporaries)"))
+    rows.append(("peak of the rank", _gib(comparison.peak_bytes), _gib(comparison.planned_peak_bytes),
+                 _percent(relative_error(comparison.planned_peak_bytes, comparison.peak_bytes)), ""))
+    depths = ("full depth" if result.traced_depths == [result.depth]
+              else f"traced at depths {', '.join(map(str, result.traced_depths))}, extrapolated per block")
+    lines = [
+        f"traced compute of one rank of {plan_path} ({result.sharding}, FSDP2, world size {result.world_size}): "
+        f"micro-batch {result.micro_batch}, pure {result.precision} (parameters in the compute dtype, no autocast), "
+        f"{result.checkpointed_blocks}/{result.depth} blocks checkpointed ({depths}; {result.seconds:.1f} s, "
+        f"nothing allocated)",
+        f"traced compute peak during {result.peak_at}; planner's moment compared: "
+        f"{comparison.planned_compute_phase.replace('_', ' ')}",
+        "traced: what the step's tensors hold; derived: 1/world_size of the traced sizes; modelled: the planner's "
+        "rule, which one process cannot run",
+    ]
+    if plan_notes and plan_notes.get("memory", {}).get("peak_bytes"):
+        memory = plan_notes["memory"]
+        lines.append(f"the plan's own peak (its GPU, overhead, NCCL, fragmentation): {_gib(memory['peak_bytes'])} "
+                     f"of a {_gib(memory.get('budget_bytes'))} budget")
+    lines += [
+        "",
+        tabulate(rows, headers=["component (one rank)", "rank", "planner", "planner error", "how it is known"],
+                 tablefmt="simple", disable_numparse=True),
+        "",
+        "not seen by a tensor trace (the planner adds these as overhead, not checked here):",
+    ]
+    unseen = [item for item in result.unseen if not item.startswith("CPU-vs-CUDA")]  # no autocast to differ
+    unseen.append("FSDP2's all-gather and reduce-scatter buffers, and the unsharded gradients of a whole unit "
+                  "before its reduce-scatter")
+    lines += [f"  - {item}" for item in unseen]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
 # dit-accel verify
 # ---------------------------------------------------------------------------------------------------
 
@@ -687,11 +913,7 @@ def comparison_plan_notes(plan: dict | None) -> list[str]:
     if memory.get("peak_bytes"):
         notes.append(f"the plan's own peak (its GPU's autocast, overhead, DDP buckets, fragmentation): "
                      f"{_gib(memory['peak_bytes'])} of a {_gib(memory.get('budget_bytes'))} budget")
-    sharding = plan["decision"].get("sharding", "ddp")
-    if sharding != "ddp":
-        notes.append(f"the plan shards with {sharding} (FSDP): the trace is of one unsharded process, compared "
-                     f"with the planner's unsharded (ddp) estimate")
-    return notes
+    return notes  # (a sharded plan has its own report: format_sharded_report)
 
 
 def format_report(result: TraceResult, comparison: Comparison, plan_path: str = "plan.json",
@@ -760,6 +982,23 @@ def main(argv: list[str] | None = None) -> int:
         plan["decision"]["micro_batch"] = args.micro_batch
     result = trace_training_step(plan, depth_extrapolate=args.depth_extrapolate, autocast_device=args.device_autocast,
                                  vae_config=_vae_config(args.vae) if args.vae else None)
+    if result.sharding != "ddp":
+        sharded = compare_sharded(result, plan)
+        print(format_sharded_report(result, sharded, args.plan, plan))
+        if args.json_out:
+            from dit_accel.atomic import write_json_atomically
+
+            write_json_atomically(Path(args.json_out), {
+                "trace": result.to_json(),
+                "rank": {row[0]: {"bytes": row[1], "how": row[4]} for row in sharded.rows},
+                "planner": {"phase": sharded.planned_compute_phase,
+                            "components": {row[0]: row[2] for row in sharded.rows if row[2] is not None},
+                            "optimizer_step_bytes": sharded.planned_optimizer_step_bytes,
+                            "peak_bytes": sharded.planned_peak_bytes},
+                "peak_bytes": sharded.peak_bytes,
+                "peak_error": relative_error(sharded.planned_peak_bytes, sharded.peak_bytes),
+            })
+        return 0
     comparison = compare(result, plan)
     print(format_report(result, comparison, args.plan, plan))
     if args.json_out:

@@ -290,3 +290,89 @@ def test_verify_traces_the_vae_architecture_of_a_given_folder(tmp_path, capsys):
     assert sd.components["vae"] > traced["components"]["vae"]  # the default SD VAE is far larger
     assert memtrace.main([str(plan_path), "--vae", str(tmp_path / "nothing")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+# --- sharded plans: one rank's pure low-precision compute ---------------------------------------------------
+
+
+def sharded_plan(sharding, checkpointed_blocks, world_size=4, precision="bf16", grad_accum=1, depth=4):
+    plan = tiny_plan(depth=depth, checkpointed_blocks=checkpointed_blocks, precision=precision, micro_batch=8,
+                     grad_accum=grad_accum)
+    plan["decision"]["sharding"] = sharding
+    plan["cluster"]["world_size"] = world_size
+    plan["global_batch"] *= world_size
+    return plan
+
+
+SHARDED_CASES = [
+    dict(sharding="zero2", checkpointed_blocks=0),
+    dict(sharding="zero3", checkpointed_blocks=2, grad_accum=2),
+    dict(sharding="zero2", checkpointed_blocks=4, world_size=2),
+    dict(sharding="zero3", checkpointed_blocks=4),
+    dict(sharding="zero3", checkpointed_blocks=1, precision="fp16", world_size=8),
+]
+
+
+@pytest.mark.parametrize("case", SHARDED_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_a_sharded_ranks_traced_activations_are_the_planners(case, capsys):
+    """One rank of a sharded plan: the traced part (activations, in pure bf16/fp16 with no autocast) within 5% of
+    the planner's sharded estimate at the same moment; the derived part exactly 1/world_size of the traced
+    parameters; the rest printed with how each figure is known."""
+    plan = sharded_plan(**case)
+    world_size = plan["cluster"]["world_size"]
+    result = trace_training_step(plan, autocast_device="cpu")
+    comparison = memtrace.compare_sharded(result, plan)
+    assert (result.sharding, result.world_size) == (case["sharding"], world_size)
+    assert result.peak_moment == comparison.planned_compute_phase  # compared at the moment the trace peaked
+    assert abs(comparison.component_error("activations")) < 0.05
+    rows = {row[0]: row for row in comparison.rows}
+    assert rows["autocast_cache"][1] == 0 and result.components["optimizer"] == result.components["ema"] == 0
+    from dit_accel.train import spec_from_plan
+
+    spec = spec_from_plan(plan)
+    params = spec.params_trainable
+    assert result.components["weights"] == 2 * params  # every parameter traced in the compute dtype
+    assert rows["optimizer"][1] == 8 * params // world_size and rows["ema"][1] == 4 * params // world_size
+    assert rows["weights"][1] == rows["weights"][2]  # master shard + buffer + gathered, as the planner counts
+    if comparison.planned_compute_phase in ("end_of_backward", "optimizer_step") or case.get("grad_accum", 1) > 1:
+        assert rows["grads"][1] > 0 and abs(rows["grads"][3]) < 0.05  # the emulated 1/N fp32 shards
+    report = memtrace.format_sharded_report(result, comparison)
+    print(report)
+    assert "traced: pure" in report and "derived: 1/" in report and "FSDP2's all-gather" in report
+    assert ("modelled" in rows["weights"][4]) == (case["sharding"] == "zero3")  # zero3's gathers: the planner's rule
+    assert "CPU-vs-CUDA" not in report  # no autocast, so no CPU/CUDA difference in what is saved
+
+
+def test_the_sharded_trace_is_pure_low_precision_not_autocast():
+    """The same network and batch: the DDP trace autocasts (weight copies in its cache, fp32 conditioning); the
+    sharded rank's holds no cache and saves less, and its parameters are bf16."""
+    ddp = trace_training_step(tiny_plan(depth=2, precision="bf16", micro_batch=8), autocast_device="cpu",
+                              depth_extrapolate="off")
+    sharded = trace_training_step(sharded_plan("zero2", 0, depth=2), autocast_device="cpu", depth_extrapolate="off")
+    assert ddp.components["autocast_cache"] > 0 and sharded.components["autocast_cache"] == 0
+    assert sharded.components["activations"] < ddp.components["activations"]
+    assert ddp.components["weights"] == 2 * sharded.components["weights"]  # fp32 there, bf16 here
+    assert "sharding" not in ddp.to_json() and sharded.to_json()["sharding"] == "zero2"
+
+
+@pytest.mark.parametrize("case", [dict(sharding="zero2", checkpointed_blocks=3, depth=6)])
+def test_sharded_extrapolation_equals_the_full_trace(case):
+    plan = sharded_plan(**case)
+    full = trace_training_step(plan, depth_extrapolate="off", autocast_device="cpu")
+    extrapolated = trace_training_step(plan, depth_extrapolate="on", autocast_device="cpu")
+    assert (extrapolated.peak_bytes, extrapolated.components, extrapolated.peak_at, extrapolated.peak_moment) == \
+        (full.peak_bytes, full.components, full.peak_at, full.peak_moment)
+
+
+def test_verify_of_a_sharded_plan_names_what_is_traced_derived_and_modelled(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(sharded_plan("zero3", 2)))
+    out_json = tmp_path / "verify.json"
+    assert memtrace.main([str(plan_path), "--device-autocast", "cpu", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "one rank" in out and "zero3, FSDP2, world size 4" in out and "no autocast" in out
+    assert "unsharded process" not in out  # the old note: traced as if unsharded with autocast
+    saved = json.loads(out_json.read_text())
+    assert saved["trace"]["sharding"] == "zero3" and saved["rank"]["activations"]["how"].startswith("traced")
+    assert saved["rank"]["weights"]["how"].startswith("derived") and "modelled" in saved["rank"]["weights"]["how"]
+    assert saved["rank"]["optimizer"]["bytes"] == saved["planner"]["components"]["optimizer"]

@@ -39,10 +39,46 @@ def _env() -> dict:
     return env
 
 
-def _start(plan_dir: Path, images: Path, out: Path, *args) -> tuple[Path, subprocess.Popen]:
+# The trainer, launched through this instead of `-m dit_accel.train`, records what a block computes in: a
+# forward pre-hook on every transformer block (its input) and on its first linear inside the FSDP unit (the
+# gathered weight, its input, and whether autocast is on), written per rank to probe_rank<N>.json beside it.
+DTYPE_PROBE = """
+import json, os, sys
+from pathlib import Path
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+records = []
+
+def autocast_on():
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+def record_linear(module, args):
+    if len(records) < 16:
+        records.append({"where": "attn1.to_q", "weight": str(module.weight.dtype), "input": str(args[0].dtype),
+                        "weight_type": type(module.weight).__name__, "autocast": autocast_on()})
+
+def record_block(module, args):
+    if type(module).__name__ != "BasicTransformerBlock" or len(records) >= 16:
+        return
+    records.append({"where": "block input", "input": str(args[0].dtype) if args else "(keyword)",
+                    "autocast": autocast_on()})
+    if not getattr(module.attn1.to_q, "_probed", False):
+        module.attn1.to_q._probed = True
+        module.attn1.to_q.register_forward_pre_hook(record_linear)
+
+register_module_forward_pre_hook(record_block)
+from dit_accel.train import main
+code = main(sys.argv[1:])
+Path(__file__).with_name(f"probe_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(records))
+sys.exit(code)
+"""
+
+
+def _start(plan_dir: Path, images: Path, out: Path, *args, program: tuple = ("-m", "dit_accel.train")
+           ) -> tuple[Path, subprocess.Popen]:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(plan_dir / "accelerate_config.yaml"), "--num_processes", "2", "--main_process_port", "0",
-               "-m", "dit_accel.train", "--plan", str(plan_dir / "plan.json"), "--data-path", str(images),
+               *program, "--plan", str(plan_dir / "plan.json"), "--data-path", str(images),
                "--output-dir", str(out), *QUIET, *map(str, args)]
     return out, subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -109,13 +145,32 @@ def runs(tmp_path_factory):
     }
     # The four independent runs start together: most of a launch is interpreter start-up and imports, which
     # overlap well; each run is still two real processes of its own.
-    started = {name: _start(plan, images, root / f"run_{name}") for name, plan in plans.items()}
+    probe = root / "dtype_probe.py"
+    probe.write_text(DTYPE_PROBE)
+    started = {name: _start(plan, images, root / f"run_{name}",
+                            **({"program": (str(probe),)} if name == "zero2_bf16" else {}))
+               for name, plan in plans.items()}
     out = {name: _finish(run) for name, run in started.items()}
     # zero3 again from its own step-2 checkpoint, in another folder
     out["zero3_resumed"] = _finish(_start(plans["zero3"], images, root / "run_zero3_resumed",
                                           "--resume", out["zero3"] / "checkpoints" / "step_00000002"))
     out["plans"], out["root"] = plans, root
     return out
+
+
+@pytest.mark.slow
+def test_a_zero2_bf16_block_computes_in_pure_bf16_without_autocast(runs):
+    """What the planner's pure low-precision model of sharded plans rests on (planner.memory.element_bytes with
+    pure=True): under FSDP2's MixedPrecisionPolicy a block's input and its gathered parameters are bf16 and no
+    autocast is on, so nothing is cast and there is no autocast cache. Recorded in the launched zero2 bf16 run."""
+    for rank in (0, 1):
+        records = json.loads((runs["root"] / f"probe_rank{rank}.json").read_text())
+        blocks = [r for r in records if r["where"] == "block input"]
+        linears = [r for r in records if r["where"] == "attn1.to_q"]
+        assert len(blocks) >= 2 and len(linears) >= 2, records  # both blocks of the first step, at least
+        assert all(r["input"] == "torch.bfloat16" and r["autocast"] is False for r in blocks), blocks
+        assert all(r["weight"] == r["input"] == "torch.bfloat16" and r["autocast"] is False for r in linears), linears
+        assert all(r["weight_type"] != "DTensor" for r in linears)  # the gathered, unsharded parameter
 
 
 @pytest.mark.slow

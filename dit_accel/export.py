@@ -248,7 +248,8 @@ def build_import_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dit-accel import-dit",
         description="Turn an original DiT checkpoint (.pt state dict of the DiT repository, e.g. DiT-XL-2-256x256.pt) "
-                    "into a dit-accel run folder that `dit-accel sample` and `dit-accel export` read.")
+                    "into a dit-accel run folder that `dit-accel sample` and `dit-accel export` read and that "
+                    "`dit_accel.train --init-from` fine-tunes.")
     parser.add_argument("--checkpoint", required=True, help="the original .pt file")
     parser.add_argument("--out", required=True, help="the run folder to write")
     parser.add_argument("--heads", type=int, default=None,

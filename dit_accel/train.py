@@ -939,7 +939,11 @@ def train(config: TrainConfig) -> int:
         persistent_workers=workers > 0)
     batches = iter(loader)
 
-    plan_peak = plan.get("memory", {}).get("peak_bytes")
+    # torch.cuda.max_memory_allocated sees tensors only, so it is held to the plan's peak less the overheads the
+    # plan adds for the CUDA context, cuBLAS, NCCL and fragmentation (which max_memory_reserved partly shows).
+    plan_memory = plan.get("memory", {})
+    plan_peak = plan_memory.get("peak_bytes")
+    plan_tensors = plan_peak - plan_memory.get("overhead", 0) if plan_peak else None
     sharding = decision.get("sharding", "ddp")
     layout = ("replicated (DDP)" if sharding == "ddp" else
               f"sharded {sharding} (FSDP2, reshard after forward: {RESHARD_AFTER_FORWARD[sharding]})")
@@ -1025,12 +1029,14 @@ def train(config: TrainConfig) -> int:
                 allocated, reserved = (int(v) for v in peak_tensor.tolist())
                 metrics.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved)
                 memory_text = f"peak GPU memory {gib(allocated)} allocated, {gib(reserved)} reserved"
-                if plan_peak and allocated > plan_peak and not warned_memory:
+                if plan_tensors and allocated > plan_tensors and not warned_memory:
                     warned_memory = True
-                    log.warning(f"measured peak {gib(allocated)} exceeds the plan's estimate {gib(plan_peak)}: "
+                    log.warning(f"measured peak {gib(allocated)} allocated exceeds the plan's {gib(plan_tensors)} of "
+                                f"tensors (its {gib(plan_peak)} peak less overheads): "
                                 f"report it with `dit-accel verify`; the run goes on")
             if plan_peak:
-                memory_text += f" (plan: {gib(plan_peak)})"
+                memory_text += (f" (plan: {gib(plan_peak)})" if peak is None else
+                                f" (plan: {gib(plan_tensors)} of tensors, {gib(plan_peak)} with overheads)")
             log.info(f"step {step}/{config.max_steps} | loss {loss:.4f} | lr {result.lr:.3g} | grad norm "
                      f"{result.grad_norm:.3g} | {metrics['images_per_s']:.1f} img/s | {metrics['step_time_s']:.3f} s/step | "
                      f"{memory_text}")

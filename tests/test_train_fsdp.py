@@ -2,10 +2,12 @@
 with `accelerate launch`, compared with the DDP run of the same samples; exact resume of a sharded run;
 checkpointed blocks inside FSDP units; load_for_inference on a sharded checkpoint; the launch-config checks.
 
-Pixel-space 32 px demo images keep the runs small (no VAE); four of the five launches run side by side.
+Pixel-space 32 px demo images keep the runs small (no VAE); four of the six launches run side by side, then
+the other two.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -71,6 +73,30 @@ from dit_accel.train import main
 code = main(sys.argv[1:])
 Path(__file__).with_name(f"probe_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(records))
 sys.exit(code)
+"""
+
+
+# A --init-from run launched through this records, right after build_components (before any step), the
+# sharded model's full weights and EMA, gathered as the trainer gathers them (full_tensor, EMA.save): step 0.
+INIT_PROBE = """
+import os, sys
+from pathlib import Path
+from safetensors.torch import save_file
+import dit_accel.train as train
+build_components = train.build_components
+
+def build_and_record(*args, **kwargs):
+    components = build_components(*args, **kwargs)
+    here, main = Path(__file__).parent, os.environ.get("RANK", "0") == "0"
+    full = {name: train.full_tensor(param.detach()).clone() for name, param in components.raw_model.named_parameters()}
+    assert any(hasattr(param, "full_tensor") for param in components.raw_model.parameters())  # really sharded
+    if main:
+        save_file(full, str(here / "init_step0_weights.safetensors"))
+    components.ema.save(here / "init_step0_ema.safetensors", write=main)
+    return components
+
+train.build_components = build_and_record
+sys.exit(train.main(sys.argv[1:]))
 """
 
 
@@ -151,9 +177,15 @@ def runs(tmp_path_factory):
                             **({"program": (str(probe),)} if name == "zero2_bf16" else {}))
                for name, plan in plans.items()}
     out = {name: _finish(run) for name, run in started.items()}
-    # zero3 again from its own step-2 checkpoint, in another folder
-    out["zero3_resumed"] = _finish(_start(plans["zero3"], images, root / "run_zero3_resumed",
-                                          "--resume", out["zero3"] / "checkpoints" / "step_00000002"))
+    # zero3 again from its own step-2 checkpoint, in another folder; beside it a 2-step zero3 run fine-tuned
+    # from the DDP run's final weights (--init-from), recording its step-0 weights through INIT_PROBE
+    init_probe = root / "init_probe.py"
+    init_probe.write_text(INIT_PROBE)
+    resumed = _start(plans["zero3"], images, root / "run_zero3_resumed",
+                     "--resume", out["zero3"] / "checkpoints" / "step_00000002")
+    from_ddp = _start(plans["zero3"], images, root / "run_zero3_init", "--max-steps", 2,
+                      "--init-from", out["ddp"] / "checkpoints" / "step_00000004", program=(str(init_probe),))
+    out["zero3_resumed"], out["zero3_init"] = _finish(resumed), _finish(from_ddp)
     out["plans"], out["root"] = plans, root
     return out
 
@@ -224,6 +256,28 @@ def test_sharded_resume_is_bit_identical(runs):
     a, b = load_file(str(straight / ckpt.EMA_WEIGHTS)), load_file(str(resumed / ckpt.EMA_WEIGHTS))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert ckpt.read_train_state(resumed)["step"] == STEPS
+
+
+@pytest.mark.slow
+def test_init_from_a_ddp_checkpoint_under_a_sharded_plan(runs):
+    """docs/training.md: --init-from weights are loaded before sharding, so the gathered zero3 model and its EMA
+    at step 0 are exactly the source weights; the run then trains from them."""
+    source = _weights(runs["ddp"] / "checkpoints" / "step_00000004")
+    at_step0 = load_file(str(runs["root"] / "init_step0_weights.safetensors"))
+    ema_at_step0 = load_file(str(runs["root"] / "init_step0_ema.safetensors"))
+    _assert_close(at_step0, source, 0.0, "zero3 weights at step 0")
+    _assert_close(ema_at_step0, source, 0.0, "zero3 EMA at step 0")
+    assert all(t.dtype == torch.float32 for t in ema_at_step0.values())
+
+    run = runs["zero3_init"]
+    assert "initialized from" in (run / "logs" / "rank0.log").read_text()
+    losses = _losses(run)
+    assert len(losses) == 2 and all(map(math.isfinite, losses))
+    assert losses[0] < _losses(runs["ddp"])[0] - 0.03  # trained weights on the same first batch as random ones
+    final = run / "checkpoints" / "step_00000002"
+    assert ckpt.read_train_state(final)["init_from"].startswith(str(runs["ddp"] / "checkpoints" / "step_00000004"))
+    trained = _weights(final)
+    assert max((trained[k] - source[k]).abs().max().item() for k in source) > 1e-4  # it moved off the source
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from planner.search import (
     check_global_batch,
     choose,
     comm_bytes_per_gpu,
+    communication_warning,
     nearest_valid_global_batches,
 )
 from planner.spec import model_spec
@@ -159,7 +160,7 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
     others = alternatives(spec, space, cluster, assumed, budget_bytes, decision)
     host, host_warnings = host_estimate(spec, decision, cluster, assumed, host_ram_bytes)
     warnings += host_warnings
-    warnings += _advice(spec, decision, cluster, preset, precision, main_process_ip, others, throughput)
+    warnings += _advice(spec, decision, cluster, preset, precision, main_process_ip, others, throughput, assumed)
 
     return {
         "schema": SCHEMA,
@@ -251,7 +252,8 @@ def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
     }
 
 
-def _advice(spec, decision, cluster, preset, asked_precision, main_process_ip, others, throughput) -> list[str]:
+def _advice(spec, decision, cluster, preset, asked_precision, main_process_ip, others, throughput,
+            assumed) -> list[str]:
     notes = []
     if preset is None:
         notes.append("throughput assumes an A100-class peak (312 TFLOP/s bf16) because only --vram was given: "
@@ -270,6 +272,9 @@ def _advice(spec, decision, cluster, preset, asked_precision, main_process_ip, o
     if decision.sharded:
         notes.append(f"{decision.sharding} shards with FSDP ({FSDP_STRATEGY[decision.sharding]}): the shared embedder "
                      f"must sit in the root FSDP unit, and grads are reduce-scattered every micro-step (sync_each_batch)")
+    communication = communication_warning(spec, decision, cluster, assumed, throughput)
+    if communication:
+        notes.append(communication)
     faster = [c for c in others if c.throughput.images_per_s > throughput.images_per_s * 1.03]
     if faster:
         f = faster[0].decision

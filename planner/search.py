@@ -110,6 +110,35 @@ def estimate_throughput(spec: DiTSpec, decision: Decision, cluster: Cluster, ass
                       peak_flops_per_gpu=peak_flops(cluster, decision.precision, assumptions), assumed_mfu=mfu)
 
 
+COMM_WARNING_SHARE = 0.25  # exposed communication above this share of the step time gets a plan warning
+
+
+def communication_warning(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions,
+                          throughput: Throughput) -> str | None:
+    """Why a plan estimates few images/s when its step is communication-bound (typically across nodes with a
+    small per-GPU batch): the share, the bytes and the bandwidth behind `estimate_throughput`, and the fixes."""
+    share = throughput.exposed_comm_time_s / throughput.step_time_s if throughput.step_time_s else 0.0
+    if share <= COMM_WARNING_SHARE:
+        return None
+    busbw = bus_bandwidth(cluster, assumptions)
+    if cluster.nodes > 1:
+        source, key, example = "inter-node", "inter_node_busbw_bytes_per_s", " (e.g. 50e9 for 400 Gb/s NDR per GPU)"
+    else:
+        source, key, example = "intra-node", "intra_node_busbw_bytes_per_s", ""
+    if decision.sharding == "ddp":
+        collectives = "the fp32 gradient all-reduce, once per optimizer step"
+        amortise = (f"a larger --global-batch (gradient accumulation reaches it where memory is short) spreads the "
+                    f"same bytes over more images")
+    else:
+        collectives = f"{decision.sharding}'s gathers and reduce-scatters, every micro-step"
+        amortise = "a larger micro-batch (fewer accumulation micro-steps) or --sharding ddp where it fits sends fewer bytes per image"
+    return (f"exposed communication is {share:.0%} of the estimated step time ({throughput.exposed_comm_time_s * 1e3:.0f} "
+            f"of {throughput.step_time_s * 1e3:.0f} ms): each GPU sends {comm_bytes_per_gpu(spec, decision, cluster) / 1e9:.2f} GB "
+            f"per step ({collectives}) at an assumed {busbw / 1e9:.0f} GB/s {source} bus bandwidth, "
+            f"{assumptions.comm_exposed_fraction:.0%} of it not hidden behind backward; {amortise}, and "
+            f"--assume {key}=BYTES_PER_S{example} states the real fabric")
+
+
 # --- the search --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -233,3 +233,41 @@ def test_the_planner_never_imports_torch():
             "heavy = {'torch', 'accelerate', 'diffusers', 'numpy'} & set(sys.modules); assert not heavy, heavy")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_communication_bound_plan_warns_why_and_how_to_fix_it(tmp_path, capsys):
+    """2 x 8 H100 at global batch 256: micro-batch 16 per GPU, and the exposed inter-node gradient all-reduce
+    outweighs its compute, so 2 nodes estimate fewer images/s than 1; the plan says why, in all three outputs."""
+    two_nodes = ["--gpu", "h100-80g", "--gpus", "8", "--global-batch", "256"]
+    code, out, _ = run(two_nodes + ["--nodes", "2", "--main-process-ip", "10.0.0.1", "--out", str(tmp_path / "two")], capsys)
+    assert code == 0
+    plan = json.loads((tmp_path / "two" / "plan.json").read_text())
+    t = plan["throughput"]
+    share = t["exposed_comm_time_s"] / t["step_time_s"]
+    assert share > 0.25
+    [warning] = [w for w in plan["warnings"] if w.startswith("exposed communication")]
+    assert f"{share:.0%} of the estimated step time" in warning
+    assert f"{t['comm_bytes_per_gpu'] / 1e9:.2f} GB" in warning and "25 GB/s inter-node" in warning
+    assert "--global-batch" in warning and "--assume inter_node_busbw_bytes_per_s=" in warning and "50e9" in warning
+    assert f"! {warning}\n" in out  # the terminal
+    assert warning in (tmp_path / "two" / "plan.md").read_text()
+
+    # the warning's own fix: the real fabric's bandwidth halves the exposed share and raises the estimate
+    run(two_nodes + ["--nodes", "2", "--main-process-ip", "10.0.0.1", "--assume", "inter_node_busbw_bytes_per_s=50e9",
+                     "--out", str(tmp_path / "ndr")], capsys)
+    ndr = json.loads((tmp_path / "ndr" / "plan.json").read_text())["throughput"]
+    assert ndr["exposed_comm_time_s"] == pytest.approx(t["exposed_comm_time_s"] / 2)
+    assert ndr["est_images_per_s"] > t["est_images_per_s"]
+
+    one_node = json.loads(json.dumps(make_plan(gpu="h100-80g", gpus=8, global_batch=256)))
+    assert one_node["throughput"]["est_images_per_s"] > t["est_images_per_s"]  # what the warning explains
+    assert not [w for w in one_node["warnings"] if "exposed communication" in w]
+
+
+def test_one_node_of_a100_40g_has_no_communication_warning(tmp_path, capsys):
+    code, out, _ = run(["--gpu", "a100-40g", "--gpus", "8", "--global-batch", "256", "--out", str(tmp_path)], capsys)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    t = plan["throughput"]
+    assert code == 0 and 0 < t["exposed_comm_time_s"] / t["step_time_s"] <= 0.25
+    assert "exposed communication" not in out and not any("exposed communication" in w for w in plan["warnings"])
+    assert "exposed communication is" not in (tmp_path / "plan.md").read_text()

@@ -121,14 +121,15 @@ def probe_environment() -> EnvironmentFacts:
     gpu_rows = _nvidia_smi(["--query-gpu=driver_version", "--format=csv,noheader"])
     if gpu_rows:
         driver_version = _parse_csv(gpu_rows)[0][0]
-    header = _nvidia_smi([])
-    if header:
-        driver_cuda = parse_driver_cuda(header)
     gpus = []
     cuda_available = torch.cuda.is_available()
+    if cuda_available and hasattr(torch._C, "_cuda_getDriverVersion"):
+        driver_cuda = _cuda_version_string(torch._C._cuda_getDriverVersion())
+    else:  # no CUDA driver API in torch: plain nvidia-smi's banner names it
+        header = _nvidia_smi([])
+        if header:
+            driver_cuda = parse_driver_cuda(header)
     if cuda_available:
-        if hasattr(torch._C, "_cuda_getDriverVersion"):
-            driver_cuda = _cuda_version_string(torch._C._cuda_getDriverVersion())
         for index in range(torch.cuda.device_count()):
             properties = torch.cuda.get_device_properties(index)
             error = ""

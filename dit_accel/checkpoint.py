@@ -113,16 +113,13 @@ def _fsync_tree(folder: Path) -> None:
     """Flush every file and the folder itself, so COMPLETE never lands before the data on a crash."""
     for root, _dirs, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
+            _fsync(os.path.join(root, name))
+        _fsync(root)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _fsync(path: str | Path) -> None:
+    """Flush one file or folder (a folder's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -134,13 +131,9 @@ def commit(tmp_dir: Path, final_dir: Path, marker: dict) -> None:
     _fsync_tree(tmp_dir)
     marker_path = tmp_dir / COMPLETE
     marker_path.write_text(json.dumps(marker, sort_keys=True) + "\n")
-    fd = os.open(marker_path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(marker_path)
     replace_folder(tmp_dir, final_dir)  # re-training over a step after resuming from an older checkpoint replaces it
-    _fsync_dir(final_dir.parent)
+    _fsync(final_dir.parent)
 
 
 def rotate(run_dir: str | Path, keep_last: int) -> list[Path]:

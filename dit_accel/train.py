@@ -232,11 +232,6 @@ def _children_without(module: nn.Module, excluded: nn.Module) -> list[nn.Module]
     return covering
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (an FSDP2 parameter), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a collective for a DTensor (every rank must call it), the tensor itself otherwise."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -99,7 +99,8 @@ def estimate_throughput(spec: DiTSpec, decision: Decision, cluster: Cluster, ass
     per_image = image_step_flops(spec, decision)
     mfu = assumptions.mfu(decision.precision)
     efficiency = small_batch_efficiency(spec, decision.micro_batch, assumptions)
-    rate = peak_flops(cluster, decision.precision, assumptions) * mfu * efficiency
+    peak = peak_flops(cluster, decision.precision, assumptions)
+    rate = peak * mfu * efficiency
     if decision.sharded:
         rate *= assumptions.fsdp_efficiency
     compute_s = decision.micro_batch * decision.grad_accum * per_image / rate
@@ -107,7 +108,7 @@ def estimate_throughput(spec: DiTSpec, decision: Decision, cluster: Cluster, ass
     step_s = compute_s + comm_s
     return Throughput(step_flops=per_image * global_batch, images_per_s=global_batch / step_s, step_time_s=step_s,
                       compute_time_s=compute_s, exposed_comm_time_s=comm_s, efficiency=efficiency,
-                      peak_flops_per_gpu=peak_flops(cluster, decision.precision, assumptions), assumed_mfu=mfu)
+                      peak_flops_per_gpu=peak, assumed_mfu=mfu)
 
 
 COMM_WARNING_SHARE = 0.25  # exposed communication above this share of the step time gets a plan warning
@@ -255,7 +256,7 @@ def search_path(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions
             return path
         current = path[-1]
         best, best_ratio = None, None
-        for order, move in enumerate(moves):
+        for move in moves:
             candidate = at(move)
             cost = candidate.memory.peak_bytes - current.memory.peak_bytes
             gain = candidate.throughput.images_per_s - current.throughput.images_per_s

@@ -181,7 +181,7 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
         },
         "global_batch": global_batch,
         "decision": {
-            **{f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)},
+            **dataclasses.asdict(decision),
             "mixed_precision": ACCELERATE_MIXED_PRECISION[decision.precision],
             "fsdp_sharding_strategy": FSDP_STRATEGY.get(decision.sharding),
             "sync_each_batch": decision.sharded,  # FSDP: reduce-scatter every micro-step, grads stay sharded
@@ -209,7 +209,7 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
         },
         "host": host,
         "alternatives": [
-            {**{f.name: getattr(c.decision, f.name) for f in dataclasses.fields(c.decision)},
+            {**dataclasses.asdict(c.decision),
              "peak_bytes": c.memory.peak_bytes, "est_images_per_s": c.throughput.images_per_s}
             for c in others
         ],

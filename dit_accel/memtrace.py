@@ -71,10 +71,7 @@ class StorageTracker(TorchDispatchMode):
         self.window_peaks: dict[Hashable, tuple[int, dict[str, int]]] = {}
         self.phase = "forward"  # "forward" | "optimizer" (set by the driver); backward is read from autograd
         self.in_vae = 0
-        self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref, what made it]
-        self.record_peak_storages = False  # debugging: keep every live storage at the peak (slow)
-        self.peak_storages: list[tuple[str, int, str]] = []
-        self._made_by = "setup"
+        self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref]
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def _storage(self, tensor: torch.Tensor):
@@ -88,8 +85,7 @@ class StorageTracker(TorchDispatchMode):
         if info is None:
             nbytes = storage.nbytes()
             ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
-            label = f"{self._made_by} {tuple(tensor.shape)} {tensor.dtype}" if self.record_peak_storages else ""
-            self._info[key] = [nbytes, component, ref, label]
+            self._info[key] = [nbytes, component, ref]
             self.current[component] += nbytes
             self.total_bytes += nbytes
             self._note_peak()
@@ -114,8 +110,6 @@ class StorageTracker(TorchDispatchMode):
         # is reported rather than its first.
         if total >= self.peak_bytes:
             self.peak_bytes, self.peak_components, self.peak_window = total, dict(self.current), self.window
-            if self.record_peak_storages:
-                self.peak_storages = [(info[1], info[0], info[3]) for info in self._info.values()]
         best = self.window_peaks.get(self.window)
         if best is None or total >= best[0]:
             self.window_peaks[self.window] = (total, dict(self.current))
@@ -130,7 +124,7 @@ class StorageTracker(TorchDispatchMode):
             return "vae"
         # Inside autograd's backward, ops run without grad mode, except a checkpointed block's recompute,
         # which recreates that block's saved activations (and, under autocast, its weight copies).
-        if torch._C._current_graph_task_id() != -1 and not torch.is_grad_enabled():
+        if _in_backward() and not torch.is_grad_enabled():
             return "temporaries"
         if self.phase == "optimizer":
             return "temporaries"
@@ -144,7 +138,6 @@ class StorageTracker(TorchDispatchMode):
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if outputs:
             component = None
-            self._made_by = str(func.overloadpacket.__name__)
             for tensor in outputs:
                 if id(self._storage(tensor)) not in self._info:
                     component = component or self._component_for_new(func, args)

@@ -104,12 +104,11 @@ def apply_calibration(data: dict, source: str | None, assumptions: Assumptions, 
                         f"its memory overheads are used, its MFU and small-batch efficiency are not")
     measured_precision = data["config"].get("precision")
     if measured_precision != precision:
-        mixed = {"bf16", "fp16"}
-        if not ({measured_precision, precision} <= mixed):
+        both_mixed = {measured_precision, precision} <= {"bf16", "fp16"}
+        if not both_mixed:
             skip(("mfu_mixed", "mfu_fp32"), f"measured in {measured_precision}")
         warnings.append(f"--calibration {where} measured {measured_precision}, the plan trains {precision}"
-                        + ("" if {measured_precision, precision} <= {"bf16", "fp16"} else
-                           ": its MFU does not apply to this precision"))
+                        + ("" if both_mixed else ": its MFU does not apply to this precision"))
     total = gpu.get("total_bytes")
     if isinstance(total, int) and total > 0 and abs(total - vram_bytes) > 0.1 * vram_bytes:
         warnings.append(f"--calibration {where} ran on a GPU of {total / 2**30:.1f} GiB, the plan is for "

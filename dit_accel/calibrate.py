@@ -326,19 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from dit_accel.train import read_plan
+    from dit_accel.train import read_plan, spec_from_plan
 
     if not torch.cuda.is_available():
         raise UserError("no CUDA GPU here: calibrate measures real steps on the GPU you will train on; run it there")
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     plan = read_plan(args.plan)
-    from dit_accel.train import spec_from_plan
-
+    spec = spec_from_plan(plan)
     gpu = _gpu_facts(torch)
     result = calibrate(plan, _micro_batches(args.micro_batches), args.steps, args.max_micro_batch,
-                       cuda_measure(plan, spec_from_plan(plan), args.steps), gpu,
-                       probe=cuda_measure(plan, spec_from_plan(plan), 1))
+                       cuda_measure(plan, spec, args.steps), gpu, probe=cuda_measure(plan, spec, 1))
     write_json_atomically(Path(args.out), result)
     fit = result["fit"]
     print(f"fixed {fit['fixed_bytes'] / 2**30:.2f} GiB + {fit['per_sample_bytes'] / 2**20:.1f} MiB per sample; "

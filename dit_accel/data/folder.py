@@ -221,9 +221,7 @@ def validate_image_folder(path: str | os.PathLike, *, sample: bool = False, full
 def write_classes_json(folder: str | os.PathLike, classes: list[str]) -> Path:
     """Save the class-to-index map (index = position in the sorted class folder names) with a run,
     atomically, so samples can be named and a different folder noticed."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / "classes.json"
+    target = Path(folder) / "classes.json"  # write_json_atomically creates the folder
     payload = {"classes": list(classes), "class_to_index": {name: i for i, name in enumerate(classes)}}
     write_json_atomically(target, payload)
     return target

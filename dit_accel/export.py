@@ -65,14 +65,13 @@ def with_pipeline_null_class(model):
                         f"class for guidance, which would be a real class here: it cannot be exported as a DiTPipeline")
     padded = build_model(dataclasses.replace(spec, num_classes=PIPELINE_NULL_CLASS), init="torch")
     set_timestep_freq_shift(padded, timestep_freq_shift(model))
-    state = {name: tensor for name, tensor in model.state_dict().items()}
-    table_name = next(name for name in state if name.endswith("class_embedder.embedding_table.weight"))
-    table = state[table_name]
+    state = dict(model.state_dict())
+    table_names = [name for name in state if name.endswith("class_embedder.embedding_table.weight")]
+    table = state[table_names[0]]
     new_table = table[-1:].repeat(PIPELINE_NULL_CLASS + 1, 1)  # every row the null row ...
     new_table[: spec.num_classes] = table[: spec.num_classes]  # ... except the real classes
-    for name in state:
-        if name.endswith("class_embedder.embedding_table.weight"):
-            state[name] = new_table
+    for name in table_names:
+        state[name] = new_table
     padded.load_state_dict(state)
     return padded.to(next(model.parameters()).device).eval()
 

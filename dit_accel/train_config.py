@@ -102,14 +102,6 @@ class TrainConfig:
         return cls(**values)
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UserError (one line, exit 2) instead of printing usage and exiting."""
 

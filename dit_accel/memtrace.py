@@ -851,8 +851,7 @@ def format_sharded_report(result: TraceResult, comparison: ShardedComparison, pl
                  "derived states, not traced (the planner adds AdamW's temporaries)"))
     rows.append(("peak of the rank", _gib(comparison.peak_bytes), _gib(comparison.planned_peak_bytes),
                  _percent(relative_error(comparison.planned_peak_bytes, comparison.peak_bytes)), ""))
-    depths = ("full depth" if result.traced_depths == [result.depth]
-              else f"traced at depths {', '.join(map(str, result.traced_depths))}, extrapolated per block")
+    depths = _depths_text(result)
     lines = [
         f"traced compute of one rank of {plan_path} ({result.sharding}, FSDP2, world size {result.world_size}): "
         f"micro-batch {result.micro_batch}, pure {result.precision} (parameters in the compute dtype, no autocast), "
@@ -896,6 +895,11 @@ def _percent(error: float | None) -> str:
     return "n/a (trace 0)" if math.isinf(error) else f"{error:+.1%}"
 
 
+def _depths_text(result: TraceResult) -> str:
+    return ("full depth" if result.traced_depths == [result.depth]
+            else f"traced at depths {', '.join(map(str, result.traced_depths))}, extrapolated per block")
+
+
 def comparison_plan_notes(plan: dict | None) -> list[str]:
     """What the plan says beyond what one traced process can show."""
     if not plan:
@@ -916,8 +920,7 @@ def format_report(result: TraceResult, comparison: Comparison, plan_path: str = 
     rows = [(name, _gib(traced), _gib(planned), _percent(error)) for name, traced, planned, error in comparison.rows]
     rows.append(("traceable peak", _gib(result.peak_bytes), _gib(comparison.planned_peak_bytes),
                  _percent(comparison.peak_error)))
-    depths = ("full depth" if result.traced_depths == [result.depth]
-              else f"traced at depths {', '.join(map(str, result.traced_depths))}, extrapolated per block")
+    depths = _depths_text(result)
     lines = [
         f"traced training step of {plan_path}: micro-batch {result.micro_batch}, {result.precision} "
         f"({result.autocast_device} autocast), {result.checkpointed_blocks}/{result.depth} blocks checkpointed "

@@ -19,6 +19,7 @@ from typing import Callable
 
 from dit_accel.atomic import write_json_atomically
 from dit_accel.errors import UserError, exits_cleanly
+from planner.planfile import Plan, read_plan
 
 SCHEMA = "dit-calibration/1"
 
@@ -157,7 +158,7 @@ def planner_assumptions(fitted: dict, precision: str) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
-def cuda_measure(plan: dict, spec, steps: int) -> Callable[[int], Measurement]:
+def cuda_measure(plan: Plan, spec, steps: int) -> Callable[[int], Measurement]:
     """A `measure(micro_batch)` that runs `steps` optimizer steps of the trainer's step on the GPU."""
     import torch
 
@@ -169,7 +170,7 @@ def cuda_measure(plan: dict, spec, steps: int) -> Callable[[int], Measurement]:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            parts = build_step_parts(plan, spec, int(plan["decision"]["checkpointed_blocks"]), micro_batch, "cuda")
+            parts = build_step_parts(plan, spec, plan.decision.checkpointed_blocks, micro_batch, "cuda")
             durations, device_used = [], 0
             for step in range(steps + 1):  # the first step creates the optimizer state and warms kernels up
                 torch.cuda.synchronize()
@@ -232,7 +233,7 @@ def _gpu_facts(torch) -> dict:
             "_preset": preset}
 
 
-def calibrate(plan: dict, micro_batches: list[int], steps: int, max_micro_batch: int | None,
+def calibrate(plan: Plan, micro_batches: list[int], steps: int, max_micro_batch: int | None,
               measure: Callable[[int], Measurement], gpu: dict, log=print,
               probe: Callable[[int], Measurement] | None = None) -> dict:
     """Measure, fit and search; returns the calibration dict (see docs/planner-accuracy.md for the format).
@@ -240,10 +241,8 @@ def calibrate(plan: dict, micro_batches: list[int], steps: int, max_micro_batch:
     `measure` gives the fitted points; `probe` (default: `measure`) only has to tell fit from OOM in the
     search for the largest micro-batch, so it may time fewer steps.
     """
-    from dit_accel.train import spec_from_plan
-
-    spec = spec_from_plan(plan)
-    decision = plan["decision"]
+    spec = plan.spec()
+    decision = plan.decision
     measurements: dict[int, Measurement | None] = {}
 
     def record(micro_batch: int, result: Measurement | None) -> None:
@@ -277,12 +276,11 @@ def calibrate(plan: dict, micro_batches: list[int], steps: int, max_micro_batch:
     fitted_points = sorted((m for mb, m in measurements.items() if m is not None and mb in micro_batches),
                            key=lambda m: m.micro_batch)
     step_flops_per_image = 3 * spec.fwd_flops_per_image + (
-        spec.fwd_flops_per_image * int(decision["checkpointed_blocks"]) / spec.depth)
+        spec.fwd_flops_per_image * decision.checkpointed_blocks / spec.depth)
     preset = gpu.get("_preset")
-    peak = preset.matmul_peak_flops(decision["precision"]) if preset else None
+    peak = preset.matmul_peak_flops(decision.precision) if preset else None
     fitted = fit_calibration(fitted_points, step_flops_per_image, peak, spec.tokens)
-    planned_micro_batch = int(decision["micro_batch"])
-    memory = plan.get("memory", {})
+    planned_micro_batch = decision.micro_batch
     return {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -290,18 +288,18 @@ def calibrate(plan: dict, micro_batches: list[int], steps: int, max_micro_batch:
         "software": _software(),
         "model": {"name": spec.name, "resolution": spec.resolution, "depth": spec.depth, "hidden": spec.hidden,
                   "heads": spec.heads, "patch": spec.patch, "params_trainable": spec.params_trainable},
-        "config": {"precision": decision["precision"], "checkpointed_blocks": int(decision["checkpointed_blocks"]),
-                   "latents": decision["latents"], "ema": bool(decision.get("ema", True)),
-                   "grad_accum": int(decision["grad_accum"]), "steps": steps},
+        "config": {"precision": decision.precision, "checkpointed_blocks": decision.checkpointed_blocks,
+                   "latents": decision.latents, "ema": decision.ema, "grad_accum": decision.grad_accum,
+                   "steps": steps},
         "measurements": [dict(asdict(m), images_per_s=m.images_per_s) for m in fitted_points],
         "out_of_memory_micro_batches": sorted(mb for mb, m in measurements.items() if m is None),
         "fit": fitted,
         "largest_micro_batch": largest,
         "smallest_oom_micro_batch": smallest_oom,
-        "planned": {"micro_batch": planned_micro_batch, "peak_bytes": memory.get("peak_bytes"),
+        "planned": {"micro_batch": planned_micro_batch, "peak_bytes": plan.memory.peak_bytes if plan.memory else None,
                     "measured_reserved_at_planned_bytes": int(fitted["reserved_fixed_bytes"]
                                                               + fitted["reserved_per_sample_bytes"] * planned_micro_batch)},
-        "assumptions": planner_assumptions(fitted, decision["precision"]),
+        "assumptions": planner_assumptions(fitted, decision.precision),
     }
 
 
@@ -326,14 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from dit_accel.train import read_plan, spec_from_plan
-
     if not torch.cuda.is_available():
-        raise UserError("no CUDA GPU here: calibrate measures real steps on the GPU you will train on; run it there")
+        raise UserError("no CUDA GPU here: calibrate measures real steps on the GPU you will train on", "run it there")
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     plan = read_plan(args.plan)
-    spec = spec_from_plan(plan)
+    spec = plan.spec()
     gpu = _gpu_facts(torch)
     result = calibrate(plan, _micro_batches(args.micro_batches), args.steps, args.max_micro_batch,
                        cuda_measure(plan, spec, args.steps), gpu, probe=cuda_measure(plan, spec, 1))

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from dit_accel.atomic import replace_folder, write_json_atomically
 from dit_accel.errors import UserError
+from planner.planfile import read_plan
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -86,7 +87,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise UserError(f"checkpoint {path} does not exist: pass a checkpoint folder or a run folder")
     if _NAME.match(path.name):
         if not is_complete(path):
-            raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE} marker; the run stopped while writing it): "
+            raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE} marker", "the run stopped while writing it): "
                             f"use an older one or --resume auto")
         return path
     run_dir = path.parent if path.name == CHECKPOINTS else path
@@ -169,7 +170,7 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_s
 
     `sidecar` (`dit_accel.model.sidecar(model)`) records what the weights alone do not say: the timestep shift.
 
-    `before_commit(tmp_dir)` is a test hook run on the main process after the data is written and before
+    `before_commit(tmp_dir, step)` is a test hook run on the main process after the data is written and before
     the marker: a test kills the process there to prove a half-written checkpoint is never loaded.
     """
     final_dir = checkpoints_dir(run_dir) / checkpoint_name(step)
@@ -197,11 +198,25 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_s
         if missing:
             raise RuntimeError(f"checkpoint {tmp_dir} lacks {missing}: is {run_dir} on a filesystem every node shares?")
         if before_commit is not None:
-            before_commit(tmp_dir)
+            before_commit(tmp_dir, step)
         commit(tmp_dir, final_dir, {"step": step, "world_size": accelerator.num_processes})
         rotate(run_dir, keep_last)
     accelerator.wait_for_everyone()
     return final_dir
+
+
+class Checkpointer:
+    """`save_checkpoint` with what stays the same for a whole run bound once: the loop passes a step and its
+    train state."""
+
+    def __init__(self, accelerator, run_dir: Path, *, ema, plan: dict, config: dict, keep_last: int,
+                 sidecar: dict | None = None, before_commit=None):
+        self.accelerator, self.run_dir = accelerator, run_dir
+        self.settings = dict(ema=ema, plan=plan, config=config, keep_last=keep_last, sidecar=sidecar,
+                             before_commit=before_commit)
+
+    def save(self, step: int, train_state: dict) -> Path:
+        return save_checkpoint(self.accelerator, self.run_dir, step, train_state=train_state, **self.settings)
 
 
 def load_checkpoint(accelerator, checkpoint: str | Path, *, ema) -> dict:
@@ -226,11 +241,9 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
     from safetensors.torch import load_file
 
     from dit_accel.model import DIFFUSERS_FREQ_SHIFT, build_model, read_sidecar
-    from dit_accel.train import spec_from_plan
 
     checkpoint = resolve_checkpoint(checkpoint_or_run_dir)
-    plan = json.loads((checkpoint / PLAN).read_text())
-    spec = spec_from_plan(plan)
+    spec = read_plan(checkpoint / PLAN).spec()
     model = build_model(spec, timestep_freq_shift=read_sidecar(checkpoint).get("timestep_freq_shift", DIFFUSERS_FREQ_SHIFT))
     if use_ema and (checkpoint / EMA_WEIGHTS).exists():
         state, weights = load_file(str(checkpoint / EMA_WEIGHTS)), "ema"

@@ -14,7 +14,7 @@ COMMANDS = {
     "sample": ("dit_accel.sample:main", "class-conditional samples (PNG grid, or an .npz for FID)"),
     "export": ("dit_accel.export:main", "a checkpoint as a diffusers DiTPipeline folder"),
     "import-dit": ("dit_accel.export:import_main", "an original DiT .pt checkpoint as a dit-accel checkpoint"),
-    "verify": ("dit_accel.memtrace:main", "trace one real training step and compare it with the plan"),
+    "verify": ("dit_accel.memtrace.report:main", "trace one real training step and compare it with the plan"),
     "calibrate": ("dit_accel.calibrate:main", "measure the plan on a CUDA GPU and write a calibration file"),
     "doctor": ("dit_accel.doctor:main", "preflight checks before a launch, or read a failed run's log"),
 }

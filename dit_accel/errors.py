@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import sys
 
-from planner.errors import PlanError
+from planner.errors import OneLineError, PlanError
 
 
-class UserError(Exception):
+class UserError(OneLineError):
     """Raised for bad input or a state the user must fix; never for a bug in dit-accel."""
 
 

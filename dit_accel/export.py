@@ -212,12 +212,12 @@ def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: st
 
     from dit_accel import checkpoint as ckpt
     from dit_accel.model import SIDECAR_NAME, sidecar, spec_from_model
-    from dit_accel.train import spec_from_plan
+    from planner.planfile import spec_from_plan
 
     out_dir = Path(out_dir)
     spec = spec_from_model(model)
     if not spec.learn_sigma:
-        raise UserError("this checkpoint predicts no variance (learn_sigma off); dit-accel trains and samples DiTs with "
+        raise UserError("this checkpoint predicts no variance (learn_sigma off)", "dit-accel trains and samples DiTs with "
                         "learned sigma only, as the released DiT checkpoints are")
     plan = placeholder_plan(spec)
     rebuilt = spec_from_plan(plan)

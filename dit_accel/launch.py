@@ -56,7 +56,7 @@ def launch_command(argv: list[str]) -> list[str]:
     if not plan.is_file():
         raise UserError(f"plan {plan} not found: make one with `dit-plan ... --out DIR` and pass DIR/plan.json")
     if not config.is_file():
-        raise UserError(f"{config} not found: dit-plan writes it beside plan.json; re-run dit-plan with --out "
+        raise UserError(f"{config} not found: dit-plan writes it beside plan.json", "re-run dit-plan with --out "
                         f"{plan.parent}, or pass --accelerate-config FILE")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     for name, flag in LAUNCHER_OPTIONS.items():

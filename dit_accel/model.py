@@ -12,7 +12,8 @@ they are tied, and this module owns every way weights enter or leave the tied mo
 
 Two rules the rest of dit-accel relies on (docs/model.md has the reasoning):
   * Class dropout for classifier-free guidance is NOT done inside the model (diffusers would redraw it in
-    every block); the trainer calls `drop_labels` once per batch before the forward.
+    every block); the trainer's micro-step (`dit_accel.step`) swaps in the null class once per sample before
+    the forward, from the sample's keyed draw; `drop_labels` does the same for other callers.
   * The timestep-frequency shift: models dit-accel builds use diffusers' shift (1), so the diffusers layout
     is exact for stock diffusers. Models imported from original DiT checkpoints keep the original's shift
     (0); it is stored in `dit_accel.json` beside the weights so dit-accel reloads it, and exporting such a
@@ -341,7 +342,7 @@ def read_sidecar(folder: Path) -> dict:
         return {}
     sidecar = json.loads(path.read_text())
     if sidecar.get("format") != SIDECAR_FORMAT:
-        raise UserError(f"{path} has format {sidecar.get('format')!r}; this dit-accel reads {SIDECAR_FORMAT!r}: upgrade dit-accel")
+        raise UserError(f"{path} has format {sidecar.get('format')!r}", f"this dit-accel reads {SIDECAR_FORMAT!r}: upgrade dit-accel")
     return sidecar
 
 
@@ -409,7 +410,7 @@ def _strict_load(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
-        raise UserError(f"the weights do not fit this DiT: {'; '.join(parts)}; check the checkpoint matches the config")
+        raise UserError(f"the weights do not fit this DiT: {'; '.join(parts)}", "check the checkpoint matches the config")
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
             raise UserError(f"weight {key} has shape {tuple(tensor.shape)} but the model expects {tuple(expected[key].shape)}")
@@ -522,11 +523,11 @@ def original_state_dict(path_or_state_dict, *, prefer: str = "ema", trust_pickle
         order = ("ema", "model") if prefer == "ema" else ("model", "ema")
         found = [key for key in order if isinstance(raw.get(key), dict)]
         if not found:
-            raise UserError(f"no state dict found in the checkpoint (top-level keys: {sorted(raw)[:6]}); expected tensors or 'ema'/'model'")
+            raise UserError(f"no state dict found in the checkpoint (top-level keys: {sorted(raw)[:6]})", "expected tensors or 'ema'/'model'")
         raw = raw[found[0]]
     state = {key.removeprefix("module."): value for key, value in raw.items() if isinstance(value, torch.Tensor)}
     if "x_embedder.proj.weight" not in state:
-        raise UserError("this is not an original DiT state dict (no x_embedder.proj.weight); for diffusers folders use load_model")
+        raise UserError("this is not an original DiT state dict (no x_embedder.proj.weight)", "for diffusers folders use load_model")
     return state
 
 

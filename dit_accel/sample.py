@@ -61,7 +61,7 @@ class SampleSettings:
 def sample_seed(seed: int, index: int) -> int:
     """The torch seed of global sample `index`: the trainer's per-sample rule (a SeedSequence mix of the two),
     so distinct (seed, index) pairs do not collide in practice."""
-    from dit_accel.train import sample_seed as keyed_seed
+    from dit_accel.data.order import sample_seed as keyed_seed
 
     return keyed_seed(seed, index)
 
@@ -363,7 +363,7 @@ def _check_args(args) -> None:
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if args.out is not None and not args.out.lower().endswith(".png"):
-        raise UserError(f"--out {args.out} must name a .png file (the grid); singles go next to it")
+        raise UserError(f"--out {args.out} must name a .png file (the grid)", "singles go next to it")
 
 
 def _settings(args, default_cfg: float) -> SampleSettings:

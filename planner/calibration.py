@@ -54,7 +54,7 @@ def check_calibration(data, where: str = "the calibration") -> dict:
                         f"with this version")
     missing = [key for key in REQUIRED if not isinstance(data.get(key), dict)]
     if missing:
-        raise PlanError(f"--calibration {path} lacks {', '.join(missing)}: it is incomplete; re-run `dit-accel calibrate`")
+        raise PlanError(f"--calibration {path} lacks {', '.join(missing)}: it is incomplete", "re-run `dit-accel calibrate`")
     unknown = sorted(set(data["assumptions"]) - set(CALIBRATABLE))
     if unknown:
         raise PlanError(f"--calibration {path} sets {', '.join(unknown)}, which are not measurable figures "

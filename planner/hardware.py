@@ -19,8 +19,6 @@ from planner.errors import PlanError
 
 MiB = 2**20
 GiB = 2**30
-PRECISIONS = ("bf16", "fp16", "fp32")
-
 
 @dataclass(frozen=True)
 class GPUPreset:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from planner.errors import PlanError
 from planner.hardware import Assumptions, GPUPreset
+from planner.rules import SHARDING_MODES
 from planner.spec import TIMESTEP_FREQ_DIM, DiTSpec
 from planner import vae
 
@@ -34,7 +35,7 @@ PHASES = ("vae_encode", "last_block_forward", "end_of_forward", "start_of_backwa
           "optimizer_step")  # the moments, in the order the step reaches them
 BACKWARD_MOMENTS = ("start_of_backward", "end_of_backward")
 FORWARD_MOMENTS = ("last_block_forward", "end_of_forward")
-SHARDINGS = ("ddp", "zero2", "zero3")
+SHARDINGS = tuple(SHARDING_MODES)
 ADAMW_KINDS = ("fused", "foreach", "single")
 INT64_BYTES = 8
 FP32_BYTES = 4

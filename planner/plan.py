@@ -1,4 +1,4 @@
-"""`make_plan(...)`: every input in, the plan.json object (schema "dit-plan/1", DESIGN.md's contract) out.
+"""`make_plan(...)`: every input in, the plan.json object (schema "dit-plan/1", read back by planner.planfile) out.
 
 This is the one entry point other code uses (the CLI, the trainer's and doctor's tests):
 
@@ -20,6 +20,8 @@ from planner.errors import PlanError
 from planner.hardware import Assumptions, gpu_preset
 from planner.host import host_estimate
 from planner.memory import COMPONENTS, Cluster, element_bytes, saved_activation_bytes
+from planner.planfile import SCHEMA
+from planner.rules import PRECISIONS, SHARDING_MODES
 from planner.search import (
     SearchSpace,
     alternatives,
@@ -32,9 +34,6 @@ from planner.search import (
 from planner.spec import model_spec
 from planner.units import UNIT_RULE, format_bytes, parse_bytes, parse_headroom
 
-SCHEMA = "dit-plan/1"
-ACCELERATE_MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-FSDP_STRATEGY = {"zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
 DEFAULT_MAIN_PROCESS_PORT = 29500
 
 
@@ -56,10 +55,10 @@ def resolve_precision(precision: str, gpu) -> str:
     """auto: bf16 where the GPU has it (or is unknown), else fp16 with loss scaling."""
     if precision == "auto":
         return "bf16" if gpu is None or gpu.bf16 else "fp16"
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise PlanError(f"--precision must be auto, bf16, fp16 or fp32, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise PlanError(f"--precision must be auto, {', '.join(PRECISIONS)}, got {precision!r}")
     if gpu is not None and precision == "bf16" and not gpu.bf16:
-        raise PlanError(f"--precision bf16: {gpu.name} has no bf16 tensor cores; use --precision fp16 (or auto)")
+        raise PlanError(f"--precision bf16: {gpu.name} has no bf16 tensor cores", "use --precision fp16 (or auto)")
     return precision
 
 
@@ -182,8 +181,8 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
         "global_batch": global_batch,
         "decision": {
             **dataclasses.asdict(decision),
-            "mixed_precision": ACCELERATE_MIXED_PRECISION[decision.precision],
-            "fsdp_sharding_strategy": FSDP_STRATEGY.get(decision.sharding),
+            "mixed_precision": PRECISIONS[decision.precision].accelerate_mixed_precision,
+            "fsdp_sharding_strategy": SHARDING_MODES[decision.sharding].fsdp1_strategy,
             "sync_each_batch": decision.sharded,  # FSDP: reduce-scatter every micro-step, grads stay sharded
         },
         "memory": {
@@ -270,7 +269,7 @@ def _advice(spec, decision, cluster, preset, asked_precision, main_process_ip, o
         notes.append("--latents online runs the VAE encoder on every image of every step; precomputed latents "
                      "(dit-accel extract-latents) save its compute and memory")
     if decision.sharded:
-        notes.append(f"{decision.sharding} shards with FSDP ({FSDP_STRATEGY[decision.sharding]}): the shared embedder "
+        notes.append(f"{decision.sharding} shards with FSDP ({SHARDING_MODES[decision.sharding].fsdp1_strategy}): the shared embedder "
                      f"must sit in the root FSDP unit, and grads are reduce-scattered every micro-step (sync_each_batch)")
     communication = communication_warning(spec, decision, cluster, assumed, throughput)
     if communication:

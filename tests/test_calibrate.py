@@ -15,6 +15,7 @@ from dit_accel import calibrate as cal
 from dit_accel.atomic import write_json_atomically
 from dit_accel.errors import UserError
 from planner.hardware import CALIBRATABLE, Assumptions, gpu_preset
+from planner.planfile import Plan, parse_plan
 from planner.spec import model_spec
 
 GiB, MiB = 2**30, 2**20
@@ -96,12 +97,12 @@ def recorded_measure(tokens: int, calls: list):
     return measure
 
 
-def xl_plan(micro_batch=32, checkpointed_blocks=0) -> dict:
-    return {"schema": "dit-plan/1", "inputs": {"model": "DiT-XL/2"}, "model": {"name": "DiT-XL/2", "resolution": 256},
+def xl_plan(micro_batch=32, checkpointed_blocks=0) -> Plan:
+    return parse_plan({"schema": "dit-plan/1", "inputs": {"model": "DiT-XL/2"}, "model": {"name": "DiT-XL/2", "resolution": 256},
             "cluster": {"world_size": 1}, "global_batch": micro_batch,
             "decision": {"micro_batch": micro_batch, "grad_accum": 1, "checkpointed_blocks": checkpointed_blocks,
                          "precision": "bf16", "sharding": "ddp", "latents": "precomputed", "ema": True},
-            "memory": {"peak_bytes": 20 * GiB}}
+            "memory": {"peak_bytes": 20 * GiB}})
 
 
 def test_calibration_fits_searches_and_writes_what_the_planner_reads(tmp_path):

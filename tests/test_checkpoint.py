@@ -72,7 +72,7 @@ def test_interrupted_write_is_never_loaded_and_old_ones_survive(accelerator, tmp
     model, optimizer, scheduler, ema = _parts(accelerator)
     _save(accelerator, tmp_path, 1, ema, keep_last=1)
 
-    def die(tmp_dir):
+    def die(tmp_dir, step):
         raise KeyboardInterrupt("killed mid-write")
 
     with pytest.raises(KeyboardInterrupt):

@@ -10,13 +10,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dit_accel import memtrace
+from dit_accel.memtrace import comparison as memtrace_compare
+from dit_accel.memtrace import driver, extrapolate
 from dit_accel.memtrace import StorageTracker, trace_training_step
+from planner.planfile import Plan, parse_plan
 from planner.spec import model_spec
 
 
-def tiny_plan(depth=6, checkpointed_blocks=0, precision="fp32", micro_batch=4, grad_accum=1, ema=True,
-              latents="precomputed") -> dict:
-    """A 64-px DiT (8x8 latents, 16 tokens) of `depth` blocks, hidden 64."""
+def tiny_plan_json(depth=6, checkpointed_blocks=0, precision="fp32", micro_batch=4, grad_accum=1, ema=True,
+                   latents="precomputed") -> dict:
+    """A 64-px DiT (8x8 latents, 16 tokens) of `depth` blocks, hidden 64: the least plan.json the trainer reads."""
     return {
         "schema": "dit-plan/1",
         "inputs": {},
@@ -27,6 +30,10 @@ def tiny_plan(depth=6, checkpointed_blocks=0, precision="fp32", micro_batch=4, g
         "decision": {"micro_batch": micro_batch, "grad_accum": grad_accum, "checkpointed_blocks": checkpointed_blocks,
                      "precision": precision, "sharding": "ddp", "latents": latents, "ema": ema},
     }
+
+
+def tiny_plan(**changes) -> Plan:
+    return parse_plan(tiny_plan_json(**changes))
 
 
 # --- the tracker ------------------------------------------------------------------------------------
@@ -74,19 +81,19 @@ def test_autocast_copies_of_weights_are_their_own_component():
 
 def test_roles_pick_first_second_and_last_block_of_each_run_in_processing_order():
     kinds = [True, True, True, False, False]
-    assert memtrace._segments(kinds) == [(0, 3, True), (3, 5, False)]
-    fwd = {i: memtrace._roles(("fwd", 1, 0, i), kinds) for i in range(5)}
+    assert extrapolate._segments(kinds) == [(0, 3, True), (3, 5, False)]
+    fwd = {i: extrapolate._roles(("fwd", 1, 0, i), kinds) for i in range(5)}
     assert [r[-1] for r in fwd[0]] == ["first"] and [r[-1] for r in fwd[1]] == ["second"]
     assert [r[-1] for r in fwd[2]] == ["last"] and [r[-1] for r in fwd[4]] == ["second", "last"]
-    bwd = {i: [r[-1] for r in memtrace._roles(("bwd", 1, 0, i), kinds)] for i in range(5)}
+    bwd = {i: [r[-1] for r in extrapolate._roles(("bwd", 1, 0, i), kinds)] for i in range(5)}
     assert bwd == {0: ["last"], 1: ["second"], 2: ["first"], 3: ["second", "last"], 4: ["first"]}
 
 
 def test_shallow_trace_counts_grow_by_one_block_of_each_kind_present():
-    assert memtrace.trace_plan_counts((28, 0)) == ((2, 0), [(2, 0), (3, 0)])
-    assert memtrace.trace_plan_counts((14, 14)) == ((2, 2), [(2, 2), (3, 2), (2, 3)])
-    assert memtrace.trace_plan_counts((27, 1)) == ((2, 1), [(2, 1), (3, 1)])
-    assert memtrace.trace_plan_counts((2, 0)) == ((2, 0), [(2, 0)])
+    assert extrapolate.trace_plan_counts((28, 0)) == ((2, 0), [(2, 0), (3, 0)])
+    assert extrapolate.trace_plan_counts((14, 14)) == ((2, 2), [(2, 2), (3, 2), (2, 3)])
+    assert extrapolate.trace_plan_counts((27, 1)) == ((2, 1), [(2, 1), (3, 1)])
+    assert extrapolate.trace_plan_counts((2, 0)) == ((2, 0), [(2, 0)])
 
 
 # --- the trainer's step -----------------------------------------------------------------------------
@@ -115,9 +122,11 @@ def test_per_block_extrapolation_equals_the_full_trace(case):
 def test_the_trace_of_dit_xl2_holds_exactly_the_architectures_states():
     """Weights, EMA and AdamW state at the peak follow from the parameter count alone (the traced
     network is the planner's: same parameter count), whatever the extrapolation did."""
-    plan = tiny_plan()
+    plan = tiny_plan_json()
     plan["model"] = {"name": "DiT-XL/2", "resolution": 256}
     plan["decision"].update(precision="bf16", micro_batch=32)
+    plan["global_batch"] = 32
+    plan = parse_plan(plan)
     result = trace_training_step(plan, autocast_device="cpu")
     spec = model_spec("DiT-XL/2", 256)
     from dit_accel.model import build_model
@@ -158,13 +167,12 @@ def test_the_planners_moments_of_a_checkpointed_step_equal_the_traced_ones(micro
     linear, whose uncached weight copy is then alive; the cache holds only the patch conv's and the embedder's."""
     import dataclasses as dc
 
-    from dit_accel.train import spec_from_plan
     from planner.hardware import Assumptions
     from planner.memory import Cluster, Decision, checkpointed_forward_peak, element_bytes, step_memory
 
     plan = tiny_plan(depth=3, checkpointed_blocks=3, precision="bf16", micro_batch=micro_batch)
-    spec = spec_from_plan(plan)
-    tracker, _ = memtrace._trace_once(plan, spec, 3, micro_batch, "cpu")
+    spec = plan.spec()
+    tracker, _ = driver._trace_once(plan, spec, 3, micro_batch, "cpu")
     decision = Decision(micro_batch=micro_batch, grad_accum=1, checkpointed_blocks=3, precision="bf16",
                         sharding="ddp", latents="precomputed", adamw="single")
     planned = step_memory(spec, decision, Cluster(1, 1, 2**40), Assumptions().replace(autocast_device="cpu")).phases
@@ -201,18 +209,18 @@ def test_bad_inputs_are_user_errors():
 
 def test_verify_prints_the_trace_beside_the_planner_and_what_it_cannot_see(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    plan_path.write_text(json.dumps(tiny_plan(checkpointed_blocks=2, precision="bf16")))
+    plan_path.write_text(json.dumps(tiny_plan_json(checkpointed_blocks=2, precision="bf16")))
     out_json = tmp_path / "verify.json"
     assert memtrace.main([str(plan_path), "--device-autocast", "cpu", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     expected = trace_training_step(tiny_plan(checkpointed_blocks=2, precision="bf16"), autocast_device="cpu")
     assert f"traced peak: {expected.peak_bytes / 2**30:.3f} GiB" in out
-    for name in memtrace.COMPARED:
+    for name in memtrace_compare.COMPARED:
         assert name in out
     assert "CUDA context" in out and "NCCL" in out and "fragmentation" in out and "autocast" in out
     saved = json.loads(out_json.read_text())
     assert saved["trace"]["peak_bytes"] == expected.peak_bytes
-    assert set(saved["planner"]["components"]) == set(memtrace.COMPARED)
+    assert set(saved["planner"]["components"]) == set(memtrace_compare.COMPARED)
 
 
 def test_verify_refuses_a_missing_or_foreign_plan_in_one_line(tmp_path, capsys):
@@ -226,8 +234,8 @@ def test_verify_refuses_a_missing_or_foreign_plan_in_one_line(tmp_path, capsys):
 
 
 def test_the_traced_step_is_the_trainers_own(monkeypatch):
-    """verify must run dit_accel.train's functions, not a copy: count the calls it makes into them."""
-    from dit_accel import train
+    """verify must run the trainer's step functions, not a copy: count the calls it makes into them."""
+    from dit_accel import step as train
 
     calls = {"build_components": 0, "train_micro_step": 0, "check_step": 0, "apply_step": 0}
     for name in calls:
@@ -249,7 +257,7 @@ def test_only_the_steps_decision_reads_a_value_so_fake_tensors_run_the_trainer_a
     two needs a value, and there a fake tensor refuses."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from dit_accel import train
+    from dit_accel import step as train
     from dit_accel.train_config import TrainConfig
 
     plan = tiny_plan(depth=1, precision="fp16")
@@ -258,7 +266,7 @@ def test_only_the_steps_decision_reads_a_value_so_fake_tensors_run_the_trainer_a
         assert train.build_components(plan, config).autocast_dtype is None  # a CPU run of fp16 trains fp32
         components = train.build_components(plan, config, precision="fp16")
         assert components.autocast_dtype == torch.float16
-        batch = memtrace.fake_batch(components.spec, 2, components.device, online=False)
+        batch = driver.fake_batch(components.spec, 2, components.device, online=False)
         for _ in range(2):
             check = train.check_step(components, train.train_micro_step(components, batch))
             assert check.stats.shape == (2,)
@@ -277,9 +285,9 @@ def test_verify_traces_the_vae_architecture_of_a_given_folder(tmp_path, capsys):
                         up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=4,
                         layers_per_block=1)  # downsamples by 8, like the SD VAE: 64 px -> 8x8 latents
     vae.save_pretrained(tmp_path / "vae")
-    plan = tiny_plan(depth=2, latents="online")
     plan_path = tmp_path / "plan.json"
-    plan_path.write_text(json.dumps(plan))
+    plan_path.write_text(json.dumps(tiny_plan_json(depth=2, latents="online")))
+    plan = tiny_plan(depth=2, latents="online")
     out_json = tmp_path / "v.json"
     assert memtrace.main([str(plan_path), "--device-autocast", "cpu", "--vae", str(tmp_path / "vae"),
                           "--json", str(out_json)]) == 0
@@ -295,13 +303,17 @@ def test_verify_traces_the_vae_architecture_of_a_given_folder(tmp_path, capsys):
 # --- sharded plans: one rank's pure low-precision compute ---------------------------------------------------
 
 
-def sharded_plan(sharding, checkpointed_blocks, world_size=4, precision="bf16", grad_accum=1, depth=4):
-    plan = tiny_plan(depth=depth, checkpointed_blocks=checkpointed_blocks, precision=precision, micro_batch=8,
-                     grad_accum=grad_accum)
+def sharded_plan_json(sharding, checkpointed_blocks, world_size=4, precision="bf16", grad_accum=1, depth=4):
+    plan = tiny_plan_json(depth=depth, checkpointed_blocks=checkpointed_blocks, precision=precision, micro_batch=8,
+                          grad_accum=grad_accum)
     plan["decision"]["sharding"] = sharding
     plan["cluster"]["world_size"] = world_size
     plan["global_batch"] *= world_size
     return plan
+
+
+def sharded_plan(*args, **kwargs) -> Plan:
+    return parse_plan(sharded_plan_json(*args, **kwargs))
 
 
 SHARDED_CASES = [
@@ -319,7 +331,7 @@ def test_a_sharded_ranks_traced_activations_are_the_planners(case, capsys):
     the planner's sharded estimate at the same moment; the derived part exactly 1/world_size of the traced
     parameters; the rest printed with how each figure is known."""
     plan = sharded_plan(**case)
-    world_size = plan["cluster"]["world_size"]
+    world_size = plan.world_size
     result = trace_training_step(plan, autocast_device="cpu")
     comparison = memtrace.compare_sharded(result, plan)
     assert (result.sharding, result.world_size) == (case["sharding"], world_size)
@@ -327,9 +339,7 @@ def test_a_sharded_ranks_traced_activations_are_the_planners(case, capsys):
     assert abs(comparison.component_error("activations")) < 0.05
     rows = {row[0]: row for row in comparison.rows}
     assert rows["autocast_cache"][1] == 0 and result.components["optimizer"] == result.components["ema"] == 0
-    from dit_accel.train import spec_from_plan
-
-    spec = spec_from_plan(plan)
+    spec = plan.spec()
     params = spec.params_trainable
     assert result.components["weights"] == 2 * params  # every parameter traced in the compute dtype
     assert rows["optimizer"][1] == 8 * params // world_size and rows["ema"][1] == 4 * params // world_size
@@ -366,7 +376,7 @@ def test_sharded_extrapolation_equals_the_full_trace(case):
 
 def test_verify_of_a_sharded_plan_names_what_is_traced_derived_and_modelled(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    plan_path.write_text(json.dumps(sharded_plan("zero3", 2)))
+    plan_path.write_text(json.dumps(sharded_plan_json("zero3", 2)))
     out_json = tmp_path / "verify.json"
     assert memtrace.main([str(plan_path), "--device-autocast", "cpu", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out

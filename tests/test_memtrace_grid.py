@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from dit_accel.memtrace import compare, trace_training_step
+from planner.planfile import Plan, parse_plan
 
 PEAK_TOLERANCE = {"fp32": 0.02, "bf16": 0.05, "fp16": 0.05}
 COMPONENT_TOLERANCE = 0.05
@@ -21,8 +22,8 @@ SMALL_COMPONENT = 0.01  # of the traced peak
 
 
 def make_plan(model: str, resolution: int, precision: str, checkpointed_blocks: int, micro_batch: int,
-              grad_accum: int = 1, ema: bool = True, latents: str = "precomputed") -> dict:
-    return {
+              grad_accum: int = 1, ema: bool = True, latents: str = "precomputed") -> Plan:
+    return parse_plan({
         "schema": "dit-plan/1",
         "inputs": {"model": model},
         "model": {"name": model, "resolution": resolution},
@@ -30,7 +31,7 @@ def make_plan(model: str, resolution: int, precision: str, checkpointed_blocks: 
         "global_batch": micro_batch * grad_accum,
         "decision": {"micro_batch": micro_batch, "grad_accum": grad_accum, "checkpointed_blocks": checkpointed_blocks,
                      "precision": precision, "sharding": "ddp", "latents": latents, "ema": ema},
-    }
+    })
 
 
 # (model, resolution, precision, checkpointed blocks, micro-batch, grad_accum, ema, latents)
@@ -156,7 +157,7 @@ def miss_reasons() -> str:
                 parts.append(f"{name} {f'{error:+.0%}' if traced else f'+{planned / 2**20:.0f} MiB'}")
         if parts:
             reason = (f"{', '.join(parts)} at the traced peak ({result.peak_at.split(' (')[0]}); "
-                      f"the planner's peak is at {plan['memory']['peak_phase']}: see docs/planner-accuracy.md")
+                      f"the planner's peak is at {comparison.planned_phase}: see docs/planner-accuracy.md")
             lines.append(f"    {index}: {reason!r},")
     return "\n".join(lines + ["}"])
 

@@ -10,6 +10,7 @@ import pytest
 
 from planner.cli import main as dit_plan
 from planner.hardware import Assumptions, gpu_preset
+from planner.planfile import parse_plan
 from planner.spec import model_spec
 
 GiB, MiB = 2**30, 2**20
@@ -46,7 +47,7 @@ def calibration_file(tmp_path_factory):
                                              "ema": True}, "memory": {"peak_bytes": 20 * GiB}}
     gpu = {"name": "NVIDIA H200", "total_bytes": H200_BYTES, "capability": "9.0", "preset": "h200",
            "_preset": gpu_preset("h200")}
-    result = cal.calibrate(plan, [8, 16, 32], steps=3, max_micro_batch=None, measure=recorded_h200(spec.tokens),
+    result = cal.calibrate(parse_plan(plan), [8, 16, 32], steps=3, max_micro_batch=None, measure=recorded_h200(spec.tokens),
                            gpu=gpu, log=lambda line: None)
     path = tmp_path_factory.mktemp("calibration") / "h200.json"
     write_json_atomically(path, result)

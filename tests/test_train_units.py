@@ -11,7 +11,7 @@ from torch import nn
 from dit_accel.ema import EMA
 from dit_accel.errors import UserError
 from dit_accel.optim import build_optimizer, build_scheduler, effective_lr
-from dit_accel.train import KeyedSamples, SampleNoise, SampleOrder, seeded_global_rngs
+from dit_accel.data.order import KeyedSamples, SampleNoise, SampleOrder, seeded_global_rngs
 from dit_accel.train_config import TrainConfig, parse_config
 
 
@@ -185,7 +185,7 @@ def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):
 
 
 def test_loader_workers_default_is_capped_by_the_nodes_cpus_and_an_explicit_count_is_obeyed():
-    from dit_accel.train import loader_workers
+    from dit_accel.data.loader import loader_workers
 
     assert parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l"]).num_workers is None  # not given
     assert parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l", "--num-workers", "4"]).num_workers == 4
@@ -201,14 +201,18 @@ def test_loader_workers_default_is_capped_by_the_nodes_cpus_and_an_explicit_coun
 def test_optimizer_step_applies_a_finite_step_and_leaves_everything_as_it_was_on_a_non_finite_one():
     """check_step + the all-finite decision + apply_step: a skipped step moves no weight, AdamW moment, EMA
     or lr-schedule position, and both paths end with the gradients cleared."""
-    from dit_accel.train import build_components, optimizer_step, train_micro_step
+    from dit_accel.faults import Faults
+    from dit_accel.step import build_components, optimizer_step, train_micro_step
+    from planner.planfile import parse_plan
 
-    plan = {"schema": "dit-plan/1", "inputs": {}, "cluster": {"world_size": 1}, "global_batch": 2,
-            "model": {"name": "DiT-custom", "resolution": 32, "depth": 1, "hidden": 32, "heads": 2, "patch": 2,
-                      "num_classes": 4},
-            "decision": {"micro_batch": 2, "grad_accum": 1, "checkpointed_blocks": 0, "precision": "fp32",
-                         "sharding": "ddp", "latents": "precomputed", "ema": True}}
+    plan = parse_plan({
+        "schema": "dit-plan/1", "inputs": {}, "cluster": {"world_size": 1}, "global_batch": 2,
+        "model": {"name": "DiT-custom", "resolution": 32, "latent_size": 4, "in_channels": 4, "depth": 1,
+                  "hidden": 32, "heads": 2, "patch": 2, "num_classes": 4},
+        "decision": {"micro_batch": 2, "grad_accum": 1, "checkpointed_blocks": 0, "precision": "fp32",
+                     "sharding": "ddp", "latents": "precomputed", "ema": True}})
     components = build_components(plan, TrainConfig(plan="p", output_dir="o", latents="l", warmup_steps=3))
+    Faults(nan_step=2).install(components.raw_model, start_step=0, grad_accum=1)  # step 2's output is NaN
     generator = torch.Generator().manual_seed(0)
     batch = {"x": torch.randn(2, 4, 4, 4, generator=generator), "y": torch.tensor([0, 3]), "t": torch.tensor([5, 900]),
              "noise": torch.randn(2, 4, 4, 4, generator=generator), "drop": torch.tensor([False, True])}
@@ -222,7 +226,7 @@ def test_optimizer_step_applies_a_finite_step_and_leaves_everything_as_it_was_on
     result = optimizer_step(components, train_micro_step(components, batch))
     assert result.applied and math.isfinite(result.loss) and result.grad_norm > 0 and result.lr == pytest.approx(1e-4 / 3)
     before = snapshot()
-    skipped = optimizer_step(components, train_micro_step(components, batch, loss_multiplier=math.nan))
+    skipped = optimizer_step(components, train_micro_step(components, batch))
     assert not skipped.applied and math.isnan(skipped.loss)
     after = snapshot()
     assert after[3] == before[3] == 1

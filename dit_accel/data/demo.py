@@ -87,9 +87,9 @@ def write_demo_data(out: str | os.PathLike, *, classes: int = 4, per_class: int 
         raise UserError(f"--resolution must be at least 8 pixels, not {resolution}")
     target = Path(out).expanduser().absolute()
     if target.exists() and not target.is_dir():
-        raise UserError(f"{target} exists and is a file; pick another folder for the demo data")
+        raise UserError(f"{target} exists and is a file", "pick another folder for the demo data")
     if target.is_dir() and any(target.iterdir()) and not force:
-        raise UserError(f"{target} already exists and is not empty; pick a new folder or pass --force to replace it")
+        raise UserError(f"{target} already exists and is not empty", "pick a new folder or pass --force to replace it")
     with staged_folder(target, overwrite=True) as staging:  # refused above unless empty or --force
         for class_index in range(classes):
             folder = staging / class_name(class_index)

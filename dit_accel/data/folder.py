@@ -96,24 +96,24 @@ def list_image_folder(path: str | os.PathLike) -> tuple[FolderListing, int]:
     Returns the listing and the number of ignored files. Raises a one-line UserError otherwise."""
     root = Path(path).expanduser()
     if not root.exists():
-        raise UserError(f"data path {root} does not exist; pass the folder that holds one sub-folder "
+        raise UserError(f"data path {root} does not exist", "pass the folder that holds one sub-folder "
                         f"per class ({LAYOUT_HINT})")
     if not root.is_dir():
-        raise UserError(f"data path {root} is a file, not a directory; pass the folder that holds one "
+        raise UserError(f"data path {root} is a file, not a directory", "pass the folder that holds one "
                         f"sub-folder per class ({LAYOUT_HINT})")
     try:
         entries = sorted(os.scandir(root), key=lambda entry: entry.name)
     except PermissionError as error:
-        raise UserError(f"data path {root} is not readable ({error.strerror}); fix its permissions "
+        raise UserError(f"data path {root} is not readable ({error.strerror})", "fix its permissions "
                         f"(e.g. chmod -R u+rX {root}) or run as a user who can read it") from None
 
     class_dirs = [e for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=True)]
     root_images = [e.name for e in entries if e.is_file() and _is_image(e.name)]
     if not class_dirs:
         if root_images:
-            raise UserError(f"{root} holds {len(root_images)} images directly but no class sub-folders; "
+            raise UserError(f"{root} holds {len(root_images)} images directly but no class sub-folders",
                             f"move them into one sub-folder per class: {root}/<class>/<image>.jpg")
-        raise UserError(f"{root} has no class sub-folders; expected one sub-folder per class: "
+        raise UserError(f"{root} has no class sub-folders", "expected one sub-folder per class: "
                         f"{root}/<class>/<image>.jpg")
 
     classes = [e.name for e in class_dirs]
@@ -131,9 +131,9 @@ def list_image_folder(path: str | os.PathLike) -> tuple[FolderListing, int]:
 
     if not paths:
         raise UserError(f"no images in {root}: all {len(classes)} class folders are empty (looked for "
-                        f"{', '.join(IMAGE_EXTENSIONS)}); expected {root}/<class>/<image>.jpg")
+                        f"{', '.join(IMAGE_EXTENSIONS)})", f"expected {root}/<class>/<image>.jpg")
     if empty:
-        raise UserError(f"{len(empty)} class folder(s) in {root} hold no images: {_short_list(empty)}; "
+        raise UserError(f"{len(empty)} class folder(s) in {root} hold no images: {_short_list(empty)}",
                         f"add images to them or remove them (looked for {', '.join(IMAGE_EXTENSIONS)})")
     return FolderListing(root, classes, paths, labels), ignored
 
@@ -145,7 +145,7 @@ def _images_under(root: Path, class_name: str) -> tuple[list[str], int]:
     ignored = 0
 
     def unreadable(error: OSError):
-        raise UserError(f"class folder {error.filename} is not readable ({error.strerror}); fix its "
+        raise UserError(f"class folder {error.filename} is not readable ({error.strerror})", "fix its "
                         f"permissions (e.g. chmod -R u+rX {root})")
 
     for folder, subfolders, files in os.walk(root / class_name, onerror=unreadable, followlinks=True):
@@ -165,7 +165,7 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
         with Image.open(path) as image:
             return image.convert("RGB")  # convert() decodes every pixel, so truncation surfaces here
     except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
-        raise UserError(f"cannot decode image {path}: {error}; replace or delete it, or pass "
+        raise UserError(f"cannot decode image {path}: {error}", "replace or delete it, or pass "
                         f"--skip-bad-images to skip such files") from None
 
 
@@ -207,7 +207,7 @@ def validate_image_folder(path: str | os.PathLike, *, sample: bool = False, full
     if bad:
         listing = listing.without(set(bad))
         if not listing.paths:
-            raise UserError(f"none of the images in {listing.root} decode ({len(bad)} tried, e.g. {bad[0]}); "
+            raise UserError(f"none of the images in {listing.root} decode ({len(bad)} tried, e.g. {bad[0]})",
                             f"check that the files are images")
 
     counts = np.bincount(np.asarray(listing.labels, dtype=np.int64), minlength=len(listing.classes))
@@ -230,7 +230,7 @@ def write_classes_json(folder: str | os.PathLike, classes: list[str]) -> Path:
 def read_classes_json(folder: str | os.PathLike) -> list[str]:
     path = Path(folder) / "classes.json"
     if not path.is_file():
-        raise UserError(f"no classes.json in {folder}; it is written by training and by extract-latents")
+        raise UserError(f"no classes.json in {folder}", "it is written by training and by extract-latents")
     return list(json.loads(path.read_text())["classes"])
 
 
@@ -326,7 +326,7 @@ class ImageFolderData(torch.utils.data.Dataset):
                     raise
                 self.bad_images_seen += 1
         else:
-            raise UserError(f"no image in {self.root} decodes; check the files")
+            raise UserError(f"no image in {self.root} decodes", "check the files")
         image = center_crop_adm(image, self.resolution)
         mirrored = self.flip and flip_coin(self.seed, self.epoch, index)
         pixels = uint8_to_unit_range(image_to_uint8(image, flip=mirrored))

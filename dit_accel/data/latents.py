@@ -75,16 +75,16 @@ def load_vae(source: str):
     looks_local = path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
     if looks_local:
         if not path.is_dir():
-            raise UserError(f"VAE folder {path} does not exist; pass a folder written by "
+            raise UserError(f"VAE folder {path} does not exist", "pass a folder written by "
                             f"AutoencoderKL.save_pretrained (config.json + weights)")
         subfolder = "vae" if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file() else None
         if subfolder is None and not (path / "config.json").is_file():
-            raise UserError(f"VAE folder {path} has no config.json; pass a folder written by "
+            raise UserError(f"VAE folder {path} has no config.json", "pass a folder written by "
                             f"AutoencoderKL.save_pretrained, or a pipeline folder with a vae/ sub-folder")
         try:
             vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder, local_files_only=True)
         except (OSError, ValueError, KeyError) as error:
-            raise UserError(f"cannot load the VAE from {path}: {str(error).splitlines()[0]}; "
+            raise UserError(f"cannot load the VAE from {path}: {str(error).splitlines()[0]}",
                             f"re-save it with AutoencoderKL.save_pretrained") from None
         source = str(path.absolute())
     else:
@@ -93,7 +93,7 @@ def load_vae(source: str):
             vae = AutoencoderKL.from_pretrained(source, local_files_only=_hub_offline())
         except Exception as error:  # noqa: BLE001 - hub failures come as many types; all mean the same here
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise UserError(f"cannot load the VAE {source!r} from the Hugging Face hub ({reason}); without "
+            raise UserError(f"cannot load the VAE {source!r} from the Hugging Face hub ({reason})", "without "
                             f"network access pass a local folder written by AutoencoderKL.save_pretrained") from None
     vae.eval().requires_grad_(False)
     return vae, vae_identity(vae, source)
@@ -230,10 +230,10 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     downsample = 2 ** (len(vae.config.block_out_channels) - 1)
     if config.resolution < downsample or config.resolution % downsample:
         raise UserError(f"--resolution {config.resolution} is not a multiple of the VAE's downsampling "
-                        f"factor {downsample}; pick e.g. {config.resolution // downsample * downsample or downsample}")
+                        f"factor {downsample}", f"pick e.g. {config.resolution // downsample * downsample or downsample}")
     out = Path(config.out).expanduser().absolute()
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; pass a folder for the latent cache")
+        raise UserError(f"--out {out} is a file", "pass a folder for the latent cache")
 
     state = PartialState(cpu=not torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
@@ -473,26 +473,26 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
     A missing manifest means the extraction did not finish: the message says to re-run it."""
     cache = Path(cache_dir).expanduser()
     if not cache.is_dir():
-        raise UserError(f"latent cache {cache} does not exist; create it with "
+        raise UserError(f"latent cache {cache} does not exist", "create it with "
                         f"`dit-accel extract-latents --data-path DIR --vae PATH --out {cache}`")
     manifest_path = cache / MANIFEST_NAME
     if not manifest_path.is_file():
         raise UserError(f"latent cache {cache} is incomplete (no {MANIFEST_NAME}: the extraction was interrupted "
-                        f"or is still running); re-run the same `dit-accel extract-latents ... --out {cache}` "
+                        "or is still running)", f"re-run the same `dit-accel extract-latents ... --out {cache}` "
                         f"command to finish it")
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"cannot read {manifest_path} ({error}); re-run extract-latents to rewrite it") from None
+        raise UserError(f"cannot read {manifest_path} ({error})", "re-run extract-latents to rewrite it") from None
     if manifest.get("format") != FORMAT:
         raise UserError(f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads "
-                        f"{FORMAT!r}; re-run extract-latents into a new folder")
+                        f"{FORMAT!r}", "re-run extract-latents into a new folder")
     for record in manifest["shards"]:
         path = cache / record["file"]
         size = path.stat().st_size if path.is_file() else None
         if size != record["bytes"]:
             found = "is missing" if size is None else f"has {size} bytes, the manifest says {record['bytes']}"
-            raise UserError(f"latent cache {cache} is damaged: {record['file']} {found}; re-run the same "
+            raise UserError(f"latent cache {cache} is damaged: {record['file']} {found}", "re-run the same "
                             f"extract-latents command to rewrite it")
     return manifest
 
@@ -509,7 +509,7 @@ def verify_cache(cache_dir: str | os.PathLike) -> int:
                 digest.update(block)
                 checked += len(block)
         if digest.hexdigest() != record["sha256"]:
-            raise UserError(f"latent cache {cache} is damaged: {record['file']} does not match its checksum; "
+            raise UserError(f"latent cache {cache} is damaged: {record['file']} does not match its checksum",
                             f"delete that file and re-run the same extract-latents command")
     return checked
 
@@ -526,7 +526,7 @@ def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | No
     where = manifest.get("data_path", "?")
     if manifest["resolution"] != resolution:
         raise UserError(f"the latent cache (of {where}) was made at {manifest['resolution']} px but the run asks "
-                        f"for {resolution} px; extract latents again with --resolution {resolution} into a new "
+                        f"for {resolution} px", f"extract latents again with --resolution {resolution} into a new "
                         f"--out folder, or train at {manifest['resolution']} px")
     if vae_identity is None:
         return
@@ -538,7 +538,7 @@ def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | No
             what = "weights" if key.startswith("weights") else "config"
             raise UserError(f"the latent cache was encoded with another VAE ({cached['source']}, {what} sha256 "
                             f"{cached[key][:12]}) than the run uses ({vae_identity['source']}, "
-                            f"{vae_identity[key][:12]}); extract latents again with this VAE, or pass the VAE "
+                            f"{vae_identity[key][:12]})", "extract latents again with this VAE, or pass the VAE "
                             f"the cache was made with")
 
 

@@ -100,7 +100,7 @@ def read_log(args: argparse.Namespace) -> list[Check]:
     try:
         text = args.log.read_text(errors="replace")
     except OSError as error:
-        raise UserError(f"cannot read log {args.log}: {error.strerror or error}; pass the file the launcher's output went to")
+        raise UserError(f"cannot read log {args.log}: {error.strerror or error}", "pass the file the launcher's output went to")
     rank_logs = sorted((args.output_dir / "logs").glob("rank*.log")) if args.output_dir else []
     tails = []
     for path in rank_logs:

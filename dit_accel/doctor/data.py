@@ -16,31 +16,22 @@ SIZE_SAMPLE = 64  # image headers read for the size check: cheap, and enough to 
 IMBALANCE_RATIO = 10  # the largest class 10x the smallest: sampling is uniform over images, not classes
 
 
-_ADVICE_VERBS = ("pass", "use", "add", "make", "re-", "run", "fix", "drop", "move", "remove", "replace", "check", "extract")
-
-
 def from_user_error(name: str, error: UserError) -> Check:
-    """The data helper and the trainer write 'problem; what to do' (or 'problem: do this'): split the
-    one-line message into the table's reason and fix."""
-    message = str(error)
-    reason, _, fix = message.partition("; ")
-    if not fix:
-        head, _, tail = message.partition(": ")
-        if tail.startswith(_ADVICE_VERBS):
-            reason, fix = head, tail
-    return failed(GROUP, name, reason, fix or "correct what the reason names")
+    """A refusal of the data helpers or the trainer as a FAIL row: its problem as the reason, its fix as the
+    fix (`UserError.fix`)."""
+    return failed(GROUP, name, error.problem, error.fix or "correct what the reason names")
 
 
 def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | None, vae: str | None) -> Check:
     """What was passed (images or a latent cache) must be what the plan's latent mode trains on."""
-    from dit_accel.train import check_data_mode as trainer_check
+    from dit_accel.data.loader import check_data_mode as trainer_check
     from dit_accel.train_config import TrainConfig
 
     # with a latent cache, --vae names the VAE to compare the cache with, not one the trainer loads
     config = TrainConfig(plan=str(plan.path), output_dir="-", data_path=str(data_path) if data_path else None,
                          latents=str(latents) if latents else None, vae=vae if data_path else None)
     try:
-        trainer_check({"decision": {"latents": plan.latents}}, config)
+        trainer_check(plan.plan, config)
     except UserError as error:
         return from_user_error("data vs plan", error)
     source = f"the latent cache {latents}" if latents else f"the image folder {data_path}"
@@ -134,9 +125,9 @@ def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None, full: bo
                      f"latents {manifest.get('latent_shape')} ({manifest.get('dtype')}), {len(manifest['shards'])} shard(s)")]
     try:  # the trainer's own check: resolution, latent shape, classes against the plan's model
         from dit_accel.data.latents import LatentCache
-        from dit_accel.train import check_latent_cache as trainer_check, spec_from_plan
+        from dit_accel.data.loader import check_latent_cache as trainer_check
 
-        trainer_check(LatentCache(latents), spec_from_plan(plan.raw), str(latents))
+        trainer_check(LatentCache(latents), plan.plan.spec(), str(latents))
         checks.append(passed(GROUP, "latent resolution", f"{manifest['resolution']} px, latents "
                              f"{manifest.get('latent_shape')}, {len(manifest.get('classes', []))} classes, as planned"))
     except UserError as error:

@@ -19,6 +19,7 @@ import yaml
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
+from planner.rules import LaunchSettings, launch_problems
 
 GROUP = "environment"
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 tensor cores
@@ -282,37 +283,6 @@ def check_tf32(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
 
 # --- the Accelerate YAML against the plan ----------------------------------------------------------------
 
-MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-ZERO_STAGE = {"zero2": 2, "zero3": 3}
-FSDP_STRATEGY = {"zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
-
-
-def _expected_distributed_types(plan: PlanFacts) -> set[str]:
-    if plan.sharding in ZERO_STAGE:
-        return {"DEEPSPEED", "FSDP"}
-    if plan.world_size == 1:
-        return {"NO", "MULTI_GPU"}
-    return {"MULTI_GPU"}
-
-
-def _sharding_mismatch(plan: PlanFacts, config: dict) -> str | None:
-    distributed_type = str(config.get("distributed_type", "NO"))
-    if distributed_type == "DEEPSPEED" and plan.sharding in ZERO_STAGE:
-        stage = (config.get("deepspeed_config") or {}).get("zero_stage")
-        if stage != ZERO_STAGE[plan.sharding]:
-            return f"deepspeed_config.zero_stage is {stage}, the plan's {plan.sharding} needs {ZERO_STAGE[plan.sharding]}"
-    if distributed_type == "FSDP" and plan.sharding in ZERO_STAGE:
-        fsdp = config.get("fsdp_config") or {}
-        strategy = str(fsdp.get("fsdp_sharding_strategy", ""))
-        reshard = fsdp.get("fsdp_reshard_after_forward")
-        if str(fsdp.get("fsdp_version", 1)) == "2" or isinstance(reshard, bool):
-            if bool(reshard) != (plan.sharding == "zero3"):
-                return f"fsdp_reshard_after_forward is {reshard}, the plan's {plan.sharding} needs {plan.sharding == 'zero3'}"
-        elif FSDP_STRATEGY[plan.sharding] not in strategy.upper() and strategy not in ("1", "2"):
-            return f"fsdp_sharding_strategy is {strategy or 'unset (the launcher then uses FULL_SHARD)'}, the plan's {plan.sharding} needs {FSDP_STRATEGY[plan.sharding]}"
-    return None
-
-
 def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
     """The YAML `accelerate launch` reads must describe the same run as plan.json, which the trainer reads."""
     name, remake = "accelerate config", f"re-make both files together: dit-plan ... --out {plan.path.parent}"
@@ -337,21 +307,9 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
     num_machines = config.get("num_machines", 1)
     if num_machines != plan.nodes:
         problems.append(f"num_machines is {num_machines}, the plan has {plan.nodes} node(s)")
-    mixed = str(config.get("mixed_precision", "no"))
-    if mixed != MIXED_PRECISION.get(plan.precision, plan.precision):
-        problems.append(f"mixed_precision is {mixed}, the plan's precision {plan.precision} needs {MIXED_PRECISION.get(plan.precision)}")
-    distributed_type = str(config.get("distributed_type", "NO"))
-    expected = _expected_distributed_types(plan)
-    if distributed_type not in expected:
-        problems.append(f"distributed_type is {distributed_type}, the plan's sharding {plan.sharding} needs {' or '.join(sorted(expected))}")
-    else:
-        mismatch = _sharding_mismatch(plan, config)
-        if mismatch:
-            problems.append(mismatch)
-    accumulation = (config.get("deepspeed_config") or {}).get("gradient_accumulation_steps")
-    if distributed_type == "DEEPSPEED" and accumulation is not None and accumulation != plan.grad_accum:
-        problems.append(f"deepspeed_config.gradient_accumulation_steps is {accumulation}, the plan's grad_accum is {plan.grad_accum} "
-                        "(the global batch would change)")
+    # The trainer's own rule for which launches run the plan (it applies it to the environment this file makes).
+    problems += launch_problems(plan.sharding, plan.precision, LaunchSettings.from_yaml(config), plan.world_size)
+    distributed_type, mixed = config.get("distributed_type", "NO"), config.get("mixed_precision", "no")
     if problems:
         return failed(GROUP, name, f"{config_path} disagrees with {plan.path.name}: " + "; ".join(problems), remake)
     return passed(GROUP, name, f"{config_path.name}: {distributed_type}, {num_processes} process(es) on {num_machines} machine(s), "
@@ -360,13 +318,12 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
 
 def check_trainer_runs_plan(plan: PlanFacts) -> Check:
     """The trainer's own launch check (e.g. it refuses sharded plans it cannot run yet), before the launch."""
-    from dit_accel.train import check_launch
+    from dit_accel.distributed import check_launch
 
     try:
-        check_launch(plan.raw, plan.world_size, str(plan.path))
+        check_launch(plan.plan, plan.world_size, str(plan.path))
     except UserError as error:
-        reason, _, fix = str(error).partition(": ")
-        return failed(GROUP, "trainer", reason, fix or "re-plan with dit-plan")
+        return failed(GROUP, "trainer", error.problem, error.fix or "re-plan with dit-plan")
     return passed(GROUP, "trainer", f"dit_accel.train runs this plan: {plan.sharding}, {plan.world_size} process(es), "
                   f"micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = global batch {plan.global_batch}")
 

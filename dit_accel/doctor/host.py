@@ -94,9 +94,7 @@ def loader_facts(plan: PlanFacts, workers_per_rank: int) -> LoaderFacts:
     """The sample size by the planner's own rule (an fp32 latent, or fp32 RGB pixels)."""
     from planner.host import sample_bytes
 
-    from dit_accel.train import spec_from_plan
-
-    return LoaderFacts(workers_per_rank=workers_per_rank, sample_bytes=sample_bytes(spec_from_plan(plan.raw), plan.latents))
+    return LoaderFacts(workers_per_rank=workers_per_rank, sample_bytes=sample_bytes(plan.plan.spec(), plan.latents))
 
 
 def check_ram(plan: PlanFacts, host: HostFacts, workers_per_rank: int) -> Check:

@@ -1,7 +1,7 @@
 """The parts of plan.json the doctor compares against this machine, read once into named fields.
 
-The keys follow DESIGN.md's plan.json contract; a plan that lacks one the checks need is a bad plan,
-reported on one line with the fix (re-run dit-plan), never a KeyError.
+The plan is read by `planner.planfile.read_plan`, as the trainer reads it: a plan that lacks a key the
+checks need is a bad plan, reported on one line with the fix (re-run dit-plan), never a KeyError.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dit_accel.errors import UserError
+from planner.planfile import Plan, read_plan
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class PlanFacts:
     model: dict = field(default_factory=dict)
     main_process_ip: str | None = None
     main_process_port: int | None = None
-    raw: dict = field(default_factory=dict, repr=False)  # the whole plan, for the trainer's own checks
+    plan: Plan | None = field(default=None, repr=False)  # the typed plan, for the trainer's own checks
 
     @property
     def host_bytes(self) -> int | None:
@@ -81,45 +82,23 @@ class PlanFacts:
         return str(value) if value else None
 
 
-# PlanFacts field -> (plan.json key, type): the keys every check relies on (DESIGN.md's contract)
-_REQUIRED = {
-    "model_name": ("model.name", str), "resolution": ("model.resolution", int), "latent_size": ("model.latent_size", int),
-    "in_channels": ("model.in_channels", int), "params_trainable": ("model.params_trainable", int),
-    "nodes": ("cluster.nodes", int), "gpus_per_node": ("cluster.gpus_per_node", int),
-    "world_size": ("cluster.world_size", int), "vram_bytes": ("cluster.vram_bytes", int),
-    "global_batch": ("global_batch", int), "micro_batch": ("decision.micro_batch", int),
-    "grad_accum": ("decision.grad_accum", int), "checkpointed_blocks": ("decision.checkpointed_blocks", int),
-    "precision": ("decision.precision", str), "sharding": ("decision.sharding", str),
-    "latents": ("decision.latents", str), "peak_bytes": ("memory.peak_bytes", int),
-    "budget_bytes": ("memory.budget_bytes", int),
-}
-
-
-def _get(plan: dict, dotted: str, path: Path):
-    node = plan
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise UserError(f"{path}: plan.json has no {dotted!r}; re-make it with dit-plan ... --out DIR")
-        node = node[part]
-    return node
-
-
 def load_plan(path: str | Path) -> PlanFacts:
-    """Read a plan.json exactly as the trainer does (same refusals, same messages), then the keys the
-    checks compare against this machine; any problem is one UserError line with the fix."""
-    from dit_accel.train import read_plan
-
+    """Read a plan.json exactly as the trainer does (`planner.planfile.read_plan`: same refusals, same
+    messages), then name the facts the checks compare against this machine."""
     path = Path(path)
-    try:
-        plan = read_plan(path)
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read plan {path}: {error}") from None
-    values = {name: kind(_get(plan, key, path)) for name, (key, kind) in _REQUIRED.items()}
-    cluster, decision = plan["cluster"], plan["decision"]
+    plan = read_plan(path)
+    model, cluster, decision, spec = plan.model, plan.cluster, plan.decision, plan.spec()
+    if plan.memory is None:
+        raise UserError(f"plan {path} has no memory estimate", "re-make it with dit-plan ... --out DIR")
     return PlanFacts(
-        path=path, **values, gpu=cluster.get("gpu"), ema=bool(decision.get("ema", True)),
-        host=plan["host"] if isinstance(plan.get("host"), dict) else {},
-        inputs=plan["inputs"] if isinstance(plan.get("inputs"), dict) else {},
-        model=plan["model"], main_process_ip=cluster.get("main_process_ip"),
-        main_process_port=cluster.get("main_process_port"), raw=plan,
+        path=path, model_name=model.name, resolution=model.resolution, latent_size=spec.latent_size,
+        in_channels=spec.in_channels, params_trainable=spec.params_trainable,
+        nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node or cluster.world_size,
+        world_size=cluster.world_size, vram_bytes=cluster.vram_bytes, gpu=cluster.gpu,
+        global_batch=plan.global_batch, micro_batch=decision.micro_batch, grad_accum=decision.grad_accum,
+        checkpointed_blocks=decision.checkpointed_blocks, precision=decision.precision, sharding=decision.sharding,
+        latents=decision.latents, ema=decision.ema, peak_bytes=plan.memory.peak_bytes,
+        budget_bytes=plan.memory.budget_bytes, host=plan.host, inputs=plan.inputs,
+        model=plan.to_json()["model"], main_process_ip=cluster.main_process_ip,
+        main_process_port=cluster.main_process_port, plan=plan,
     )

@@ -1,0 +1,185 @@
+"""The distributed set-up a plan describes: the Accelerator (DDP or FSDP2, precision, accumulation), the
+launch checked against the plan, and FSDP2's per-block units.
+
+Which launches run which plan is decided by `planner.rules.launch_problems`, the same function
+`dit-accel doctor` applies to the Accelerate YAML before the launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dit_accel.errors import UserError
+from dit_accel.train_config import TrainConfig
+from planner.planfile import Plan
+from planner.rules import LaunchSettings, launch_problems
+
+
+def check_launch(plan: Plan, world_size: int, plan_path: str) -> None:
+    """The launched process count must be the plan's world size."""
+    planned = plan.world_size
+    if planned != world_size:
+        raise UserError(f"{plan_path} is planned for {planned} processes but {world_size} were launched",
+                        f"re-plan with `dit-plan --gpus {world_size}`, or launch {planned} processes")
+
+
+def resolve_precision(plan_precision: str, device_type: str) -> str:
+    """The plan's precision on this device. fp16 needs a GradScaler and a GPU: on a CPU, run fp32 and warn
+    (bf16 would be a different recipe, and fp32 is what the fp16 run approximates)."""
+    if plan_precision == "fp16" and device_type == "cpu":
+        logging.getLogger("dit_accel.train").warning(
+            "the plan says fp16, which needs a GPU; training in fp32 on this CPU instead")
+        return "fp32"
+    return plan_precision
+
+
+def fsdp_plugin_for(plan: Plan, plan_path: str, env: dict | None = None):
+    """The launcher's settings (accelerate_config.yaml, exported as environment variables) checked against the
+    plan, and for a sharded plan the FSDP2 plugin made from them; None for a DDP plan. Auto-wrap is switched
+    off: `shard_blocks` makes the per-block units itself."""
+    env = os.environ if env is None else env
+    launched = int(env.get("WORLD_SIZE", "1") or 1)  # against the plan's world size: check_launch
+    problems = launch_problems(plan.decision.sharding, plan.decision.precision, LaunchSettings.from_environment(env),
+                               launched)
+    if problems:
+        raise UserError(f"the launch config does not match {plan_path}: {'; '.join(problems)}",
+                        f"launch with the accelerate_config.yaml that dit-plan wrote next to {plan_path}")
+    if not plan.sharding.uses_fsdp:
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # every field from the launcher's FSDP_* environment
+    plugin.auto_wrap_policy = None
+    return plugin
+
+
+def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
+    """The Accelerator the plan describes; on a machine without CUDA the same config runs on the CPU.
+
+    Sharded plans run FSDP2 with the launcher's FSDP settings (checked against the plan), reduce-scattering
+    the gradients every micro-step (`sync_each_batch`): accumulating under `no_sync` would keep a full
+    unsharded gradient per rank, which the plan does not count.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, ProjectConfiguration
+
+    from planner.rules import PRECISIONS
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mixed_precision = PRECISIONS[resolve_precision(plan.decision.precision, device_type)].accelerate_mixed_precision
+    fsdp_plugin = fsdp_plugin_for(plan, config.plan)
+    log_with = None
+    if config.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+
+            log_with = "tensorboard"
+        except ImportError:
+            print("dit_accel.train: tensorboard is not installed; logging to the text logs only "
+                  "(pip install tensorboard)", file=sys.stderr)
+    accelerator = Accelerator(
+        cpu=device_type == "cpu",
+        mixed_precision=mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=plan.decision.grad_accum, sync_each_batch=fsdp_plugin is not None),
+        fsdp_plugin=fsdp_plugin,
+        log_with=log_with,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
+        # As planned: with gradient_as_bucket_view DDP's buckets ARE the .grad tensors (4 bytes/param less).
+        kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=plan.decision.gradient_as_bucket_view)],
+    )
+    if fsdp_plugin is not None and not uses_fsdp(accelerator):
+        if accelerator.device.type != "cpu":
+            raise UserError(f"{config.plan} shards the model but accelerate set up {accelerator.distributed_type}",
+                            "launch with the plan's accelerate_config.yaml")
+        use_fsdp_on_cpu(accelerator, fsdp_plugin, mixed_precision)
+    return accelerator
+
+
+def use_fsdp_on_cpu(accelerator, plugin, mixed_precision: str) -> None:
+    """Switch a CPU Accelerator to FSDP, which accelerate 1.15 never does by itself.
+
+    AcceleratorState turns a launch into FSDP only inside its GPU-family branch (MULTI_GPU, MULTI_XPU, ...); a
+    `cpu=True` state is MULTI_CPU and would silently wrap the model in DDP instead. (FSDP1 fails earlier still:
+    its plugin with sync_module_states asks for a GPU's current_device.) torch's `fully_shard` itself runs on a
+    CPU mesh over gloo, so here the state is set to FSDP by hand, and from then on accelerate's own FSDP2 code
+    (prepare, gradient clipping, sync, save_state/load_state) runs exactly as on GPUs: that is what the CPU
+    tests exercise. Nothing else changes: the device stays the CPU and the process group gloo.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)  # what AcceleratorState does for GPU launches
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def uses_fsdp(accelerator) -> bool:
+    if accelerator is None:
+        return False
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def shard_blocks(model: nn.Module, plugin) -> None:
+    """One FSDP2 unit per transformer block, holding the block's own layers but NOT its conditioning embedder.
+
+    Every block's `norm1.emb` is the same CombinedTimestepLabelEmbeddings, and a parameter that two FSDP units
+    see is an error; `fully_shard` on a list of modules makes them one unit (one all-gather, one
+    reduce-scatter per block, as the planner counts), so each block's unit is its layers minus the embedder,
+    and the embedder, patch embedding and final layer stay in the root unit that `accelerator.prepare` adds.
+    Activation checkpointing (set_checkpointed_blocks) wraps the block's forward, outside these units: the
+    recompute in backward runs the units' hooks again and gathers their parameters as the first pass did.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # torch warns that a unit "returned a view tensor" because nn.Linear on (batch, tokens, width) returns
+    # one; only an in-place op on it would skip the unit's backward hook, and diffusers' block uses none
+    # (tests/test_train_fsdp.py holds zero2 and zero3 equal to the DDP update).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    kwargs = {"reshard_after_forward": plugin.reshard_after_forward,
+              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+    for block in model.transformer_blocks:
+        embedder = block.norm1.emb
+        layers = [module for module in _children_without(block, embedder) if any(True for _ in module.parameters())]
+        fully_shard(layers, **kwargs)
+
+
+def _children_without(module: nn.Module, excluded: nn.Module) -> list[nn.Module]:
+    """The smallest set of submodules that covers `module` except `excluded` (and its own submodules)."""
+    covering = []
+    for child in module.children():
+        if child is excluded:
+            continue
+        if any(sub is excluded for sub in child.modules()):
+            covering.extend(_children_without(child, excluded))
+            if any(True for _ in child.parameters(recurse=False)):
+                raise ValueError(f"{type(child).__name__} holds parameters beside the shared embedder")
+        else:
+            covering.append(child)
+    return covering
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a collective for a DTensor (every rank must call it), the tensor itself otherwise."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def set_tf32(enabled: bool, device: torch.device) -> bool:
+    """TF32 matmuls and convolutions on CUDA, as the DiT recipe trains and the planner rates fp32 (TF32 peak).
+    Returns whether TF32 is on; always False off CUDA, where the switch means nothing."""
+    if device.type != "cuda":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return enabled

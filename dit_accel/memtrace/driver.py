@@ -1,0 +1,354 @@
+"""Driving the trainer's own step under the tracker: the step for one plan on fake tensors (the trainer's
+`build_components`, `train_micro_step`, `check_step`, `apply_step`), its windows labelled per block, traced
+at shallow depths and extrapolated to the plan's (`extrapolate`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from dit_accel.errors import UserError
+from dit_accel.memtrace.extrapolate import (
+    Counts,
+    _block_of_role,
+    _describe,
+    _segments,
+    extrapolate,
+    planner_moment,
+    role_peaks,
+    trace_plan_counts,
+)
+from dit_accel.memtrace.tracker import StorageTracker, TraceResult, _in_backward
+from planner.planfile import Plan
+
+@dataclass
+class StepParts:
+    """The trainer's components for one configuration and its step as two calls (fake tensors for
+    `verify`, real ones for `calibrate`).
+
+    `micro_step()` is the trainer's forward + backward of one micro-batch (with its accumulation context);
+    `optimizer_step()` is the trainer's finite step: `check_step` (clip, vote) then `apply_step` (AdamW, lr
+    schedule, EMA, zero_grad). `checkpointed` says, in forward order, which blocks recompute their
+    activations in backward.
+    """
+
+    model: torch.nn.Module
+    blocks: list
+    checkpointed: list
+    micro_step: Callable[[], None]
+    optimizer_step: Callable[[], None]
+    grad_accum: int
+    ema_tensors: list = field(default_factory=list)
+    vae: torch.nn.Module | None = None
+    batch_tensors: list = field(default_factory=list)
+    # called when a parameter's gradient is complete; default: count `param.grad` as grads (a sharded trace
+    # frees it and keeps a 1/N fp32 shard instead, as FSDP2's reduce-scatter does)
+    on_grad: Callable[[torch.nn.Parameter, "StorageTracker"], None] | None = None
+
+
+def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int = 2, max_micro_steps: int = 2) -> None:
+    """Run `optimizer_steps` steps of the trainer under `tracker`, labelling the windows.
+
+    Only the last step runs its whole accumulation cycle, and that up to `max_micro_steps` micro-steps:
+    from the second micro-step on, each one starts with the same live storages (the accumulated grads) and
+    does the same work. Earlier steps run one micro-step: they exist to create AdamW's state, and every
+    moment of theirs is matched by the same moment of the last step, which also holds that state.
+    """
+    for param in parts.model.parameters():
+        tracker.tag(param, "weights")
+    for buffer in parts.model.buffers():
+        tracker.tag(buffer, "buffers")
+    for tensor in parts.ema_tensors:
+        tracker.tag(tensor, "ema")
+    if parts.vae is not None:
+        for tensor in list(parts.vae.parameters()) + list(parts.vae.buffers()):
+            tracker.tag(tensor, "vae")
+    for tensor in parts.batch_tensors:
+        tracker.tag(tensor, "batch")
+
+    where = {"step": 0, "micro": 0}
+    handles = []
+    last_block = len(parts.blocks) - 1
+
+    def block_pre(index):
+        def hook(module, args):
+            if not _in_backward():  # a checkpointed block's recompute runs forward again inside backward
+                tracker.set_window(("fwd", where["step"], where["micro"], index))
+        return hook
+
+    def block_post(index):
+        def hook(module, args, output):
+            if _in_backward():
+                return
+            step, micro = where["step"], where["micro"]
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                # fires when the gradient of this block's output is ready: its backward starts
+                hidden.register_hook(lambda grad: tracker.set_window(("bwd", step, micro, index)))
+            if index == last_block:
+                tracker.set_window(("head", step, micro))
+        return hook
+
+    for index, block in enumerate(parts.blocks):
+        handles.append(block.register_forward_pre_hook(block_pre(index)))
+        handles.append(block.register_forward_hook(block_post(index)))
+    if parts.on_grad is None:
+        def on_grad(p):
+            tracker.tag(p.grad, "grads")
+    else:
+        def on_grad(p):
+            parts.on_grad(p, tracker)
+    for param in parts.model.parameters():
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(on_grad))
+    if parts.vae is not None:
+        def vae_enter(module, args):
+            tracker.in_vae += 1
+
+        def vae_leave(module, args, output):
+            tracker.in_vae -= 1
+        for module in parts.vae.children():
+            handles.append(module.register_forward_pre_hook(vae_enter))
+            handles.append(module.register_forward_hook(vae_leave))
+
+    def optimizer_post(optimizer, args, kwargs):
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    tracker.tag(value, "optimizer")
+
+    handles.append(register_optimizer_step_post_hook(optimizer_post))
+    try:
+        with tracker:
+            for step in range(optimizer_steps):
+                final_step = step == optimizer_steps - 1
+                for micro in range(min(parts.grad_accum, max_micro_steps) if final_step else 1):
+                    where.update(step=step, micro=micro)
+                    tracker.set_window(("pre", step, micro))
+                    parts.micro_step()
+                tracker.set_window(("opt", step))
+                tracker.phase = "optimizer"  # clipping, AdamW, zero_grad, the EMA update: all temporaries
+                parts.optimizer_step()
+                tracker.phase = "forward"
+            tracker.set_window(("end",))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# The Stable Diffusion VAE (sd-vae-ft-ema / -mse) that DiT encodes with: its architecture, no weights.
+SD_VAE_CONFIG = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 2, "norm_num_groups": 32,
+    "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4, "act_fn": "silu", "sample_size": 256, "scaling_factor": 0.18215,
+}
+
+
+def fake_batch(spec, micro_batch: int, device: torch.device, online: bool) -> dict:
+    """One micro-batch as the trainer's `Collate` makes it (on fake tensors: shapes and dtypes only)."""
+    side = spec.resolution if online else spec.latent_size
+    channels = 3 if online else spec.in_channels
+    batch = {
+        "x": torch.randn(micro_batch, channels, side, side, device=device),
+        "y": torch.randint(0, spec.num_classes, (micro_batch,), device=device),
+        "sample_number": torch.arange(micro_batch, device=device),
+        "t": torch.randint(0, 1000, (micro_batch,), device=device),
+        "noise": torch.randn(micro_batch, spec.in_channels, spec.latent_size, spec.latent_size, device=device),
+        "drop": torch.zeros(micro_batch, dtype=torch.bool, device=device),
+    }
+    if online:
+        batch["posterior_noise"] = torch.randn_like(batch["noise"])
+    return batch
+
+
+def build_vae(vae_config: dict | None, device: torch.device):
+    """A frozen AutoencoderKL of the given architecture (default: the SD VAE), and its latent (shift, scale)."""
+    from diffusers import AutoencoderKL
+
+    with device:
+        vae = AutoencoderKL.from_config(vae_config or SD_VAE_CONFIG)
+    vae.eval().requires_grad_(False)
+    return vae, (float(getattr(vae.config, "shift_factor", None) or 0.0), float(vae.config.scaling_factor))
+
+
+def build_step_parts(plan: Plan, spec, checkpointed_blocks: int, micro_batch: int, device: str,
+                     vae_config: dict | None = None, sharded_world_size: int = 0) -> StepParts:
+    """The trainer's components (`dit_accel.step.build_components`, bare device, no Accelerator, the plan's
+    own precision) and its step for `spec` (which may be shallower than the plan's network): the micro-step
+    is `train_micro_step`; the optimizer step is `check_step` then `apply_step`, the path of a finite step,
+    with no value read (`optimizer_step` only adds the decision between them and the numbers it logs).
+
+    Inside a FakeTensorMode nothing it builds owns memory; outside one (`dit-accel calibrate`) it is real.
+
+    `sharded_world_size` > 0: one rank's compute of a sharded plan instead (`make_sharded`).
+    """
+    from dit_accel import step
+    from dit_accel.train_config import TrainConfig
+
+    online = plan.decision.latents == "online"
+    # the VAE of online latents comes from `vae_config` below, not from a weights folder
+    variant = plan.with_decision(checkpointed_blocks=checkpointed_blocks, micro_batch=micro_batch,
+                                 latents="precomputed")
+    config = TrainConfig(plan="(traced)", output_dir="(traced)", latents="(traced)")
+    device = torch.device(device)
+    # The plan's precision even where a bare-device run would fall back (fp16 on a CPU): the trace is a
+    # proxy for the GPU run. Without an Accelerator there is no GradScaler (a few scalars).
+    components = step.build_components(variant, config, device=device, spec=spec,
+                                       precision="fp32" if sharded_world_size else plan.decision.precision)
+    components.plan = plan
+    if online:
+        components.vae, components.latent_shift_scale = build_vae(vae_config, device)
+    batch = fake_batch(spec, micro_batch, device, online)
+    losses = []
+
+    def micro_step():
+        losses.append(step.train_micro_step(components, batch))
+
+    def optimizer_step():
+        loss_sum = torch.stack(losses).sum()
+        check = step.check_step(components, loss_sum)
+        step.apply_step(components)  # with `check` and `loss_sum` alive, as in the trainer's optimizer_step
+        del check, loss_sum
+        losses.clear()
+
+    model = components.raw_model
+    parts = StepParts(model=model, blocks=list(model.transformer_blocks),
+                      checkpointed=["forward" in block.__dict__ for block in model.transformer_blocks],
+                      micro_step=micro_step, optimizer_step=optimizer_step, grad_accum=components.grad_accum,
+                      ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
+                      vae=components.vae, batch_tensors=list(batch.values()))
+    if sharded_world_size:
+        make_sharded(parts, plan.decision.precision, sharded_world_size, losses)
+    return parts
+
+
+def make_sharded(parts: StepParts, precision: str, world_size: int, losses: list) -> None:
+    """Turn the traced step into ONE rank's compute of a sharded plan, as FSDP2 runs it, as far as one process
+    can show it.
+
+    FSDP2's MixedPrecisionPolicy gathers every unit's parameters in the compute dtype and casts the root's
+    floating inputs to it, and Accelerate's FSDP2 path adds no autocast: here the parameters themselves are
+    converted (the buffers stay fp32, as FSDP2 leaves them), a pre-hook on the root casts its inputs, and the
+    step runs without autocast (so there is no autocast cache). The converted parameters stand for the gathered
+    copies of every unit (zero2's layout). Each gradient, once complete, is freed and replaced by a 1/world_size
+    fp32 shard, as the reduce-scatter leaves it (accumulated into over micro-steps). The fp32 master weights,
+    AdamW state and EMA are not traced (`compare_sharded` adds them from the traced sizes), nor is the
+    optimizer step, which only drops the gradient shards here.
+    """
+    from dit_accel.step import compute_dtype as dtype_of
+
+    compute_dtype = dtype_of(precision) or torch.float32
+    for param in parts.model.parameters():
+        param.data = param.data.to(compute_dtype)
+
+    def cast_inputs(module, args, kwargs):
+        def cast(value):
+            return value.to(compute_dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        return tuple(map(cast, args)), {key: cast(value) for key, value in kwargs.items()}
+
+    parts.model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+    grad_shards: dict[int, torch.Tensor] = {}
+
+    def on_grad(param, tracker):
+        if id(param) not in grad_shards:
+            shard = torch.zeros(math.ceil(param.numel() / world_size), dtype=torch.float32, device=param.device)
+            tracker.tag(shard, "grads")
+            grad_shards[id(param)] = shard
+        param.grad = None  # the unsharded gradient is gone after its reduce-scatter
+
+    def optimizer_step():
+        grad_shards.clear()
+        losses.clear()
+
+    parts.on_grad, parts.optimizer_step, parts.ema_tensors = on_grad, optimizer_step, []
+
+
+def _trace_once(plan: Plan, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str,
+                vae_config: dict | None = None, sharded_world_size: int = 0) -> tuple[StorageTracker, list]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False):  # a value read in the step would raise here
+        parts = build_step_parts(plan, spec, checkpointed_blocks, micro_batch, autocast_device, vae_config,
+                                 sharded_world_size)
+        tracker = StorageTracker()
+        run_traced(parts, tracker)
+    return tracker, parts.checkpointed
+
+
+def _runs_kinds(checkpointed: list) -> list[bool]:
+    return [kind for _, _, kind in _segments(checkpointed)]
+
+
+def trace_training_step(plan: Plan, *, depth_extrapolate: str = "auto", autocast_device: str | None = None,
+                        micro_batch: int | None = None, vae_config: dict | None = None) -> TraceResult:
+    """Trace the plan's training step on fake tensors and return its peak and the components live then.
+
+    `depth_extrapolate="auto"` traces at most 5 blocks (up to three shallow traces) and extrapolates per
+    block, unless the full network is as cheap to trace; `"on"` always extrapolates (tests); `"off"`
+    traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
+    (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either). `vae_config`
+    (online latents): the AutoencoderKL's config; default the SD VAE's (`SD_VAE_CONFIG`).
+
+    A sharded plan (zero2/zero3) is traced as one rank's compute under FSDP2 (`make_sharded`: parameters in the
+    compute dtype, no autocast, 1/world_size fp32 gradient shards); `compare_sharded` completes it.
+    """
+    if depth_extrapolate not in ("auto", "on", "off"):
+        raise UserError(f"--depth-extrapolate must be auto or off, got {depth_extrapolate!r}")
+    autocast_device = autocast_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if autocast_device not in ("cpu", "cuda"):
+        raise UserError(f"--device-autocast must be cpu or cuda, got {autocast_device!r}")
+    if autocast_device == "cuda" and not torch.backends.cuda.is_built():
+        raise UserError("--device-autocast cuda needs a CUDA build of torch (fake CUDA tensors): use --device-autocast cpu here")
+    decision = plan.decision
+    spec = plan.spec()
+    micro_batch = int(micro_batch or decision.micro_batch)
+    checkpointed = decision.checkpointed_blocks
+    if not 0 <= checkpointed <= spec.depth:
+        raise UserError(f"plan decision.checkpointed_blocks {checkpointed} is outside 0..{spec.depth}",
+                        "re-create the plan")
+    sharding = decision.sharding
+    world_size = plan.world_size if plan.sharding.uses_fsdp else 1
+    target = (spec.depth - checkpointed, checkpointed)
+    base, all_counts = trace_plan_counts(target)
+    started = time.perf_counter()
+
+    def trace(counts: Counts) -> tuple[StorageTracker, list]:
+        shallow = dataclasses.replace(spec, depth=sum(counts))
+        return _trace_once(plan, shallow, counts[1], micro_batch, autocast_device, vae_config,
+                           world_size if sharding != "ddp" else 0)
+
+    # Each trace also runs the embedding, final layer and loss (about two blocks' worth of ops): when the
+    # shallow traces together would run as many ops as the full network, trace the full network.
+    shallow_cost = sum(sum(counts) + 2 for counts in all_counts)
+    if depth_extrapolate == "off" or sum(base) == spec.depth or (depth_extrapolate == "auto" and shallow_cost >= spec.depth + 2):
+        tracker, _ = trace(target)
+        peak_bytes, components, window = tracker.peak_bytes, tracker.peak_components, tracker.peak_window
+        traced_depths = [spec.depth]
+    else:
+        samples, patterns = {}, set()
+        for counts in all_counts:
+            tracker, kinds = trace(counts)
+            samples[counts] = role_peaks(tracker, kinds)
+            patterns.add(tuple(_runs_kinds(kinds)))
+        if len(patterns) != 1:
+            raise AssertionError(f"the checkpointed blocks change order with depth ({patterns}): cannot extrapolate")
+        roles = extrapolate(samples, target, base)
+        # the latest of equal peaks: the second optimizer step, whose state is already tagged as such
+        role = max(reversed(list(roles)), key=lambda role: roles[role][0])
+        peak_bytes, components = roles[role]
+        pattern = patterns.pop()  # the kinds of the runs in forward order, e.g. (True, False)
+        target_checkpointed = [kind for kind in pattern for _ in range(target[1] if kind else target[0])]
+        window = _block_of_role(role, target_checkpointed)
+        traced_depths = [sum(counts) for counts in all_counts]
+    return TraceResult(peak_bytes=peak_bytes, components=dict(components), peak_at=_describe(window),
+                       depth=spec.depth, checkpointed_blocks=checkpointed, micro_batch=micro_batch,
+                       precision=decision.precision, autocast_device=autocast_device,
+                       traced_depths=traced_depths, seconds=round(time.perf_counter() - started, 2),
+                       sharding=sharding, world_size=world_size,
+                       peak_moment=planner_moment(window, components, spec.depth) if sharding != "ddp" else "")

@@ -1,0 +1,153 @@
+"""What a run tells its user: one log per rank, the terminal line, metrics.jsonl and the trackers, and the
+GPU memory it measured against the plan's estimate."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dit_accel.distributed import full_tensor
+from planner.planfile import Plan
+
+log = logging.getLogger("dit_accel.train")
+log.addHandler(logging.NullHandler())  # before setup_logging: silent, not Python's stderr fallback
+
+
+def setup_logging(run_dir: Path, rank: int, is_main: bool) -> Path:
+    """One plain log per rank in RUN/logs/; the main process also prints to the terminal."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / f"rank{rank}.log"
+    for handler in list(log.handlers):  # a second run in the same process (tests) starts clean
+        handler.close()
+        log.removeHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s"))
+    log.addHandler(file_handler)
+    if is_main:
+        log.addHandler(_TqdmHandler())
+    return path
+
+
+class _TqdmHandler(logging.Handler):
+    """Terminal lines that do not tear the progress bar."""
+
+    def emit(self, record):
+        from tqdm import tqdm
+
+        if getattr(record, "file_only", False):
+            return
+        tqdm.write(("WARNING: " if record.levelno >= logging.WARNING else "") + record.getMessage(), file=sys.stdout)
+
+
+def flush_logs() -> None:
+    for handler in log.handlers:
+        handler.flush()
+
+
+def measured_peak_bytes(device: torch.device) -> tuple[int, int] | None:
+    """(max allocated, max reserved) bytes on this rank's GPU since the start, or None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def parameter_checksum(model: nn.Module) -> str:
+    """sha256 of every parameter's bytes, in name order: equal on all ranks iff the weights are. Sharded
+    parameters are gathered first (a collective: every rank calls this)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(full_tensor(param.detach()).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def tracker_config(config, plan: Plan) -> dict:
+    """The run's settings as TensorBoard hparams, which take scalars only."""
+    scalars = (int, float, str, bool)
+    values = {k: v for k, v in config.to_json().items() if isinstance(v, scalars)}
+    values.update({f"plan_{k}": v for k, v in plan.to_json()["decision"].items() if isinstance(v, scalars)})
+    values["global_batch"] = plan.global_batch
+    return values
+
+
+class StepLog:
+    """Every `log_every` steps: the mean loss since the last line, images/s, and the GPU's measured peak memory
+    beside the plan's, to the terminal, the rank logs, metrics.jsonl (main process) and the trackers.
+
+    `torch.cuda.max_memory_allocated` sees tensors only, so it is held to the plan's peak less the overheads the
+    plan adds for the CUDA context, cuBLAS, NCCL and fragmentation (which max_memory_reserved partly shows).
+    """
+
+    def __init__(self, run_dir: Path, plan: Plan, accelerator, device: torch.device, max_steps: int):
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.plan, self.accelerator, self.device, self.max_steps = plan, accelerator, device, max_steps
+        self.warned_memory = False
+        self._start_window()
+
+    def _start_window(self) -> None:
+        self.window_start, self.window_steps, self.window_losses = time.perf_counter(), 0, []
+
+    def record(self, result) -> None:
+        """One optimizer step's result (`step.StepResult`)."""
+        self.window_steps += 1
+        if result.applied:
+            self.window_losses.append(result.loss)
+
+    def write(self, step: int, result, skipped_steps: int) -> float:
+        """The log line for the window ending at `step`; returns its mean loss."""
+        elapsed = time.perf_counter() - self.window_start
+        # Every applied step's loss since the last line, each the mean over all ranks' samples.
+        loss = sum(self.window_losses) / len(self.window_losses) if self.window_losses else math.nan
+        metrics = {"step": step, "loss": loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                   "images_per_s": self.plan.global_batch * self.window_steps / elapsed,
+                   "step_time_s": elapsed / self.window_steps, "skipped_steps": skipped_steps}
+        memory_text = self._memory(metrics)
+        log.info(f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {result.lr:.3g} | grad norm "
+                 f"{result.grad_norm:.3g} | {metrics['images_per_s']:.1f} img/s | {metrics['step_time_s']:.3f} "
+                 f"s/step | {memory_text}")
+        if self.accelerator.log_with:
+            self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if self.accelerator.is_main_process:
+            with self.metrics_path.open("a") as handle:
+                handle.write(json.dumps(metrics) + "\n")
+        self._start_window()
+        return loss
+
+    def _memory(self, metrics: dict) -> str:
+        """The measured peak (max over ranks) beside the plan's, into `metrics`; warns once when over."""
+        memory = self.plan.memory
+        plan_peak = memory.peak_bytes if memory else None
+        plan_tensors = memory.tensor_bytes if memory else None
+        peak = measured_peak_bytes(self.device)
+        text = "peak GPU memory n/a on CPU"
+        if peak is not None:
+            peak_tensor = torch.tensor(peak, device=self.device, dtype=torch.float64)
+            if self.accelerator.num_processes > 1:
+                peak_tensor = self.accelerator.reduce(peak_tensor, reduction="max")
+            allocated, reserved = (int(v) for v in peak_tensor.tolist())
+            metrics.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved)
+            text = f"peak GPU memory {gib(allocated)} allocated, {gib(reserved)} reserved"
+            if plan_tensors and allocated > plan_tensors and not self.warned_memory:
+                self.warned_memory = True
+                log.warning(f"measured peak {gib(allocated)} allocated exceeds the plan's {gib(plan_tensors)} of "
+                            f"tensors (its {gib(plan_peak)} peak less overheads): report it with `dit-accel verify`; "
+                            f"the run goes on")
+        if plan_peak:
+            text += (f" (plan: {gib(plan_peak)})" if peak is None else
+                     f" (plan: {gib(plan_tensors)} of tensors, {gib(plan_peak)} with overheads)")
+        return text

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from dit_accel import checkpoint as ckpt
+from equivalence import has_true_gradient
 
 TINY_MODEL = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "64",
               "--num-classes", "4", "--vram", "8G", "--precision", "fp32"]
@@ -72,7 +73,10 @@ def workspace(tmp_path_factory):
 
 
 def run_in_process(argv: list[str], env: dict | None = None) -> int:
-    """`python -m dit_accel.train ARGV` in this process (one process, no launcher), state reset around it."""
+    """`python -m dit_accel.train ARGV` in this process (one process, no launcher), state reset around it.
+
+    With one intra-op thread, as the launched processes (OMP_NUM_THREADS=1): a run continued in another
+    process then repeats the same float computation, whatever the CPU's kernels split across threads."""
     from accelerate.state import AcceleratorState, GradientState
 
     from dit_accel.train import main
@@ -81,9 +85,12 @@ def run_in_process(argv: list[str], env: dict | None = None) -> int:
     GradientState._reset_state()
     saved = {name: os.environ.get(name) for name in (env or {})}
     os.environ.update(env or {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         return main([str(a) for a in argv])
     finally:
+        torch.set_num_threads(threads)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -115,15 +122,17 @@ def _checksums(run_dir: Path, rank: int) -> dict[int, str]:
     return found
 
 
-def assert_same_state(a: Path, b: Path, exact: bool = True, atol: float = 0.0) -> None:
-    """Weights, EMA and AdamW moments of two checkpoints: bit-identical, or within atol."""
+def assert_same_state(a: Path, b: Path, exact: bool = True, atol: float = 0.0, layouts_differ: bool = False) -> None:
+    """Weights, EMA and AdamW moments of two checkpoints: bit-identical, or within atol. Parameters whose
+    `layouts_differ`: the runs differ in process layout, so parameters without a true gradient
+    (tests/equivalence.py) are left out of the weight and EMA comparison."""
     def same(x, y):
         return torch.equal(x, y) if exact else torch.allclose(x, y, atol=atol, rtol=0)
 
     for name in (ckpt.MODEL_WEIGHTS, ckpt.EMA_WEIGHTS):
         x, y = load_file(str(a / name)), load_file(str(b / name))
         assert x.keys() == y.keys()
-        differing = [key for key in x if not same(x[key], y[key])]
+        differing = [key for key in x if (has_true_gradient(key) or not layouts_differ) and not same(x[key], y[key])]
         assert not differing, f"{name}: {differing[:3]} differ"
     x, y = (torch.load(c / "optimizer.bin", weights_only=False)["state"] for c in (a, b))
     assert x.keys() == y.keys()
@@ -221,7 +230,7 @@ def test_plan_and_data_mismatches_are_one_line_errors(workspace, tmp_path, capsy
     assert "planned for 2 processes but 1 were launched" in err and "dit-plan --gpus 1" in err
     err = _one_line_error(capsys, ["--plan", workspace["plan1"], "--data-path", workspace["images"],
                                    "--output-dir", tmp_path / "run"])
-    assert "precomputed latents: pass --latents" in err
+    assert "precomputed latents; pass --latents" in err
     online = variant("online", **{"decision.latents": "online"})
     err = _one_line_error(capsys, ["--plan", online, "--data-path", workspace["images"], "--output-dir", tmp_path / "r"])
     assert "pass --vae DIR" in err
@@ -305,7 +314,21 @@ def test_two_processes_train_in_step_resume_exactly_and_match_one_process(worksp
                            *QUIET, *WARMUP, "--no-tensorboard", "--max-steps", STEPS // 2,
                            "--checkpoint-every", STEPS]) == 0
     assert _losses(single) == pytest.approx(losses[: STEPS // 2], rel=1e-5, abs=1e-6)
-    assert_same_state(straight / "checkpoints" / half, single / "checkpoints" / half, exact=False, atol=1e-5)
+    # Same update for every parameter with a gradient; the key biases have none (tests/equivalence.py):
+    # their first AdamW moment is rounding noise in both runs, many orders below any real gradient's.
+    assert_same_state(straight / "checkpoints" / half, single / "checkpoints" / half, exact=False, atol=1e-5,
+                      layouts_differ=True)
+    from dit_accel.checkpoint import load_for_inference
+
+    model, _spec, _info = load_for_inference(single, use_ema=False)
+    order = [name for name, param in model.named_parameters() if param.requires_grad]  # AdamW's state order
+    for run in (straight, single):
+        moments = torch.load(run / "checkpoints" / half / "optimizer.bin", weights_only=False)["state"]
+        assert len(moments) == len(order)
+        noise = max(moments[i]["exp_avg"].abs().max().item() for i, name in enumerate(order)
+                    if not has_true_gradient(name))
+        signal = max(moment["exp_avg"].abs().max().item() for moment in moments.values())
+        assert noise < 1e-6 * signal, (noise, signal)
 
 
 @pytest.mark.slow
@@ -343,7 +366,9 @@ def _imported_original(tmp_path: Path) -> Path:
 
 def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
     from dit_accel.model import build_model, read_sidecar, save_model, timestep_freq_shift
-    from dit_accel.train import build_components, read_init_weights, read_plan, spec_from_plan
+    from dit_accel.resume import read_init_weights
+    from dit_accel.step import build_components
+    from planner.planfile import read_plan, spec_from_plan
     from dit_accel.train_config import TrainConfig
 
     imported = _imported_original(tmp_path)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from dit_accel import checkpoint as ckpt
 from dit_accel.errors import UserError
+from equivalence import has_true_gradient
 
 TINY = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "32",
         "--latents", "pixel", "--num-classes", "4", "--gpus", "2", "--vram", "8G", "--global-batch", "8"]
@@ -83,12 +84,13 @@ import os, sys
 from pathlib import Path
 from safetensors.torch import save_file
 import dit_accel.train as train
+from dit_accel.distributed import full_tensor
 build_components = train.build_components
 
 def build_and_record(*args, **kwargs):
     components = build_components(*args, **kwargs)
     here, main = Path(__file__).parent, os.environ.get("RANK", "0") == "0"
-    full = {name: train.full_tensor(param.detach()).clone() for name, param in components.raw_model.named_parameters()}
+    full = {name: full_tensor(param.detach()).clone() for name, param in components.raw_model.named_parameters()}
     assert any(hasattr(param, "full_tensor") for param in components.raw_model.parameters())  # really sharded
     if main:
         save_file(full, str(here / "init_step0_weights.safetensors"))
@@ -147,9 +149,12 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
-def _assert_close(a: dict, b: dict, atol: float, what: str) -> None:
+def _assert_close(a: dict, b: dict, atol: float, what: str, layouts_differ: bool = False) -> None:
+    """Within atol; where the runs' layouts differ, over the parameters with a true gradient only
+    (tests/equivalence.py: the key biases' updates follow rounding noise)."""
     assert a.keys() == b.keys(), what
-    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a
+                if has_true_gradient(k) or not layouts_differ)
     assert worst <= atol, f"{what}: max difference {worst}"
 
 
@@ -226,10 +231,10 @@ def test_sharded_run_trains_and_equals_the_ddp_update(runs, sharding):
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.03
     assert losses == pytest.approx(_losses(ddp), abs=1e-5)  # the same samples, noise and timesteps
     final = "checkpoints/step_00000004"
-    _assert_close(_weights(sharded / final), _weights(ddp / final), 1e-6, f"{sharding} weights")
+    _assert_close(_weights(sharded / final), _weights(ddp / final), 1e-6, f"{sharding} weights", layouts_differ=True)
     ema, ddp_ema = load_file(str(sharded / final / ckpt.EMA_WEIGHTS)), load_file(str(ddp / final / ckpt.EMA_WEIGHTS))
     assert all(t.dtype == torch.float32 for t in ema.values())
-    _assert_close(ema, ddp_ema, 1e-6, f"{sharding} EMA")
+    _assert_close(ema, ddp_ema, 1e-6, f"{sharding} EMA", layouts_differ=True)
     assert (sharded / final / ckpt.SHARDED_MODEL).is_dir() and not (sharded / final / ckpt.MODEL_WEIGHTS).exists()
 
 
@@ -304,7 +309,7 @@ def test_block_units_leave_the_shared_embedder_to_the_root():
     from planner.spec import custom_spec
 
     from dit_accel.model import build_model, conditioning_embedder
-    from dit_accel.train import _children_without
+    from dit_accel.distributed import _children_without
 
     model = build_model(custom_spec(depth=3, hidden=32, heads=2, patch=2, resolution=32, latents="pixel", num_classes=4))
     embedder_params = {id(p) for p in conditioning_embedder(model).parameters()}
@@ -334,10 +339,11 @@ def _fsdp_env(monkeypatch, plan_dir: Path) -> None:
 
 @pytest.mark.parametrize("sharding, reshard", [("zero2", False), ("zero3", True)])
 def test_launch_env_from_the_yaml_gives_the_planned_fsdp2_plugin(tmp_path, monkeypatch, sharding, reshard):
-    from dit_accel.train import fsdp_plugin_for
+    from dit_accel.distributed import fsdp_plugin_for
+    from planner.planfile import read_plan
 
     plan_dir = _plan(tmp_path / sharding, "--sharding", sharding)
-    plan = json.loads((plan_dir / "plan.json").read_text())
+    plan = read_plan(plan_dir / "plan.json")
     _fsdp_env(monkeypatch, plan_dir)
     assert os.environ["FSDP_VERSION"] == "2" and os.environ["FSDP_RESHARD_AFTER_FORWARD"] == str(reshard).lower()
     plugin = fsdp_plugin_for(plan, "plan.json")
@@ -345,20 +351,23 @@ def test_launch_env_from_the_yaml_gives_the_planned_fsdp2_plugin(tmp_path, monke
 
     # the other level's config, an FSDP1 config, a DDP launch: each refused with the fix
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", str(not reshard).lower())
-    with pytest.raises(UserError, match=f"fsdp_reshard_after_forward is {not reshard}, the plan's {sharding} needs {reshard}"):
+    with pytest.raises(UserError, match=f"fsdp_reshard_after_forward is {str(not reshard).lower()}, the plan's "
+                                        f"{sharding} needs {str(reshard).lower()}"):
         fsdp_plugin_for(plan, "plan.json")
     monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(UserError, match="fsdp_version is 1, this trainer shards with FSDP2"):
+    with pytest.raises(UserError, match="fsdp_version is 1, dit-accel shards with FSDP2"):
         fsdp_plugin_for(plan, "plan.json")
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
-    with pytest.raises(UserError, match="launched without FSDP: launch with the accelerate_config.yaml"):
+    with pytest.raises(UserError, match=f"distributed_type is NO, the plan's {sharding} needs FSDP; launch with the "
+                                        f"accelerate_config.yaml"):
         fsdp_plugin_for(plan, "plan.json")
 
 
 def test_a_ddp_plan_refuses_an_fsdp_launch(tmp_path, monkeypatch):
-    from dit_accel.train import fsdp_plugin_for
+    from dit_accel.distributed import fsdp_plugin_for
+    from planner.planfile import read_plan
 
-    plan = json.loads((_plan(tmp_path / "ddp", "--sharding", "ddp") / "plan.json").read_text())
+    plan = read_plan(_plan(tmp_path / "ddp", "--sharding", "ddp") / "plan.json")
     assert fsdp_plugin_for(plan, "plan.json") is None
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(UserError, match="replicates the model"):
@@ -366,7 +375,7 @@ def test_a_ddp_plan_refuses_an_fsdp_launch(tmp_path, monkeypatch):
 
 
 def test_tf32_flag_and_switch():
-    from dit_accel.train import set_tf32
+    from dit_accel.distributed import set_tf32
     from dit_accel.train_config import parse_config
 
     required = ["--plan", "p", "--output-dir", "o", "--latents", "l"]

@@ -70,13 +70,19 @@ def sharding_mode(name: str) -> ShardingMode:
 # --- the launch ----------------------------------------------------------------------------------------------
 
 
-def _flag(value, default: bool) -> bool:
-    """A YAML or environment boolean ("true", "True", True, "1")."""
+_TRUE, _FALSE = ("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0")  # accelerate's
+
+
+def _flag(value, default: bool) -> bool | str:
+    """A YAML or environment boolean, read as accelerate's `str_to_bool` reads it ("on", "1", True, ...);
+    a value it cannot read (e.g. an FSDP1 strategy name) is returned as a string for `launch_problems` to
+    refuse, since accelerate would stop on it with a traceback."""
     if value is None:
         return default
     if isinstance(value, bool):
         return value
-    return str(value).strip().lower() in ("true", "1", "yes")
+    text = str(value).strip().lower()
+    return True if text in _TRUE else False if text in _FALSE else text
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,11 @@ class LaunchSettings:
     distributed_type: str  # NO | MULTI_GPU | MULTI_CPU | FSDP | DEEPSPEED | ...
     mixed_precision: str | None  # None: not set by the launch (a plain `python -m`)
     fsdp_version: int = 1
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | str = True  # a string: a value accelerate cannot read as a boolean
     state_dict_type: str = "FULL_STATE_DICT"
-    offload_params: bool = False
-    activation_checkpointing: bool = False
-    cpu_ram_efficient_loading: bool = False
+    offload_params: bool | str = False
+    activation_checkpointing: bool | str = False
+    cpu_ram_efficient_loading: bool | str = False
 
     @classmethod
     def from_yaml(cls, config: dict) -> LaunchSettings:
@@ -149,6 +155,14 @@ def launch_problems(sharding: str, precision_name: str, launch: LaunchSettings, 
         return problems + [f"distributed_type is {launch.distributed_type}, the plan's {mode.name} needs FSDP"]
     if launch.fsdp_version != 2:  # the rest are FSDP2's settings
         return problems + [f"fsdp_version is {launch.fsdp_version}, dit-accel shards with FSDP2 (fsdp_version: 2)"]
+    unreadable = {key: value for key, value in (
+        ("fsdp_reshard_after_forward", launch.reshard_after_forward), ("fsdp_offload_params", launch.offload_params),
+        ("fsdp_activation_checkpointing", launch.activation_checkpointing),
+        ("fsdp_cpu_ram_efficient_loading", launch.cpu_ram_efficient_loading)) if isinstance(value, str)}
+    if unreadable:
+        return problems + [f"{key} is {value!r}, FSDP2 reads only true or false" + (
+            f" (the plan's {mode.name} needs {str(mode.reshard_after_forward).lower()})"
+            if key == "fsdp_reshard_after_forward" else "") for key, value in unreadable.items()]
     if launch.reshard_after_forward != mode.reshard_after_forward:
         problems.append(f"fsdp_reshard_after_forward is {str(launch.reshard_after_forward).lower()}, the plan's "
                         f"{mode.name} needs {str(mode.reshard_after_forward).lower()}")

@@ -99,8 +99,8 @@ class Assumptions:
     vae_bytes_per_param: int = 4  # the VAE stays fp32: latents are encoded once, precision matters more than speed
     vae_activation_maps: float = 5.0  # encoder peak, in full-resolution 128-channel maps per image (traced; planner/vae.py)
     # --- throughput ----------------------------------------------------------------------------------
-    mfu_mixed: float = 0.33  # bf16/fp16: 107 img/s on one A100 at micro-batch 128 with checkpointing (DiT ports, DESIGN.md)
-    mfu_fp32: float = 0.125  # TF32: the reference script's 26 img/s per A100 at micro-batch 32 (DESIGN.md)
+    mfu_mixed: float = 0.33  # bf16/fp16: fast-DiT's README, 107 img/s on one A100 at batch 128, checkpointed
+    mfu_fp32: float = 0.125  # TF32: the DiT repository's train.py, 26 img/s per A100 at micro-batch 32
     half_efficiency_tokens: int = 512  # micro-batch x tokens at which matmuls run at half their saturated rate
     comm_exposed_fraction: float = 0.3  # share of gradient/parameter traffic not hidden behind compute
     fsdp_efficiency: float = 0.95  # FSDP's per-unit gather/launch latency beyond bandwidth (zero2/zero3)

@@ -93,12 +93,12 @@ def test_assumptions_are_overridable_and_validated():
     assert set(CALIBRATABLE) <= {f.name for f in dataclasses.fields(Assumptions)}
 
 
-# --- activations: the figures DESIGN.md starts from ----------------------------------------------------
+# --- activations: the starting figures of docs/architecture.md -----------------------------------------
 
 def test_xl2_activation_figures_match_the_design_traces():
-    """DESIGN.md traced XL/2 @256, micro-batch 32: fp32 19.86 GiB; CPU bf16 autocast 10.36 GiB + 0.83 GiB
-    weight copies (that trace filed the adaLN weight copies under activations: the sums agree); checkpointed
-    0.55 GiB bf16 / 1.09 GiB fp32."""
+    """The starting traces of XL/2 @256, micro-batch 32 (docs/architecture.md): fp32 19.86 GiB; CPU bf16
+    autocast 10.36 GiB + 0.83 GiB weight copies (that trace filed the adaLN weight copies under activations:
+    the sums agree); checkpointed 0.55 GiB bf16 / 1.09 GiB fp32."""
     fp32, cpu_bf16 = element_bytes("fp32"), element_bytes("bf16", "cpu")
     assert saved_activation_bytes(XL2, 32, fp32) / GiB == pytest.approx(19.86, abs=0.01)
     assert saved_activation_bytes(XL2, 32, fp32, 28) / GiB == pytest.approx(1.09, abs=0.01)
@@ -125,7 +125,7 @@ def test_non_fused_attention_adds_the_softmax():
     spec, eb = model_spec("DiT-XL/2", 256), element_bytes("bf16")
     extra = saved_activation_bytes(spec, 32, eb, attention="math") - saved_activation_bytes(spec, 32, eb)
     assert extra == 2 * spec.heads * spec.tokens**2 * 32 * spec.depth  # e * a * s^2 * b per block
-    assert extra / GiB == pytest.approx(1.75, abs=0.01)  # DESIGN.md: 22.56 - 20.82 GiB
+    assert extra / GiB == pytest.approx(1.75, abs=0.01)  # docs/architecture.md: 22.56 - 20.82 GiB
 
 
 # --- model states --------------------------------------------------------------------------------------

@@ -169,7 +169,8 @@ def _major_minor(version: str) -> tuple[int, int]:
 
 
 def cpu_requested(facts: EnvironmentFacts) -> bool:
-    """ACCELERATE_USE_CPU=1 runs the plan's topology on CPU processes (DESIGN: machines without GPUs)."""
+    """ACCELERATE_USE_CPU=1 runs the plan's topology on CPU processes (docs/architecture.md, "Running on
+    machines without GPUs")."""
     return facts.env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
 
 

@@ -1,4 +1,8 @@
-"""Every test runs offline, with a private HF_HOME so a stray user config or cache is never read."""
+"""Every test runs offline, with a private HF_HOME so a stray user config or cache is never read.
+
+Tiers: `launched` tests start real processes, `slow` ones trace whole models in-process; every other test
+is marked `unit` here, so `python -m pytest -m unit` is the fast tier a developer runs while working.
+CI runs all of them."""
 
 import os
 
@@ -15,3 +19,9 @@ def _isolated_hf_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in ("launched", "slow")):
+            item.add_marker(pytest.mark.unit)

@@ -237,7 +237,7 @@ mixed_precision: 'no'
 """
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_two_processes_under_accelerate_launch_write_their_own_shards(assets, tmp_path):
     config = tmp_path / "accelerate.yaml"
     config.write_text(ACCELERATE_CONFIG)

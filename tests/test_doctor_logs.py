@@ -237,7 +237,7 @@ time.sleep(120)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_a_real_accelerate_launch_killed_by_sigkill(tmp_path, capsys):
     """The real launcher's failure block (this torch's format), not a composed one."""
     import os

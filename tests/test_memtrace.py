@@ -108,6 +108,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # whole-model traces at several depths
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_per_block_extrapolation_equals_the_full_trace(case):
     plan = tiny_plan(depth=6, **case)
@@ -140,7 +141,7 @@ def test_the_trace_of_dit_xl2_holds_exactly_the_architectures_states():
     assert result.components["ema"] == 4 * params
     assert result.components["optimizer"] == 8 * params + 4 * tensors  # exp_avg, exp_avg_sq, fp32 step counters
     # bf16 autocast: the residual stream and most saved tensors are 2 bytes; about 40 bytes per token,
-    # hidden unit and block (DESIGN.md) -- a loose bracket, the grid holds the planner to the exact bytes
+    # hidden unit and block (docs/architecture.md): a loose bracket; the grid holds the planner to exact bytes
     per_unit = result.components["activations"] / (32 * spec.tokens * spec.hidden * spec.depth)
     assert 35 < per_unit < 45
 
@@ -365,6 +366,7 @@ def test_the_sharded_trace_is_pure_low_precision_not_autocast():
     assert "sharding" not in ddp.to_json() and sharded.to_json()["sharding"] == "zero2"
 
 
+@pytest.mark.slow  # whole-model traces at several depths
 @pytest.mark.parametrize("case", [dict(sharding="zero2", checkpointed_blocks=3, depth=6)])
 def test_sharded_extrapolation_equals_the_full_trace(case):
     plan = sharded_plan(**case)

@@ -1,6 +1,6 @@
 """The planner held to a trace of the trainer's real step, over a grid of 26 configurations.
 
-Each point traces `dit_accel.train`'s own step on fake tensors (CPU autocast, shallow depths extrapolated
+Each point traces the trainer's own step (`dit_accel.step`) on fake tensors (CPU autocast, shallow depths extrapolated
 per block, which test_memtrace.py shows is exact) and asks the planner's CPU-autocast variant for the same
 step as one process would run it. Tolerances (issue 5): the traceable peak within 2% in fp32 and 5% in
 bf16/fp16; every component within 5% of its traced bytes. A component smaller than 1% of the peak is held
@@ -15,6 +15,8 @@ import pytest
 
 from dit_accel.memtrace import compare, trace_training_step
 from planner.planfile import Plan, parse_plan
+
+pytestmark = pytest.mark.slow  # 26 whole-model traces: the heaviest in-process tests
 
 PEAK_TOLERANCE = {"fp32": 0.02, "bf16": 0.05, "fp16": 0.05}
 COMPONENT_TOLERANCE = 0.05

@@ -230,7 +230,7 @@ def test_npz_is_the_fid_evaluator_format_with_balanced_labels(run, reference_npz
     assert sample_main(["--checkpoint", run / "run", *NPZ_ARGS, "--npz", reference_npz]) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_npz_resumes_after_sigkill_without_redoing_finished_batches(run, reference_npz, tmp_path):
     out = tmp_path / "samples.npz"
     parts = tmp_path / "samples.npz.parts"
@@ -257,7 +257,7 @@ def test_npz_resumes_after_sigkill_without_redoing_finished_batches(run, referen
         assert np.abs(resumed["arr_0"].astype(int) - reference["arr_0"].astype(int)).max() <= 1
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_two_processes_make_the_same_array_as_one(run, reference_npz, tmp_path):
     out = tmp_path / "samples.npz"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

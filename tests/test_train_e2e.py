@@ -278,7 +278,7 @@ def test_online_vae_and_pixel_modes_train(workspace, tmp_path):
 # --- two processes with accelerate launch -----------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_two_processes_train_in_step_resume_exactly_and_match_one_process(workspace, tmp_path):
     straight = tmp_path / "straight"
     result = _launch(workspace, straight, "--max-steps", STEPS, "--checkpoint-every", STEPS // 2, "--debug-checksums",
@@ -331,7 +331,7 @@ def test_two_processes_train_in_step_resume_exactly_and_match_one_process(worksp
         assert noise < 1e-6 * signal, (noise, signal)
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_two_processes_agree_on_a_nan_seen_by_one_rank(workspace, tmp_path):
     run = tmp_path / "nan"
     result = _launch(workspace, run, "--max-steps", 4, "--checkpoint-every", 2, "--debug-checksums",

@@ -195,7 +195,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_a_zero2_bf16_block_computes_in_pure_bf16_without_autocast(runs):
     """What the planner's pure low-precision model of sharded plans rests on (planner.memory.element_bytes with
     pure=True): under FSDP2's MixedPrecisionPolicy a block's input and its gathered parameters are bf16 and no
@@ -210,7 +210,7 @@ def test_a_zero2_bf16_block_computes_in_pure_bf16_without_autocast(runs):
         assert all(r["weight_type"] != "DTensor" for r in linears)  # the gathered, unsharded parameter
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_plans_are_what_the_runs_claim(runs):
     decisions = {name: json.loads((plan / "plan.json").read_text())["decision"] for name, plan in runs["plans"].items()}
     assert decisions["zero3"]["sharding"] == "zero3" and decisions["zero2"]["sharding"] == "zero2"
@@ -223,7 +223,7 @@ def test_plans_are_what_the_runs_claim(runs):
     assert "sharded zero2 (FSDP2, reshard after forward: False)" in (runs["zero2"] / "logs" / "rank1.log").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
 def test_sharded_run_trains_and_equals_the_ddp_update(runs, sharding):
     ddp, sharded = runs["ddp"], runs[sharding]
@@ -238,7 +238,7 @@ def test_sharded_run_trains_and_equals_the_ddp_update(runs, sharding):
     assert (sharded / final / ckpt.SHARDED_MODEL).is_dir() and not (sharded / final / ckpt.MODEL_WEIGHTS).exists()
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_bf16_sharded_run_trains_close_to_fp32(runs):
     losses = _losses(runs["zero2_bf16"])
     assert losses[-1] < losses[0] - 0.03
@@ -249,7 +249,7 @@ def test_bf16_sharded_run_trains_close_to_fp32(runs):
     assert "precision bf16" in (runs["zero2_bf16"] / "logs" / "rank0.log").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_sharded_resume_is_bit_identical(runs):
     straight, resumed = (runs[name] / "checkpoints" / "step_00000004" for name in ("zero3", "zero3_resumed"))
     assert "resumed from" in (runs["zero3_resumed"] / "logs" / "rank0.log").read_text()
@@ -263,7 +263,7 @@ def test_sharded_resume_is_bit_identical(runs):
     assert ckpt.read_train_state(resumed)["step"] == STEPS
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_init_from_a_ddp_checkpoint_under_a_sharded_plan(runs):
     """docs/training.md: --init-from weights are loaded before sharding, so the gathered zero3 model and its EMA
     at step 0 are exactly the source weights; the run then trains from them."""
@@ -285,7 +285,7 @@ def test_init_from_a_ddp_checkpoint_under_a_sharded_plan(runs):
     assert max((trained[k] - source[k]).abs().max().item() for k in source) > 1e-4  # it moved off the source
 
 
-@pytest.mark.slow
+@pytest.mark.launched
 def test_load_for_inference_reads_a_sharded_checkpoint(runs):
     from dit_accel.model import embedders_tied
 

@@ -31,14 +31,30 @@ def build_cache(work: Path, count: int, dtype: str) -> Path:
     vae_dir, images = work / "vae", work / "images"
     if not vae_dir.exists():
         torch.manual_seed(0)
-        AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                      block_out_channels=(8, 16), latent_channels=4, norm_num_groups=4, layers_per_block=1,
-                      sample_size=64).save_pretrained(vae_dir)
+        AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 16),
+            latent_channels=4,
+            norm_num_groups=4,
+            layers_per_block=1,
+            sample_size=64,
+        ).save_pretrained(vae_dir)
     if not images.exists():
         write_demo_data(images, classes=8, per_class=count // 8, resolution=64)
     out = work / f"cache_{dtype}"
-    extract_latents(ExtractConfig(data_path=str(images), vae=str(vae_dir), out=str(out), resolution=64,
-                                  batch_size=128, shard_size=1024, dtype=dtype, num_workers=0))
+    extract_latents(
+        ExtractConfig(
+            data_path=str(images),
+            vae=str(vae_dir),
+            out=str(out),
+            resolution=64,
+            batch_size=128,
+            shard_size=1024,
+            dtype=dtype,
+            num_workers=0,
+        )
+    )
     return out
 
 
@@ -56,14 +72,20 @@ class OneAtATime(torch.utils.data.Dataset):
 
 
 def samples_per_second(cache, workers: int, epochs: int, batch_size: int = 256) -> float:
-    loader = torch.utils.data.DataLoader(cache, batch_size=batch_size, shuffle=True, num_workers=workers,
-                                         persistent_workers=workers > 0, drop_last=False)
+    loader = torch.utils.data.DataLoader(
+        cache,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        drop_last=False,
+    )
     for _ in loader:  # warm-up epoch: worker start-up, page cache, first opens of the shards
         pass
     start = time.perf_counter()
     seen = 0
     for _ in range(epochs):
-        for latents, labels in loader:
+        for _latents, labels in loader:
             seen += len(labels)
     return seen / (time.perf_counter() - start)
 
@@ -86,17 +108,35 @@ def main() -> None:
                 noise = "per (seed, epoch, index)" if seed is not None else "torch RNG"
                 for workers in (0, 2):
                     rate = samples_per_second(cache, workers, args.epochs)
-                    rows.append([dtype, noise, "batch", workers, f"{rate:,.0f}",
-                                 f"{cache_bytes / len(cache) / 1024:.1f}"])
+                    rows.append(
+                        [
+                            dtype,
+                            noise,
+                            "batch",
+                            workers,
+                            f"{rate:,.0f}",
+                            f"{cache_bytes / len(cache) / 1024:.1f}",
+                        ]
+                    )
             rate = samples_per_second(OneAtATime(LatentCache(cache_dir)), 0, args.epochs)
-            rows.append([dtype, "torch RNG", "item", 0, f"{rate:,.0f}", f"{cache_bytes / len(cache) / 1024:.1f}"])
+            rows.append(
+                [dtype, "torch RNG", "item", 0, f"{rate:,.0f}", f"{cache_bytes / len(cache) / 1024:.1f}"]
+            )
             from accelerate.state import PartialState
+
             PartialState._reset_state()
 
-    print(f"latent cache read, {args.count} samples of 4x32x32 (x2 views), batch 256, shuffled; "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print(tabulate(rows, headers=["storage", "noise", "access", "workers", "samples/s", "KiB/sample on disk"],
-                   tablefmt="github"))
+    print(
+        f"latent cache read, {args.count} samples of 4x32x32 (x2 views), batch 256, shuffled; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=["storage", "noise", "access", "workers", "samples/s", "KiB/sample on disk"],
+            tablefmt="github",
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ def machine() -> str:
     model = ""
     try:
         with open("/proc/cpuinfo") as info:
-            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+            model = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), ""
+            )
     except OSError:
         pass
     return f"{platform.machine()} {model or platform.processor()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
@@ -39,8 +41,11 @@ def time_cli(runs: int) -> list[float]:
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(runs):
             start = time.perf_counter()
-            subprocess.run(command + HEADLINE + ["--out", os.path.join(folder, "plan")], check=True,
-                           stdout=subprocess.DEVNULL)
+            subprocess.run(
+                command + HEADLINE + ["--out", os.path.join(folder, "plan")],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             walls.append(time.perf_counter() - start)
     return walls
 
@@ -66,8 +71,10 @@ def main() -> None:
     runs = parser.parse_args().runs
     print(f"machine: {machine()}")
     walls = time_cli(runs)
-    print(f"dit-plan {' '.join(HEADLINE)} (subprocess, {runs} runs): median {statistics.median(walls) * 1e3:.0f} ms, "
-          f"max {max(walls) * 1e3:.0f} ms")
+    print(
+        f"dit-plan {' '.join(HEADLINE)} (subprocess, {runs} runs): median {statistics.median(walls) * 1e3:.0f} ms, "
+        f"max {max(walls) * 1e3:.0f} ms"
+    )
     for name, seconds in time_make_plan(runs).items():
         print(f"make_plan {name}: median {seconds * 1e3:.1f} ms")
 

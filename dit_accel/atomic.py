@@ -15,8 +15,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from dit_accel.errors import UserError
 
@@ -89,7 +90,9 @@ def staged_folder(out_dir: str | os.PathLike, overwrite: bool = False):
     A non-empty `out_dir` is refused unless `overwrite`."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not overwrite)):
-        raise UserError(f"{out_dir} exists and is not an empty folder: choose a new --out or pass --overwrite")
+        raise UserError(
+            f"{out_dir} exists and is not an empty folder: choose a new --out or pass --overwrite"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

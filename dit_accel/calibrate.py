@@ -13,9 +13,9 @@ import argparse
 import datetime
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from dit_accel.atomic import write_json_atomically
 from dit_accel.errors import UserError, exits_cleanly
@@ -32,7 +32,9 @@ class Measurement:
     max_allocated_bytes: int
     max_reserved_bytes: int
     step_seconds: float  # one optimizer step (grad_accum micro-steps), median of the timed steps
-    device_used_bytes: int = 0  # total - free from cudaMemGetInfo at the peak: allocator + context + workspaces
+    device_used_bytes: int = (
+        0  # total - free from cudaMemGetInfo at the peak: allocator + context + workspaces
+    )
     grad_accum: int = 1
 
     @property
@@ -53,7 +55,9 @@ class MeasureOOM(Exception):
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares (intercept, slope) of y = intercept + slope * x. Needs two distinct x."""
     if len(set(xs)) < 2:
-        raise UserError("fitting a per-sample slope needs at least two different micro-batches: pass e.g. --micro-batches 8,16,32")
+        raise UserError(
+            "fitting a per-sample slope needs at least two different micro-batches: pass e.g. --micro-batches 8,16,32"
+        )
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mean_x) ** 2 for x in xs)
@@ -62,15 +66,22 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-def largest_fitting(measure: Callable[[int], Measurement], start: int, limit: int,
-                    known_fit: int = 0, known_oom: int | None = None, growth: float = 2.0,
-                    on_result: Callable[[int, Measurement | None], None] | None = None) -> tuple[int, int | None]:
+def largest_fitting(
+    measure: Callable[[int], Measurement],
+    start: int,
+    limit: int,
+    known_fit: int = 0,
+    known_oom: int | None = None,
+    growth: float = 2.0,
+    on_result: Callable[[int, Measurement | None], None] | None = None,
+) -> tuple[int, int | None]:
     """The largest micro-batch in [1, limit] for which `measure` does not raise MeasureOOM.
 
     Grows from `start` by `growth` until an OOM (or `limit`), then bisects between the last fit and the
     first OOM. Memory grows with the micro-batch, so "fits" is monotone and bisection is exact. Returns
     (largest that fits, smallest that was seen to OOM or None). `on_result` sees every try.
     """
+
     def fits(micro_batch: int) -> bool:
         try:
             result = measure(micro_batch)
@@ -87,7 +98,9 @@ def largest_fitting(measure: Callable[[int], Measurement], start: int, limit: in
     while high is None and candidate <= limit:
         if fits(candidate):
             low = candidate
-            candidate = min(max(candidate + 1, int(candidate * growth)), limit) if candidate < limit else limit + 1
+            candidate = (
+                min(max(candidate + 1, int(candidate * growth)), limit) if candidate < limit else limit + 1
+            )
         else:
             high = candidate
     if high is None:
@@ -101,8 +114,9 @@ def largest_fitting(measure: Callable[[int], Measurement], start: int, limit: in
     return low, high
 
 
-def fit_calibration(measurements: list[Measurement], step_flops_per_image: float, peak_flops: float | None,
-                    tokens: int) -> dict:
+def fit_calibration(
+    measurements: list[Measurement], step_flops_per_image: float, peak_flops: float | None, tokens: int
+) -> dict:
     """Fixed and per-sample bytes, fragmentation, non-allocator bytes and throughput from measurements."""
     ok = sorted(measurements, key=lambda m: m.micro_batch)
     xs = [m.micro_batch for m in ok]
@@ -184,10 +198,14 @@ def cuda_measure(plan: Plan, spec, steps: int) -> Callable[[int], Measurement]:
                 free, total = torch.cuda.mem_get_info()
                 device_used = max(device_used, total - free)
             durations.sort()
-            result = Measurement(micro_batch=micro_batch, max_allocated_bytes=torch.cuda.max_memory_allocated(),
-                                 max_reserved_bytes=torch.cuda.max_memory_reserved(),
-                                 step_seconds=durations[len(durations) // 2], device_used_bytes=device_used,
-                                 grad_accum=parts.grad_accum)
+            result = Measurement(
+                micro_batch=micro_batch,
+                max_allocated_bytes=torch.cuda.max_memory_allocated(),
+                max_reserved_bytes=torch.cuda.max_memory_reserved(),
+                step_seconds=durations[len(durations) // 2],
+                device_used_bytes=device_used,
+                grad_accum=parts.grad_accum,
+            )
         except torch.cuda.OutOfMemoryError:
             out_of_memory = True  # leaving this block drops the traceback and the tensors its frames hold
         finally:
@@ -210,9 +228,13 @@ def _micro_batches(text: str) -> list[int]:
     try:
         values = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise UserError(f"--micro-batches takes comma-separated integers like 8,16,32, got {text!r}") from None
+        raise UserError(
+            f"--micro-batches takes comma-separated integers like 8,16,32, got {text!r}"
+        ) from None
     if len(values) < 2 or values[0] < 1:
-        raise UserError(f"--micro-batches needs at least two different positive sizes (e.g. 8,16,32), got {text!r}")
+        raise UserError(
+            f"--micro-batches needs at least two different positive sizes (e.g. 8,16,32), got {text!r}"
+        )
     return values
 
 
@@ -223,19 +245,32 @@ def _gpu_facts(torch) -> dict:
     name = properties.name
     preset = None
     lowered = name.lower().replace("nvidia ", "")
-    for candidate in gpu_presets().values():  # e.g. "NVIDIA H200" -> h200, "NVIDIA A100-SXM4-80GB" -> a100-80g
+    for (
+        candidate
+    ) in gpu_presets().values():  # e.g. "NVIDIA H200" -> h200, "NVIDIA A100-SXM4-80GB" -> a100-80g
         labels = [candidate.name, *candidate.aliases]
         if any(label in lowered.replace(" ", "-") for label in labels):
             if preset is None or len(candidate.name) > len(preset.name):
                 preset = candidate
-    return {"name": name, "total_bytes": int(properties.total_memory),
-            "capability": f"{properties.major}.{properties.minor}", "preset": preset.name if preset else None,
-            "_preset": preset}
+    return {
+        "name": name,
+        "total_bytes": int(properties.total_memory),
+        "capability": f"{properties.major}.{properties.minor}",
+        "preset": preset.name if preset else None,
+        "_preset": preset,
+    }
 
 
-def calibrate(plan: Plan, micro_batches: list[int], steps: int, max_micro_batch: int | None,
-              measure: Callable[[int], Measurement], gpu: dict, log=print,
-              probe: Callable[[int], Measurement] | None = None) -> dict:
+def calibrate(
+    plan: Plan,
+    micro_batches: list[int],
+    steps: int,
+    max_micro_batch: int | None,
+    measure: Callable[[int], Measurement],
+    gpu: dict,
+    log=print,
+    probe: Callable[[int], Measurement] | None = None,
+) -> dict:
     """Measure, fit and search; returns the calibration dict (see docs/planner-accuracy.md for the format).
 
     `measure` gives the fitted points; `probe` (default: `measure`) only has to tell fit from OOM in the
@@ -250,8 +285,10 @@ def calibrate(plan: Plan, micro_batches: list[int], steps: int, max_micro_batch:
         if result is None:
             log(f"micro-batch {micro_batch}: out of memory")
         else:
-            log(f"micro-batch {micro_batch}: allocated {result.max_allocated_bytes / 2**30:.2f} GiB, reserved "
-                f"{result.max_reserved_bytes / 2**30:.2f} GiB, {result.images_per_s:.1f} img/s")
+            log(
+                f"micro-batch {micro_batch}: allocated {result.max_allocated_bytes / 2**30:.2f} GiB, reserved "
+                f"{result.max_reserved_bytes / 2**30:.2f} GiB, {result.images_per_s:.1f} img/s"
+            )
 
     first_oom = None
     for micro_batch in micro_batches:
@@ -263,20 +300,34 @@ def calibrate(plan: Plan, micro_batches: list[int], steps: int, max_micro_batch:
             break
     fitted_points = [m for m in measurements.values() if m is not None]
     if len({m.micro_batch for m in fitted_points}) < 2:
-        raise UserError(f"fewer than two of --micro-batches {','.join(map(str, micro_batches))} fit on this GPU: "
-                        f"pass smaller ones (e.g. 1,2,4)")
+        raise UserError(
+            f"fewer than two of --micro-batches {','.join(map(str, micro_batches))} fit on this GPU: "
+            f"pass smaller ones (e.g. 1,2,4)"
+        )
     known_fit = max(m.micro_batch for m in fitted_points)
     # Where the fitted line meets the GPU's memory: a good first guess for the search.
-    fixed, per_sample = fit_line([m.micro_batch for m in fitted_points], [m.max_reserved_bytes for m in fitted_points])
+    fixed, per_sample = fit_line(
+        [m.micro_batch for m in fitted_points], [m.max_reserved_bytes for m in fitted_points]
+    )
     guess = int((gpu["total_bytes"] - fixed) / per_sample) if per_sample > 0 else known_fit * 2
     limit = max_micro_batch or max(known_fit * 2, guess * 2)
-    largest, smallest_oom = largest_fitting(probe or measure, start=max(known_fit + 1, min(guess, limit)), limit=limit,
-                                            known_fit=known_fit, known_oom=first_oom, growth=1.25, on_result=record)
+    largest, smallest_oom = largest_fitting(
+        probe or measure,
+        start=max(known_fit + 1, min(guess, limit)),
+        limit=limit,
+        known_fit=known_fit,
+        known_oom=first_oom,
+        growth=1.25,
+        on_result=record,
+    )
     # the fit uses the requested micro-batches only: probes time fewer steps
-    fitted_points = sorted((m for mb, m in measurements.items() if m is not None and mb in micro_batches),
-                           key=lambda m: m.micro_batch)
+    fitted_points = sorted(
+        (m for mb, m in measurements.items() if m is not None and mb in micro_batches),
+        key=lambda m: m.micro_batch,
+    )
     step_flops_per_image = 3 * spec.fwd_flops_per_image + (
-        spec.fwd_flops_per_image * decision.checkpointed_blocks / spec.depth)
+        spec.fwd_flops_per_image * decision.checkpointed_blocks / spec.depth
+    )
     preset = gpu.get("_preset")
     peak = preset.matmul_peak_flops(decision.precision) if preset else None
     fitted = fit_calibration(fitted_points, step_flops_per_image, peak, spec.tokens)
@@ -286,19 +337,35 @@ def calibrate(plan: Plan, micro_batches: list[int], steps: int, max_micro_batch:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": {key: value for key, value in gpu.items() if not key.startswith("_")},
         "software": _software(),
-        "model": {"name": spec.name, "resolution": spec.resolution, "depth": spec.depth, "hidden": spec.hidden,
-                  "heads": spec.heads, "patch": spec.patch, "params_trainable": spec.params_trainable},
-        "config": {"precision": decision.precision, "checkpointed_blocks": decision.checkpointed_blocks,
-                   "latents": decision.latents, "ema": decision.ema, "grad_accum": decision.grad_accum,
-                   "steps": steps},
+        "model": {
+            "name": spec.name,
+            "resolution": spec.resolution,
+            "depth": spec.depth,
+            "hidden": spec.hidden,
+            "heads": spec.heads,
+            "patch": spec.patch,
+            "params_trainable": spec.params_trainable,
+        },
+        "config": {
+            "precision": decision.precision,
+            "checkpointed_blocks": decision.checkpointed_blocks,
+            "latents": decision.latents,
+            "ema": decision.ema,
+            "grad_accum": decision.grad_accum,
+            "steps": steps,
+        },
         "measurements": [dict(asdict(m), images_per_s=m.images_per_s) for m in fitted_points],
         "out_of_memory_micro_batches": sorted(mb for mb, m in measurements.items() if m is None),
         "fit": fitted,
         "largest_micro_batch": largest,
         "smallest_oom_micro_batch": smallest_oom,
-        "planned": {"micro_batch": planned_micro_batch, "peak_bytes": plan.memory.peak_bytes if plan.memory else None,
-                    "measured_reserved_at_planned_bytes": int(fitted["reserved_fixed_bytes"]
-                                                              + fitted["reserved_per_sample_bytes"] * planned_micro_batch)},
+        "planned": {
+            "micro_batch": planned_micro_batch,
+            "peak_bytes": plan.memory.peak_bytes if plan.memory else None,
+            "measured_reserved_at_planned_bytes": int(
+                fitted["reserved_fixed_bytes"] + fitted["reserved_per_sample_bytes"] * planned_micro_batch
+            ),
+        },
         "assumptions": planner_assumptions(fitted, decision.precision),
     }
 
@@ -308,35 +375,58 @@ def _software() -> dict:
     import diffusers
     import torch
 
-    return {"torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-            "diffusers": diffusers.__version__, "accelerate": accelerate.__version__}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "diffusers": diffusers.__version__,
+        "accelerate": accelerate.__version__,
+    }
 
 
 @exits_cleanly("dit-accel calibrate")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dit-accel calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", required=True, help="plan.json written by dit-plan")
-    parser.add_argument("--micro-batches", default="8,16,32", help="micro-batches to measure and fit (default 8,16,32)")
-    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per micro-batch, after one warm-up step")
-    parser.add_argument("--max-micro-batch", type=int, default=None, help="stop the search for the largest fit here")
-    parser.add_argument("--out", default="calibration.json", help="calibration file to write (default calibration.json)")
+    parser.add_argument(
+        "--micro-batches", default="8,16,32", help="micro-batches to measure and fit (default 8,16,32)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed optimizer steps per micro-batch, after one warm-up step"
+    )
+    parser.add_argument(
+        "--max-micro-batch", type=int, default=None, help="stop the search for the largest fit here"
+    )
+    parser.add_argument(
+        "--out", default="calibration.json", help="calibration file to write (default calibration.json)"
+    )
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
-        raise UserError("no CUDA GPU here: calibrate measures real steps on the GPU you will train on", "run it there")
+        raise UserError(
+            "no CUDA GPU here: calibrate measures real steps on the GPU you will train on", "run it there"
+        )
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     plan = read_plan(args.plan)
     spec = plan.spec()
     gpu = _gpu_facts(torch)
-    result = calibrate(plan, _micro_batches(args.micro_batches), args.steps, args.max_micro_batch,
-                       cuda_measure(plan, spec, args.steps), gpu, probe=cuda_measure(plan, spec, 1))
+    result = calibrate(
+        plan,
+        _micro_batches(args.micro_batches),
+        args.steps,
+        args.max_micro_batch,
+        cuda_measure(plan, spec, args.steps),
+        gpu,
+        probe=cuda_measure(plan, spec, 1),
+    )
     write_json_atomically(Path(args.out), result)
     fit = result["fit"]
-    print(f"fixed {fit['fixed_bytes'] / 2**30:.2f} GiB + {fit['per_sample_bytes'] / 2**20:.1f} MiB per sample; "
-          f"reserved/allocated {fit['fragmentation']:.3f}; largest micro-batch that fits: {result['largest_micro_batch']}; "
-          f"{fit['images_per_s']:.1f} img/s" + (f", MFU {fit['mfu']:.1%}" if fit["mfu"] else ""))
+    print(
+        f"fixed {fit['fixed_bytes'] / 2**30:.2f} GiB + {fit['per_sample_bytes'] / 2**20:.1f} MiB per sample; "
+        f"reserved/allocated {fit['fragmentation']:.3f}; largest micro-batch that fits: {result['largest_micro_batch']}; "
+        f"{fit['images_per_s']:.1f} img/s" + (f", MFU {fit['mfu']:.1%}" if fit["mfu"] else "")
+    )
     print(f"wrote {args.out}: use it with `dit-plan --calibration {args.out} ...`")
     return 0

@@ -87,8 +87,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise UserError(f"checkpoint {path} does not exist: pass a checkpoint folder or a run folder")
     if _NAME.match(path.name):
         if not is_complete(path):
-            raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE} marker", "the run stopped while writing it): "
-                            f"use an older one or --resume auto")
+            raise UserError(
+                f"checkpoint {path} is incomplete (no {COMPLETE} marker",
+                "the run stopped while writing it): use an older one or --resume auto",
+            )
         return path
     run_dir = path.parent if path.name == CHECKPOINTS else path
     latest = latest_checkpoint(run_dir)
@@ -133,7 +135,9 @@ def commit(tmp_dir: Path, final_dir: Path, marker: dict) -> None:
     marker_path = tmp_dir / COMPLETE
     marker_path.write_text(json.dumps(marker, sort_keys=True) + "\n")
     _fsync(marker_path)
-    replace_folder(tmp_dir, final_dir)  # re-training over a step after resuming from an older checkpoint replaces it
+    replace_folder(
+        tmp_dir, final_dir
+    )  # re-training over a step after resuming from an older checkpoint replaces it
     _fsync(final_dir.parent)
 
 
@@ -164,8 +168,19 @@ class _TiedWeightsNote(logging.Filter):
 logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsNote())
 
 
-def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_state: dict, plan: dict,
-                    config: dict, keep_last: int, sidecar: dict | None = None, before_commit=None) -> Path:
+def save_checkpoint(
+    accelerator,
+    run_dir: str | Path,
+    step: int,
+    *,
+    ema,
+    train_state: dict,
+    plan: dict,
+    config: dict,
+    keep_last: int,
+    sidecar: dict | None = None,
+    before_commit=None,
+) -> Path:
     """Write a checkpoint for `step` from ALL ranks; return its final folder once it is complete.
 
     `sidecar` (`dit_accel.model.sidecar(model)`) records what the weights alone do not say: the timestep shift.
@@ -182,7 +197,9 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_s
     # Model, optimizer, registered scheduler, scaler on the main process; RNG states on every rank.
     accelerator.save_state(output_dir=str(tmp_dir))
     if ema is not None and (ema.sharded or accelerator.is_main_process):
-        ema.save(tmp_dir / EMA_WEIGHTS, write=accelerator.is_main_process)  # sharded: every rank joins the gather
+        ema.save(
+            tmp_dir / EMA_WEIGHTS, write=accelerator.is_main_process
+        )  # sharded: every rank joins the gather
     if accelerator.is_main_process:
         write_json_atomically(tmp_dir / TRAIN_STATE, train_state)
         write_json_atomically(tmp_dir / PLAN, plan)
@@ -196,7 +213,9 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, *, ema, train_s
         expected = [f"random_states_{rank}.pkl" for rank in range(accelerator.num_processes)]
         missing = [name for name in expected if not (tmp_dir / name).exists()]
         if missing:
-            raise RuntimeError(f"checkpoint {tmp_dir} lacks {missing}: is {run_dir} on a filesystem every node shares?")
+            raise RuntimeError(
+                f"checkpoint {tmp_dir} lacks {missing}: is {run_dir} on a filesystem every node shares?"
+            )
         if before_commit is not None:
             before_commit(tmp_dir, step)
         commit(tmp_dir, final_dir, {"step": step, "world_size": accelerator.num_processes})
@@ -209,11 +228,27 @@ class Checkpointer:
     """`save_checkpoint` with what stays the same for a whole run bound once: the loop passes a step and its
     train state."""
 
-    def __init__(self, accelerator, run_dir: Path, *, ema, plan: dict, config: dict, keep_last: int,
-                 sidecar: dict | None = None, before_commit=None):
+    def __init__(
+        self,
+        accelerator,
+        run_dir: Path,
+        *,
+        ema,
+        plan: dict,
+        config: dict,
+        keep_last: int,
+        sidecar: dict | None = None,
+        before_commit=None,
+    ):
         self.accelerator, self.run_dir = accelerator, run_dir
-        self.settings = dict(ema=ema, plan=plan, config=config, keep_last=keep_last, sidecar=sidecar,
-                             before_commit=before_commit)
+        self.settings = dict(
+            ema=ema,
+            plan=plan,
+            config=config,
+            keep_last=keep_last,
+            sidecar=sidecar,
+            before_commit=before_commit,
+        )
 
     def save(self, step: int, train_state: dict) -> Path:
         return save_checkpoint(self.accelerator, self.run_dir, step, train_state=train_state, **self.settings)
@@ -244,11 +279,15 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
 
     checkpoint = resolve_checkpoint(checkpoint_or_run_dir)
     spec = read_plan(checkpoint / PLAN).spec()
-    model = build_model(spec, timestep_freq_shift=read_sidecar(checkpoint).get("timestep_freq_shift", DIFFUSERS_FREQ_SHIFT))
+    model = build_model(
+        spec, timestep_freq_shift=read_sidecar(checkpoint).get("timestep_freq_shift", DIFFUSERS_FREQ_SHIFT)
+    )
     if use_ema and (checkpoint / EMA_WEIGHTS).exists():
         state, weights = load_file(str(checkpoint / EMA_WEIGHTS)), "ema"
     elif use_ema:
-        raise UserError(f"{checkpoint} has no EMA weights ({EMA_WEIGHTS}): pass use_ema=False for the raw weights")
+        raise UserError(
+            f"{checkpoint} has no EMA weights ({EMA_WEIGHTS}): pass use_ema=False for the raw weights"
+        )
     elif (checkpoint / SHARDED_MODEL).is_dir():
         state, weights = read_sharded_model(checkpoint / SHARDED_MODEL, model), "model"
     else:
@@ -266,7 +305,9 @@ def load_weights(path: str | Path, use_ema: bool = True, device="cpu"):
     weights; `info["weights"]` is "diffusers"). Sampling, export and fine-tuning (`--init-from`) all start here."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path} does not exist: pass a run folder, a checkpoint folder or a diffusers DiT folder")
+        raise UserError(
+            f"{path} does not exist: pass a run folder, a checkpoint folder or a diffusers DiT folder"
+        )
     if (path / "config.json").is_file() or (path / "transformer" / "config.json").is_file():
         from dit_accel.model import load_model, spec_from_model
 
@@ -294,7 +335,9 @@ def _load_into(model, state: dict, strict_params_only: bool) -> None:
         missing = sorted(set(n for n, p in params.items() if p.requires_grad) - set(state))
         unexpected = sorted(set(state) - set(params))
         if missing or unexpected:
-            raise UserError(f"EMA weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise UserError(
+                f"EMA weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
         with torch.no_grad():
             for name, tensor in state.items():
                 params[name].copy_(tensor)
@@ -303,8 +346,10 @@ def _load_into(model, state: dict, strict_params_only: bool) -> None:
         # Tied weights are stored once; any other missing key is a real mismatch.
         shared_ok = [k for k in result.missing_keys if not _is_tied_copy(model, k, state)]
         if shared_ok or result.unexpected_keys:
-            raise UserError(f"model weights do not fit the model: missing {shared_ok[:3]}, "
-                            f"unexpected {result.unexpected_keys[:3]}")
+            raise UserError(
+                f"model weights do not fit the model: missing {shared_ok[:3]}, "
+                f"unexpected {result.unexpected_keys[:3]}"
+            )
 
 
 def _is_tied_copy(model, key: str, state: dict) -> bool:
@@ -313,5 +358,6 @@ def _is_tied_copy(model, key: str, state: dict) -> bool:
     target = tensors.get(key)
     if target is None:
         return False
-    return any(tensors.get(other) is not None and tensors[other].data_ptr() == target.data_ptr()
-               for other in state)
+    return any(
+        tensors.get(other) is not None and tensors[other].data_ptr() == target.data_ptr() for other in state
+    )

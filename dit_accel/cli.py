@@ -13,7 +13,10 @@ COMMANDS = {
     "demo-data": ("dit_accel.data.demo:main", "write a small class-conditional image folder to learn on"),
     "sample": ("dit_accel.sample:main", "class-conditional samples (PNG grid, or an .npz for FID)"),
     "export": ("dit_accel.export:main", "a checkpoint as a diffusers DiTPipeline folder"),
-    "import-dit": ("dit_accel.export:import_main", "an original DiT .pt checkpoint as a dit-accel checkpoint"),
+    "import-dit": (
+        "dit_accel.export:import_main",
+        "an original DiT .pt checkpoint as a dit-accel checkpoint",
+    ),
     "verify": ("dit_accel.memtrace.report:main", "trace one real training step and compare it with the plan"),
     "calibrate": ("dit_accel.calibrate:main", "measure the plan on a CUDA GPU and write a calibration file"),
     "doctor": ("dit_accel.doctor:main", "preflight checks before a launch, or read a failed run's log"),
@@ -35,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"dit-accel: error: unknown command {name!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr)
+        print(
+            f"dit-accel: error: unknown command {name!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr
+        )
         return 2
     module_name, function_name = COMMANDS[name][0].split(":")
     return getattr(importlib.import_module(module_name), function_name)(rest) or 0

@@ -26,8 +26,10 @@ def check_launch(plan: Plan, world_size: int, plan_path: str) -> None:
     """The launched process count must be the plan's world size."""
     planned = plan.world_size
     if planned != world_size:
-        raise UserError(f"{plan_path} is planned for {planned} processes but {world_size} were launched",
-                        f"re-plan with `dit-plan --gpus {world_size}`, or launch {planned} processes")
+        raise UserError(
+            f"{plan_path} is planned for {planned} processes but {world_size} were launched",
+            f"re-plan with `dit-plan --gpus {world_size}`, or launch {planned} processes",
+        )
 
 
 def resolve_precision(plan_precision: str, device_type: str) -> str:
@@ -35,7 +37,8 @@ def resolve_precision(plan_precision: str, device_type: str) -> str:
     (bf16 would be a different recipe, and fp32 is what the fp16 run approximates)."""
     if plan_precision == "fp16" and device_type == "cpu":
         logging.getLogger("dit_accel.train").warning(
-            "the plan says fp16, which needs a GPU; training in fp32 on this CPU instead")
+            "the plan says fp16, which needs a GPU; training in fp32 on this CPU instead"
+        )
         return "fp32"
     return plan_precision
 
@@ -46,11 +49,14 @@ def fsdp_plugin_for(plan: Plan, plan_path: str, env: dict | None = None):
     off: `shard_blocks` makes the per-block units itself."""
     env = os.environ if env is None else env
     launched = int(env.get("WORLD_SIZE", "1") or 1)  # against the plan's world size: check_launch
-    problems = launch_problems(plan.decision.sharding, plan.decision.precision, LaunchSettings.from_environment(env),
-                               launched)
+    problems = launch_problems(
+        plan.decision.sharding, plan.decision.precision, LaunchSettings.from_environment(env), launched
+    )
     if problems:
-        raise UserError(f"the launch config does not match {plan_path}: {'; '.join(problems)}",
-                        f"launch with the accelerate_config.yaml that dit-plan wrote next to {plan_path}")
+        raise UserError(
+            f"the launch config does not match {plan_path}: {'; '.join(problems)}",
+            f"launch with the accelerate_config.yaml that dit-plan wrote next to {plan_path}",
+        )
     if not plan.sharding.uses_fsdp:
         return None
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -68,12 +74,18 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
     unsharded gradient per rank, which the plan does not count.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, ProjectConfiguration
+    from accelerate.utils import (
+        DistributedDataParallelKwargs,
+        GradientAccumulationPlugin,
+        ProjectConfiguration,
+    )
 
     from planner.rules import PRECISIONS
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    mixed_precision = PRECISIONS[resolve_precision(plan.decision.precision, device_type)].accelerate_mixed_precision
+    mixed_precision = PRECISIONS[
+        resolve_precision(plan.decision.precision, device_type)
+    ].accelerate_mixed_precision
     fsdp_plugin = fsdp_plugin_for(plan, config.plan)
     log_with = None
     if config.tensorboard:
@@ -82,23 +94,33 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
 
             log_with = "tensorboard"
         except ImportError:
-            print("dit_accel.train: tensorboard is not installed; logging to the text logs only "
-                  "(pip install tensorboard)", file=sys.stderr)
+            print(
+                "dit_accel.train: tensorboard is not installed; logging to the text logs only "
+                "(pip install tensorboard)",
+                file=sys.stderr,
+            )
     accelerator = Accelerator(
         cpu=device_type == "cpu",
         mixed_precision=mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=plan.decision.grad_accum, sync_each_batch=fsdp_plugin is not None),
+            num_steps=plan.decision.grad_accum, sync_each_batch=fsdp_plugin is not None
+        ),
         fsdp_plugin=fsdp_plugin,
         log_with=log_with,
-        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")),
+        project_config=ProjectConfiguration(
+            project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")
+        ),
         # As planned: with gradient_as_bucket_view DDP's buckets ARE the .grad tensors (4 bytes/param less).
-        kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=plan.decision.gradient_as_bucket_view)],
+        kwargs_handlers=[
+            DistributedDataParallelKwargs(gradient_as_bucket_view=plan.decision.gradient_as_bucket_view)
+        ],
     )
     if fsdp_plugin is not None and not uses_fsdp(accelerator):
         if accelerator.device.type != "cpu":
-            raise UserError(f"{config.plan} shards the model but accelerate set up {accelerator.distributed_type}",
-                            "launch with the plan's accelerate_config.yaml")
+            raise UserError(
+                f"{config.plan} shards the model but accelerate set up {accelerator.distributed_type}",
+                "launch with the plan's accelerate_config.yaml",
+            )
         use_fsdp_on_cpu(accelerator, fsdp_plugin, mixed_precision)
     return accelerator
 
@@ -147,11 +169,15 @@ def shard_blocks(model: nn.Module, plugin) -> None:
     # one; only an in-place op on it would skip the unit's backward hook, and diffusers' block uses none
     # (tests/test_train_fsdp.py holds zero2 and zero3 equal to the DDP update).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    kwargs = {"reshard_after_forward": plugin.reshard_after_forward,
-              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+    kwargs = {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+    }
     for block in model.transformer_blocks:
         embedder = block.norm1.emb
-        layers = [module for module in _children_without(block, embedder) if any(True for _ in module.parameters())]
+        layers = [
+            module for module in _children_without(block, embedder) if any(True for _ in module.parameters())
+        ]
         fully_shard(layers, **kwargs)
 
 

@@ -26,7 +26,9 @@ class EMA:
     def __init__(self, model: nn.Module, decay: float = 0.9999):
         self.decay = decay
         self.shadow: dict[str, torch.Tensor] = {}  # this rank's fp32 shard (the whole tensor when unsharded)
-        self.layout: dict[str, torch.Tensor] = {}  # sharded parameters: a DTensor to take mesh and placements from
+        self.layout: dict[
+            str, torch.Tensor
+        ] = {}  # sharded parameters: a DTensor to take mesh and placements from
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
@@ -60,8 +62,14 @@ class EMA:
             if layout is None:
                 full[name] = shard
                 continue
-            gathered = DTensor.from_local(shard, layout.device_mesh, layout.placements, shape=layout.shape,
-                                          stride=layout.stride(), run_check=False)
+            gathered = DTensor.from_local(
+                shard,
+                layout.device_mesh,
+                layout.placements,
+                shape=layout.shape,
+                stride=layout.stride(),
+                run_check=False,
+            )
             full[name] = gathered.full_tensor()
         return full
 
@@ -69,22 +77,27 @@ class EMA:
         """Full tensors by name (what `state_dict` gives); each rank keeps its own shard. No communication."""
         missing, unexpected = set(self.shadow) - set(state), set(state) - set(self.shadow)
         if missing or unexpected:
-            raise ValueError(f"EMA state does not match the model: missing {sorted(missing)[:3]}, "
-                             f"unexpected {sorted(unexpected)[:3]}")
+            raise ValueError(
+                f"EMA state does not match the model: missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]}"
+            )
         for name, tensor in state.items():
             layout = self.layout.get(name)
             if layout is not None:
                 from torch.distributed.tensor import distribute_tensor
 
-                tensor = distribute_tensor(tensor.to(layout.device), layout.device_mesh, layout.placements,
-                                           src_data_rank=None).to_local()
+                tensor = distribute_tensor(
+                    tensor.to(layout.device), layout.device_mesh, layout.placements, src_data_rank=None
+                ).to_local()
             self.shadow[name].copy_(tensor)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
         """Write the EMA weights into an unsharded model with the same parameter names (sampling, export)."""
         if self.sharded:
-            raise RuntimeError("copy_to needs the full weights: load ema.safetensors into an unsharded model instead")
+            raise RuntimeError(
+                "copy_to needs the full weights: load ema.safetensors into an unsharded model instead"
+            )
         for name, param in model.named_parameters():
             if name in self.shadow:
                 param.copy_(self.shadow[name])

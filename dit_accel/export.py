@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from dit_accel.errors import UserError, exits_cleanly
 from dit_accel.atomic import staged_folder, write_json_atomically
+from dit_accel.errors import UserError, exits_cleanly
 
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__: class_null = [1000] * batch_size
 SCHEDULER_CONFIG = {"timestep_spacing": "leading", "set_alpha_to_one": True, "steps_offset": 0}
@@ -61,8 +61,10 @@ def with_pipeline_null_class(model):
     if spec.num_classes == PIPELINE_NULL_CLASS:
         return model
     if spec.num_classes > PIPELINE_NULL_CLASS:
-        raise UserError(f"this model has {spec.num_classes} classes, but DiTPipeline always uses label 1000 as the null "
-                        f"class for guidance, which would be a real class here: it cannot be exported as a DiTPipeline")
+        raise UserError(
+            f"this model has {spec.num_classes} classes, but DiTPipeline always uses label 1000 as the null "
+            f"class for guidance, which would be a real class here: it cannot be exported as a DiTPipeline"
+        )
     padded = build_model(dataclasses.replace(spec, num_classes=PIPELINE_NULL_CLASS), init="torch")
     set_timestep_freq_shift(padded, timestep_freq_shift(model))
     state = dict(model.state_dict())
@@ -82,14 +84,18 @@ def read_labels_file(path: str | os.PathLike) -> list[str]:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"cannot read --labels {path} ({error}): pass a classes.json or a JSON list of class names") from None
+        raise UserError(
+            f"cannot read --labels {path} ({error}): pass a classes.json or a JSON list of class names"
+        ) from None
     if isinstance(data, dict) and "classes" in data:
         data = data["classes"]
     if isinstance(data, dict):
         try:
             return [str(data[key]) for key in sorted(data, key=int)]
         except ValueError:
-            raise UserError(f"--labels {path} maps names that are not class indices: expected {{\"0\": \"tench\", ...}}") from None
+            raise UserError(
+                f'--labels {path} maps names that are not class indices: expected {{"0": "tench", ...}}'
+            ) from None
     if isinstance(data, list):
         return [str(name) for name in data]
     raise UserError(f"--labels {path} is neither a list of class names nor a classes.json")
@@ -99,7 +105,11 @@ def run_class_names(source) -> list[str] | None:
     """The class names of the run a checkpoint belongs to: classes.json in the run folder, its latent cache
     or a pipeline folder; else the sorted class folders of its image folder. None when nothing is recorded."""
     checkpoint = Path(source.info["checkpoint"])
-    candidates = [checkpoint, checkpoint.parent.parent, Path(source.train_config.get("output_dir") or checkpoint)]
+    candidates = [
+        checkpoint,
+        checkpoint.parent.parent,
+        Path(source.train_config.get("output_dir") or checkpoint),
+    ]
     if source.train_config.get("latents"):
         candidates.append(Path(source.train_config["latents"]))
     for folder in candidates:
@@ -111,12 +121,23 @@ def run_class_names(source) -> list[str] | None:
             return [id2label[key] for key in sorted(id2label, key=int)]
     data_path = source.train_config.get("data_path")
     if data_path and Path(data_path).is_dir():
-        return sorted(entry.name for entry in Path(data_path).iterdir() if entry.is_dir() and not entry.name.startswith("."))
+        return sorted(
+            entry.name
+            for entry in Path(data_path).iterdir()
+            if entry.is_dir() and not entry.name.startswith(".")
+        )
     return None
 
 
-def write_pipeline(model, vae_path: str, out_dir: str | os.PathLike, class_names: list[str] | None = None, *,
-                   allow_freq_shift_change: bool = False, overwrite: bool = False) -> Path:
+def write_pipeline(
+    model,
+    vae_path: str,
+    out_dir: str | os.PathLike,
+    class_names: list[str] | None = None,
+    *,
+    allow_freq_shift_change: bool = False,
+    overwrite: bool = False,
+) -> Path:
     """A DiTPipeline folder that `DiTPipeline.from_pretrained(out_dir)` loads offline (see the module docstring)."""
     import diffusers
 
@@ -126,11 +147,15 @@ def write_pipeline(model, vae_path: str, out_dir: str | os.PathLike, class_names
     out_dir = Path(out_dir)
     spec = spec_from_model(model)
     if spec.latents == "pixel":
-        raise UserError("this model works in pixel space, but a DiTPipeline always decodes latents with a VAE: "
-                        "sample it with `dit-accel sample` instead")
+        raise UserError(
+            "this model works in pixel space, but a DiTPipeline always decodes latents with a VAE: "
+            "sample it with `dit-accel sample` instead"
+        )
     if class_names is not None and len(class_names) > spec.num_classes:
-        raise UserError(f"{len(class_names)} class names for a model with {spec.num_classes} classes: pass the "
-                        f"--labels the model was trained with")
+        raise UserError(
+            f"{len(class_names)} class names for a model with {spec.num_classes} classes: pass the "
+            f"--labels the model was trained with"
+        )
     exported = with_pipeline_null_class(model)
     vae, _identity = load_vae(vae_path)
     with staged_folder(out_dir, overwrite) as staging:
@@ -154,18 +179,33 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dit-accel export",
         description="Write a checkpoint as a diffusers DiTPipeline folder (transformer, VAE, DDIM scheduler with "
-                    "DiT's betas, id2label): DiTPipeline.from_pretrained(OUT) loads it offline.")
-    parser.add_argument("--checkpoint", required=True, help="run folder, checkpoint folder, or diffusers DiT folder")
-    parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
-                        help="export the EMA weights (default) or, with --no-ema, the raw weights")
-    parser.add_argument("--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)")
-    parser.add_argument("--labels", default=None,
-                        help="class names: a classes.json or JSON list (default: the run's classes.json)")
+        "DiT's betas, id2label): DiTPipeline.from_pretrained(OUT) loads it offline.",
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, help="run folder, checkpoint folder, or diffusers DiT folder"
+    )
+    parser.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="export the EMA weights (default) or, with --no-ema, the raw weights",
+    )
+    parser.add_argument(
+        "--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)"
+    )
+    parser.add_argument(
+        "--labels",
+        default=None,
+        help="class names: a classes.json or JSON list (default: the run's classes.json)",
+    )
     parser.add_argument("--out", required=True, help="the pipeline folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    parser.add_argument("--allow-freq-shift-change", action="store_true",
-                        help="export a model imported from an original DiT checkpoint anyway: stock diffusers runs it "
-                             "with its own timestep frequencies (shift 1), so outputs differ slightly")
+    parser.add_argument(
+        "--allow-freq-shift-change",
+        action="store_true",
+        help="export a model imported from an original DiT checkpoint anyway: stock diffusers runs it "
+        "with its own timestep frequencies (shift 1), so outputs differ slightly",
+    )
     return parser
 
 
@@ -177,13 +217,25 @@ def main(argv: list[str] | None = None) -> int:
     source = load_source(args.checkpoint, use_ema=args.ema)
     vae_path = args.vae or default_vae_path(source)
     if not vae_path:
-        raise UserError("no VAE is recorded with this run: pass --vae DIR (the AutoencoderKL folder it was trained with)")
+        raise UserError(
+            "no VAE is recorded with this run: pass --vae DIR (the AutoencoderKL folder it was trained with)"
+        )
     class_names = read_labels_file(args.labels) if args.labels else run_class_names(source)
-    out = write_pipeline(source.model, vae_path, args.out, class_names,
-                         allow_freq_shift_change=args.allow_freq_shift_change, overwrite=args.overwrite)
-    labels = f"{len(class_names)} class names" if class_names else "no class names (pass --labels to add them)"
-    print(f"wrote {out}: DiTPipeline ({source.spec.name}, {source.info['weights']} weights), VAE from {vae_path}, "
-          f"DDIMScheduler with DiT's betas, {labels}")
+    out = write_pipeline(
+        source.model,
+        vae_path,
+        args.out,
+        class_names,
+        allow_freq_shift_change=args.allow_freq_shift_change,
+        overwrite=args.overwrite,
+    )
+    labels = (
+        f"{len(class_names)} class names" if class_names else "no class names (pass --labels to add them)"
+    )
+    print(
+        f"wrote {out}: DiTPipeline ({source.spec.name}, {source.info['weights']} weights), VAE from {vae_path}, "
+        f"DDIMScheduler with DiT's betas, {labels}"
+    )
     return 0
 
 
@@ -197,16 +249,33 @@ def placeholder_plan(spec) -> dict:
     from planner.errors import PlanError
     from planner.plan import make_plan
 
-    family = spec.name.removesuffix("-custom") if spec.name.startswith("DiT-") and spec.name != "DiT-custom" else f"DiT-S/{spec.patch}"
+    family = (
+        spec.name.removesuffix("-custom")
+        if spec.name.startswith("DiT-") and spec.name != "DiT-custom"
+        else f"DiT-S/{spec.patch}"
+    )
     try:
-        return make_plan(gpus=1, global_batch=256, vram="80GB", model=family, resolution=spec.resolution,
-                         latents=spec.latents, depth=spec.depth, hidden=spec.hidden, heads=spec.heads, patch=spec.patch,
-                         num_classes=spec.num_classes, round_global_batch=True)
+        return make_plan(
+            gpus=1,
+            global_batch=256,
+            vram="80GB",
+            model=family,
+            resolution=spec.resolution,
+            latents=spec.latents,
+            depth=spec.depth,
+            hidden=spec.hidden,
+            heads=spec.heads,
+            patch=spec.patch,
+            num_classes=spec.num_classes,
+            round_global_batch=True,
+        )
     except PlanError as error:
         raise UserError(f"cannot describe the imported {spec.name} with a plan ({error})") from None
 
 
-def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: str, *, overwrite: bool = False) -> Path:
+def write_imported_checkpoint(
+    model, out_dir: str | os.PathLike, source_name: str, *, overwrite: bool = False
+) -> Path:
     """A run folder with one complete checkpoint at step 0 holding `model` (see the module docstring)."""
     from safetensors.torch import save_file
 
@@ -217,17 +286,24 @@ def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: st
     out_dir = Path(out_dir)
     spec = spec_from_model(model)
     if not spec.learn_sigma:
-        raise UserError("this checkpoint predicts no variance (learn_sigma off)", "dit-accel trains and samples DiTs with "
-                        "learned sigma only, as the released DiT checkpoints are")
+        raise UserError(
+            "this checkpoint predicts no variance (learn_sigma off)",
+            "dit-accel trains and samples DiTs with learned sigma only, as the released DiT checkpoints are",
+        )
     plan = placeholder_plan(spec)
     rebuilt = spec_from_plan(plan)
     if dataclasses.replace(rebuilt, name=spec.name) != spec:
-        raise UserError(f"the plan for the imported network describes {rebuilt}, not {spec}: report this as a bug")
+        raise UserError(
+            f"the plan for the imported network describes {rebuilt}, not {spec}: report this as a bug"
+        )
     with staged_folder(out_dir, overwrite) as staging:
         final_dir = ckpt.checkpoints_dir(staging) / ckpt.checkpoint_name(IMPORT_STEP)
         checkpoint_dir = final_dir.with_name(final_dir.name + ckpt.TMP_SUFFIX)
         checkpoint_dir.mkdir(parents=True)
-        weights = {name: param.detach().to("cpu", torch.float32).contiguous() for name, param in model.named_parameters()}
+        weights = {
+            name: param.detach().to("cpu", torch.float32).contiguous()
+            for name, param in model.named_parameters()
+        }
         save_file(weights, str(checkpoint_dir / ckpt.EMA_WEIGHTS), metadata={"format": "pt"})
         try:  # the released checkpoints hold one set of weights: the raw-weights file is the same file
             os.link(checkpoint_dir / ckpt.EMA_WEIGHTS, checkpoint_dir / ckpt.MODEL_WEIGHTS)
@@ -235,9 +311,17 @@ def write_imported_checkpoint(model, out_dir: str | os.PathLike, source_name: st
             shutil.copyfile(checkpoint_dir / ckpt.EMA_WEIGHTS, checkpoint_dir / ckpt.MODEL_WEIGHTS)
         write_json_atomically(checkpoint_dir / ckpt.PLAN, plan)
         write_json_atomically(staging / ckpt.PLAN, plan)
-        write_json_atomically(checkpoint_dir / ckpt.TRAIN_STATE, {
-            "step": IMPORT_STEP, "applied_steps": 0, "skipped_steps": 0, "imported_from": source_name,
-            "world_size": None, "global_batch": None})
+        write_json_atomically(
+            checkpoint_dir / ckpt.TRAIN_STATE,
+            {
+                "step": IMPORT_STEP,
+                "applied_steps": 0,
+                "skipped_steps": 0,
+                "imported_from": source_name,
+                "world_size": None,
+                "global_batch": None,
+            },
+        )
         write_json_atomically(checkpoint_dir / SIDECAR_NAME, sidecar(model))
         ckpt.commit(checkpoint_dir, final_dir, {"step": IMPORT_STEP, "imported_from": source_name})
     return out_dir
@@ -247,16 +331,28 @@ def build_import_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dit-accel import-dit",
         description="Turn an original DiT checkpoint (.pt state dict of the DiT repository, e.g. DiT-XL-2-256x256.pt) "
-                    "into a dit-accel run folder that `dit-accel sample` and `dit-accel export` read and that "
-                    "`dit_accel.train --init-from` fine-tunes.")
+        "into a dit-accel run folder that `dit-accel sample` and `dit-accel export` read and that "
+        "`dit_accel.train --init-from` fine-tunes.",
+    )
     parser.add_argument("--checkpoint", required=True, help="the original .pt file")
     parser.add_argument("--out", required=True, help="the run folder to write")
-    parser.add_argument("--heads", type=int, default=None,
-                        help="attention heads, only for a network outside the DiT family table (shapes do not tell)")
-    parser.add_argument("--weights", choices=("ema", "model"), default="ema",
-                        help="for a training checkpoint holding both: which weights to import (default ema)")
-    parser.add_argument("--trust-checkpoint", action="store_true",
-                        help="allow pickled Python objects besides tensors in the file (only for files you trust)")
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        help="attention heads, only for a network outside the DiT family table (shapes do not tell)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=("ema", "model"),
+        default="ema",
+        help="for a training checkpoint holding both: which weights to import (default ema)",
+    )
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="allow pickled Python objects besides tensors in the file (only for files you trust)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     return parser
 
@@ -266,12 +362,18 @@ def import_main(argv: list[str] | None = None) -> int:
     from dit_accel.model import load_original_dit, spec_from_model
 
     args = build_import_parser().parse_args(argv)
-    model = load_original_dit(args.checkpoint, heads=args.heads, prefer=args.weights, trust_pickle=args.trust_checkpoint)
-    out = write_imported_checkpoint(model, args.out, str(Path(args.checkpoint).name), overwrite=args.overwrite)
+    model = load_original_dit(
+        args.checkpoint, heads=args.heads, prefer=args.weights, trust_pickle=args.trust_checkpoint
+    )
+    out = write_imported_checkpoint(
+        model, args.out, str(Path(args.checkpoint).name), overwrite=args.overwrite
+    )
     spec = spec_from_model(model)
-    print(f"wrote {out}: {spec.name} ({spec.depth} blocks x {spec.hidden}, {spec.resolution} px, {spec.num_classes} "
-          f"classes) as a step-0 checkpoint with the original timestep shift (0); "
-          f"sample it with `dit-accel sample --checkpoint {out} ...`")
+    print(
+        f"wrote {out}: {spec.name} ({spec.depth} blocks x {spec.hidden}, {spec.resolution} px, {spec.num_classes} "
+        f"classes) as a step-0 checkpoint with the original timestep shift (0); "
+        f"sample it with `dit-accel sample --checkpoint {out} ...`"
+    )
     return 0
 
 

@@ -31,12 +31,15 @@ def make_grid(images: np.ndarray, columns: int, padding: int = 2, fill: int = 25
     count, height, width, channels = images.shape
     columns = max(1, min(columns, count))
     rows = math.ceil(count / columns)
-    grid = np.full((rows * (height + padding) + padding, columns * (width + padding) + padding, channels),
-                   fill, dtype=np.uint8)
+    grid = np.full(
+        (rows * (height + padding) + padding, columns * (width + padding) + padding, channels),
+        fill,
+        dtype=np.uint8,
+    )
     for index, image in enumerate(images):
         top = padding + (index // columns) * (height + padding)
         left = padding + (index % columns) * (width + padding)
-        grid[top:top + height, left:left + width] = image
+        grid[top : top + height, left : left + width] = image
     return grid
 
 
@@ -60,8 +63,9 @@ def single_image_name(index: int, label: int) -> str:
     return f"{index:06d}_class{label}.png"
 
 
-def save_grid_and_singles(images: np.ndarray, labels: list[int], grid_path: str | os.PathLike,
-                          columns: int) -> tuple[Path, Path]:
+def save_grid_and_singles(
+    images: np.ndarray, labels: list[int], grid_path: str | os.PathLike, columns: int
+) -> tuple[Path, Path]:
     """Save the grid PNG and every image alone (grid_images/000000_class207.png ...).
 
     The singles folder is built under a temporary name and swapped in whole, so a reader never sees a

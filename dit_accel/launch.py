@@ -33,15 +33,29 @@ LAUNCHER_OPTIONS = {  # our flag -> accelerate launch's flag
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dit-accel train", description=__doc__.splitlines()[0], add_help=False,
-                                     allow_abbrev=False)
-    parser.add_argument("--plan", help="plan.json written by dit-plan; its accelerate_config.yaml must lie beside it")
-    parser.add_argument("--accelerate-config", "--accelerate_config", dest="accelerate_config",
-                        help=f"another Accelerate config than PLAN_DIR/{CONFIG_NAME}")
+    parser = argparse.ArgumentParser(
+        prog="dit-accel train", description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False
+    )
+    parser.add_argument(
+        "--plan", help="plan.json written by dit-plan; its accelerate_config.yaml must lie beside it"
+    )
+    parser.add_argument(
+        "--accelerate-config",
+        "--accelerate_config",
+        dest="accelerate_config",
+        help=f"another Accelerate config than PLAN_DIR/{CONFIG_NAME}",
+    )
     for name in LAUNCHER_OPTIONS:
-        parser.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, help="passed to accelerate launch")
-    parser.add_argument("--print-command", "--print_command", dest="print_command", action="store_true",
-                        help="print the accelerate launch command and exit")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", f"--{name}", dest=name, help="passed to accelerate launch"
+        )
+    parser.add_argument(
+        "--print-command",
+        "--print_command",
+        dest="print_command",
+        action="store_true",
+        help="print the accelerate launch command and exit",
+    )
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 
@@ -54,10 +68,14 @@ def launch_command(argv: list[str]) -> list[str]:
     plan = Path(args.plan)
     config = Path(args.accelerate_config) if args.accelerate_config else plan.parent / CONFIG_NAME
     if not plan.is_file():
-        raise UserError(f"plan {plan} not found: make one with `dit-plan ... --out DIR` and pass DIR/plan.json")
+        raise UserError(
+            f"plan {plan} not found: make one with `dit-plan ... --out DIR` and pass DIR/plan.json"
+        )
     if not config.is_file():
-        raise UserError(f"{config} not found: dit-plan writes it beside plan.json", "re-run dit-plan with --out "
-                        f"{plan.parent}, or pass --accelerate-config FILE")
+        raise UserError(
+            f"{config} not found: dit-plan writes it beside plan.json",
+            f"re-run dit-plan with --out {plan.parent}, or pass --accelerate-config FILE",
+        )
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     for name, flag in LAUNCHER_OPTIONS.items():
         if getattr(args, name) is not None:

@@ -58,7 +58,9 @@ _EMBEDDER_PREFIX = "norm1.emb."  # inside each transformer block
 # --- building ----------------------------------------------------------------------------------------
 
 
-def build_model(spec: DiTSpec, timestep_freq_shift: int = DIFFUSERS_FREQ_SHIFT, init: str = "dit") -> DiTTransformer2DModel:
+def build_model(
+    spec: DiTSpec, timestep_freq_shift: int = DIFFUSERS_FREQ_SHIFT, init: str = "dit"
+) -> DiTTransformer2DModel:
     """A DiT of the planner's family as a diffusers model with the conditioning embedder tied across blocks.
 
     `init="dit"` applies the DiT paper's initialisation (adaLN-Zero: every block starts as the identity and
@@ -161,7 +163,9 @@ def null_class(model_or_spec) -> int:
     return int(model_or_spec.config.num_embeds_ada_norm)
 
 
-def drop_labels(labels: torch.Tensor, prob: float, num_classes: int, generator: torch.Generator | None = None) -> torch.Tensor:
+def drop_labels(
+    labels: torch.Tensor, prob: float, num_classes: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Replace each label by the null class (`num_classes`) with probability `prob`, once per sample.
 
     Call this in the training step, before the forward. (diffusers' LabelEmbedding would drop labels itself
@@ -191,26 +195,53 @@ def spec_from_config(config) -> DiTSpec:
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
     in_channels = get("in_channels", 4)
     heads, head_dim = get("num_attention_heads", 16), get("attention_head_dim", 72)
-    return _spec_from_shapes(depth=get("num_layers", 28), hidden=heads * head_dim, heads=heads, patch=get("patch_size", 2),
-                             in_channels=in_channels, out_channels=get("out_channels", None) or in_channels,
-                             latent_size=get("sample_size", 32), num_classes=get("num_embeds_ada_norm", 1000))
+    return _spec_from_shapes(
+        depth=get("num_layers", 28),
+        hidden=heads * head_dim,
+        heads=heads,
+        patch=get("patch_size", 2),
+        in_channels=in_channels,
+        out_channels=get("out_channels", None) or in_channels,
+        latent_size=get("sample_size", 32),
+        num_classes=get("num_embeds_ada_norm", 1000),
+    )
 
 
-def _spec_from_shapes(depth: int, hidden: int, heads: int, patch: int, in_channels: int, out_channels: int,
-                      latent_size: int, num_classes: int) -> DiTSpec:
+def _spec_from_shapes(
+    depth: int,
+    hidden: int,
+    heads: int,
+    patch: int,
+    in_channels: int,
+    out_channels: int,
+    latent_size: int,
+    num_classes: int,
+) -> DiTSpec:
     """The planner spec of a network's shapes: 4 input channels are VAE latents (x8 pixels), 3 are pixels."""
     if in_channels == LATENT_CHANNELS:
         latents, resolution = "precomputed", latent_size * VAE_DOWNSAMPLE
     elif in_channels == PIXEL_CHANNELS:
         latents, resolution = "pixel", latent_size
     else:
-        raise UserError(f"a DiT with {in_channels} input channels is not supported: expected 4 (VAE latents) or 3 (pixels)")
+        raise UserError(
+            f"a DiT with {in_channels} input channels is not supported: expected 4 (VAE latents) or 3 (pixels)"
+        )
     if out_channels not in (in_channels, 2 * in_channels):
-        raise UserError(f"the network outputs {out_channels} channels for {in_channels} inputs: a DiT outputs "
-                        "the same number, or twice it with learned sigma")
-    return DiTSpec(name=_family_name(depth, hidden, heads, patch), depth=depth, hidden=hidden, heads=heads, patch=patch,
-                   resolution=resolution, latents=latents, num_classes=num_classes,
-                   learn_sigma=out_channels == 2 * in_channels)
+        raise UserError(
+            f"the network outputs {out_channels} channels for {in_channels} inputs: a DiT outputs "
+            "the same number, or twice it with learned sigma"
+        )
+    return DiTSpec(
+        name=_family_name(depth, hidden, heads, patch),
+        depth=depth,
+        hidden=hidden,
+        heads=heads,
+        patch=patch,
+        resolution=resolution,
+        latents=latents,
+        num_classes=num_classes,
+        learn_sigma=out_channels == 2 * in_channels,
+    )
 
 
 def _family_name(depth: int, hidden: int, heads: int, patch: int) -> str:
@@ -239,7 +270,9 @@ def set_checkpointed_blocks(model: DiTTransformer2DModel, n: int) -> None:
     """
     blocks = model.transformer_blocks
     if not isinstance(n, int) or not 0 <= n <= len(blocks):
-        raise UserError(f"checkpointed_blocks must be an integer from 0 to {len(blocks)} (the depth), got {n!r}")
+        raise UserError(
+            f"checkpointed_blocks must be an integer from 0 to {len(blocks)} (the depth), got {n!r}"
+        )
     model.gradient_checkpointing = False  # diffusers' own switch is all-or-nothing: never both
     for index, block in enumerate(blocks):
         if index < n:
@@ -326,13 +359,19 @@ def transformer_folder(path: str | os.PathLike) -> Path:
     """The folder holding the transformer's config.json, given it or a pipeline folder above it."""
     folder = Path(path)
     if not folder.exists():
-        raise UserError(f"model path {folder} does not exist: pass a transformer folder or a DiT pipeline folder")
+        raise UserError(
+            f"model path {folder} does not exist: pass a transformer folder or a DiT pipeline folder"
+        )
     if not folder.is_dir():
-        raise UserError(f"{folder} is a file: pass the folder holding config.json (for an original DiT .pt, use import-dit)")
+        raise UserError(
+            f"{folder} is a file: pass the folder holding config.json (for an original DiT .pt, use import-dit)"
+        )
     if not (folder / CONFIG_NAME).exists() and (folder / "transformer" / CONFIG_NAME).exists():
         folder = folder / "transformer"
     if not (folder / CONFIG_NAME).exists():
-        raise UserError(f"{folder} has no {CONFIG_NAME}: expected a diffusers transformer folder or a pipeline folder with transformer/")
+        raise UserError(
+            f"{folder} has no {CONFIG_NAME}: expected a diffusers transformer folder or a pipeline folder with transformer/"
+        )
     return folder
 
 
@@ -342,15 +381,23 @@ def read_sidecar(folder: Path) -> dict:
         return {}
     sidecar = json.loads(path.read_text())
     if sidecar.get("format") != SIDECAR_FORMAT:
-        raise UserError(f"{path} has format {sidecar.get('format')!r}", f"this dit-accel reads {SIDECAR_FORMAT!r}: upgrade dit-accel")
+        raise UserError(
+            f"{path} has format {sidecar.get('format')!r}",
+            f"this dit-accel reads {SIDECAR_FORMAT!r}: upgrade dit-accel",
+        )
     return sidecar
 
 
 def _dit_init_kwargs(config: dict, folder: Path) -> dict:
     """The constructor arguments of DiTTransformer2DModel found in a config.json (older hub configs name the
     class Transformer2DModel and carry extra keys that a DiT does not use)."""
-    if config.get("norm_type", "ada_norm_zero") != "ada_norm_zero" or config.get("cross_attention_dim") is not None:
-        raise UserError(f"{folder / CONFIG_NAME} is not a class-conditional DiT (norm_type ada_norm_zero, no cross-attention)")
+    if (
+        config.get("norm_type", "ada_norm_zero") != "ada_norm_zero"
+        or config.get("cross_attention_dim") is not None
+    ):
+        raise UserError(
+            f"{folder / CONFIG_NAME} is not a class-conditional DiT (norm_type ada_norm_zero, no cross-attention)"
+        )
     accepted = set(inspect.signature(DiTTransformer2DModel.__init__).parameters) - {"self"}
     return {key: value for key, value in config.items() if key in accepted}
 
@@ -371,7 +418,9 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         return state
     if legacy.exists():
         return torch.load(legacy, map_location="cpu", weights_only=True)
-    raise UserError(f"{folder} has no {WEIGHTS_NAME} (nor a sharded index or a .bin): the weights are missing")
+    raise UserError(
+        f"{folder} has no {WEIGHTS_NAME} (nor a sharded index or a .bin): the weights are missing"
+    )
 
 
 def load_diffusers_state_dict(model: DiTTransformer2DModel, state: dict[str, torch.Tensor]) -> None:
@@ -410,10 +459,14 @@ def _strict_load(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
-        raise UserError(f"the weights do not fit this DiT: {'; '.join(parts)}", "check the checkpoint matches the config")
+        raise UserError(
+            f"the weights do not fit this DiT: {'; '.join(parts)}", "check the checkpoint matches the config"
+        )
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
-            raise UserError(f"weight {key} has shape {tuple(tensor.shape)} but the model expects {tuple(expected[key].shape)}")
+            raise UserError(
+                f"weight {key} has shape {tuple(tensor.shape)} but the model expects {tuple(expected[key].shape)}"
+            )
     model.load_state_dict(state, strict=True)
 
 
@@ -429,8 +482,13 @@ def save_model(model: DiTTransformer2DModel, out_dir: str | os.PathLike, *, over
     return _write_diffusers_layout(model, Path(out_dir), overwrite)
 
 
-def export_diffusers(model: DiTTransformer2DModel, out_dir: str | os.PathLike, *, allow_freq_shift_change: bool = False,
-                     overwrite: bool = False) -> Path:
+def export_diffusers(
+    model: DiTTransformer2DModel,
+    out_dir: str | os.PathLike,
+    *,
+    allow_freq_shift_change: bool = False,
+    overwrite: bool = False,
+) -> Path:
     """The diffusers layout for stock `DiTTransformer2DModel.from_pretrained` (embedder copied per block).
 
     A model with the original DiT's timestep shift (0) would run with diffusers' shift (1) there and give
@@ -438,10 +496,14 @@ def export_diffusers(model: DiTTransformer2DModel, out_dir: str | os.PathLike, *
     `dit_accel.json` still lets dit-accel reload it with shift 0.
     """
     if timestep_freq_shift(model) != DIFFUSERS_FREQ_SHIFT:
-        message = ("this model uses the original DiT's timestep frequency shift (0); stock diffusers always uses 1, "
-                   "so its outputs would differ slightly")
+        message = (
+            "this model uses the original DiT's timestep frequency shift (0); stock diffusers always uses 1, "
+            "so its outputs would differ slightly"
+        )
         if not allow_freq_shift_change:
-            raise UserError(message + ": pass --allow-freq-shift-change (allow_freq_shift_change=True) to export anyway")
+            raise UserError(
+                message + ": pass --allow-freq-shift-change (allow_freq_shift_change=True) to export anyway"
+            )
         warnings.warn(message + " (exported anyway, as asked)", stacklevel=2)
     return _write_diffusers_layout(model, Path(out_dir), overwrite)
 
@@ -460,8 +522,11 @@ def diffusers_state_dict(model: DiTTransformer2DModel) -> dict[str, torch.Tensor
 def sidecar(model: DiTTransformer2DModel) -> dict:
     """What `dit_accel.json` holds beside a model's weights: the spec and the timestep shift, which a diffusers
     config.json cannot say. `load_model` and `load_for_inference` rebuild the model from it."""
-    return {"format": SIDECAR_FORMAT, "timestep_freq_shift": timestep_freq_shift(model),
-            "spec": dataclasses.asdict(spec_from_model(model))}
+    return {
+        "format": SIDECAR_FORMAT,
+        "timestep_freq_shift": timestep_freq_shift(model),
+        "spec": dataclasses.asdict(spec_from_model(model)),
+    }
 
 
 def _write_diffusers_layout(model: DiTTransformer2DModel, out_dir: Path, overwrite: bool) -> Path:
@@ -476,8 +541,14 @@ def _write_diffusers_layout(model: DiTTransformer2DModel, out_dir: Path, overwri
 # --- original DiT checkpoints -----------------------------------------------------------------------------
 
 
-def load_original_dit(path_or_state_dict, spec: DiTSpec | None = None, *, heads: int | None = None,
-                      prefer: str = "ema", trust_pickle: bool = False) -> DiTTransformer2DModel:
+def load_original_dit(
+    path_or_state_dict,
+    spec: DiTSpec | None = None,
+    *,
+    heads: int | None = None,
+    prefer: str = "ema",
+    trust_pickle: bool = False,
+) -> DiTTransformer2DModel:
     """A tied model (timestep shift 0, layer-norm eps 1e-6) that reproduces an original DiT checkpoint.
 
     Accepts a path to a `.pt` or an already-loaded dict: a plain state dict (the released checkpoints), or a
@@ -487,8 +558,11 @@ def load_original_dit(path_or_state_dict, spec: DiTSpec | None = None, *, heads:
     or `spec`. Files are read with `weights_only=True`; `trust_pickle=True` allows other pickled objects.
     """
     state = original_state_dict(path_or_state_dict, prefer=prefer, trust_pickle=trust_pickle)
-    inferred = spec_from_original_state_dict(state, heads=heads if spec is None else spec.heads,
-                                             latent_size=None if spec is None else spec.latent_size)
+    inferred = spec_from_original_state_dict(
+        state,
+        heads=heads if spec is None else spec.heads,
+        latent_size=None if spec is None else spec.latent_size,
+    )
     if spec is not None:
         _check_same_network(spec, inferred)
     else:
@@ -500,7 +574,9 @@ def load_original_dit(path_or_state_dict, spec: DiTSpec | None = None, *, heads:
     return model
 
 
-def original_state_dict(path_or_state_dict, *, prefer: str = "ema", trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+def original_state_dict(
+    path_or_state_dict, *, prefer: str = "ema", trust_pickle: bool = False
+) -> dict[str, torch.Tensor]:
     """The network's tensors from an original DiT checkpoint file or dict (see `load_original_dit`)."""
     if prefer not in ("ema", "model"):
         raise UserError(f"prefer must be 'ema' or 'model', got {prefer!r}")
@@ -509,7 +585,9 @@ def original_state_dict(path_or_state_dict, *, prefer: str = "ema", trust_pickle
     else:
         path = Path(path_or_state_dict)
         if not path.is_file():
-            raise UserError(f"original DiT checkpoint {path} is not a file: pass the .pt state dict of the DiT repository")
+            raise UserError(
+                f"original DiT checkpoint {path} is not a file: pass the .pt state dict of the DiT repository"
+            )
         try:
             raw = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
         except pickle.UnpicklingError as error:
@@ -523,16 +601,25 @@ def original_state_dict(path_or_state_dict, *, prefer: str = "ema", trust_pickle
         order = ("ema", "model") if prefer == "ema" else ("model", "ema")
         found = [key for key in order if isinstance(raw.get(key), dict)]
         if not found:
-            raise UserError(f"no state dict found in the checkpoint (top-level keys: {sorted(raw)[:6]})", "expected tensors or 'ema'/'model'")
+            raise UserError(
+                f"no state dict found in the checkpoint (top-level keys: {sorted(raw)[:6]})",
+                "expected tensors or 'ema'/'model'",
+            )
         raw = raw[found[0]]
-    state = {key.removeprefix("module."): value for key, value in raw.items() if isinstance(value, torch.Tensor)}
+    state = {
+        key.removeprefix("module."): value for key, value in raw.items() if isinstance(value, torch.Tensor)
+    }
     if "x_embedder.proj.weight" not in state:
-        raise UserError("this is not an original DiT state dict (no x_embedder.proj.weight)", "for diffusers folders use load_model")
+        raise UserError(
+            "this is not an original DiT state dict (no x_embedder.proj.weight)",
+            "for diffusers folders use load_model",
+        )
     return state
 
 
-def spec_from_original_state_dict(state: dict[str, torch.Tensor], heads: int | None = None,
-                                  latent_size: int | None = None) -> DiTSpec:
+def spec_from_original_state_dict(
+    state: dict[str, torch.Tensor], heads: int | None = None, latent_size: int | None = None
+) -> DiTSpec:
     """Depth, width, patch, channels, latent size, classes and learned sigma, read off the tensor shapes
     (`heads`, and `latent_size` when the state dict has no pos_embed, must be given where they cannot be)."""
     hidden, in_channels, patch, _ = state["x_embedder.proj.weight"].shape
@@ -542,18 +629,39 @@ def spec_from_original_state_dict(state: dict[str, torch.Tensor], heads: int | N
     if "pos_embed" in state:
         latent_size = math.isqrt(state["pos_embed"].shape[1]) * patch
     elif latent_size is None:
-        raise UserError("the checkpoint has no pos_embed, so its latent size is unknown: pass a spec (resolution)")
+        raise UserError(
+            "the checkpoint has no pos_embed, so its latent size is unknown: pass a spec (resolution)"
+        )
     if heads is None:
         matches = [shape[2] for shape in FAMILY.values() if shape[:2] == (depth, hidden)]
         if not matches:
-            raise UserError(f"a DiT of depth {depth} and width {hidden} is not in the family table, so its head count "
-                            "is unknown: pass heads (--heads)")
+            raise UserError(
+                f"a DiT of depth {depth} and width {hidden} is not in the family table, so its head count "
+                "is unknown: pass heads (--heads)"
+            )
         heads = matches[0]
-    return _spec_from_shapes(depth=depth, hidden=hidden, heads=heads, patch=patch, in_channels=in_channels,
-                             out_channels=out_channels, latent_size=latent_size, num_classes=num_classes)
+    return _spec_from_shapes(
+        depth=depth,
+        hidden=hidden,
+        heads=heads,
+        patch=patch,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        latent_size=latent_size,
+        num_classes=num_classes,
+    )
 
 
-NETWORK_FIELDS = ("depth", "hidden", "heads", "patch", "in_channels", "out_channels", "latent_size", "num_classes")
+NETWORK_FIELDS = (
+    "depth",
+    "hidden",
+    "heads",
+    "patch",
+    "in_channels",
+    "out_channels",
+    "latent_size",
+    "num_classes",
+)
 
 
 def network_mismatch(found: DiTSpec, wanted: DiTSpec) -> str | None:
@@ -568,7 +676,9 @@ def network_mismatch(found: DiTSpec, wanted: DiTSpec) -> str | None:
 def _check_same_network(spec: DiTSpec, inferred: DiTSpec) -> None:
     mismatch = network_mismatch(inferred, spec)
     if mismatch:
-        raise UserError(f"the checkpoint has {mismatch}: pass the spec the checkpoint was trained with (or none)")
+        raise UserError(
+            f"the checkpoint has {mismatch}: pass the spec the checkpoint was trained with (or none)"
+        )
 
 
 def _check_positional_table(state: dict[str, torch.Tensor], model: DiTTransformer2DModel) -> None:
@@ -576,8 +686,10 @@ def _check_positional_table(state: dict[str, torch.Tensor], model: DiTTransforme
     ours = model.pos_embed.pos_embed
     theirs = state["pos_embed"].to(ours.dtype)
     if theirs.shape != ours.shape or not torch.allclose(theirs, ours, atol=1e-5, rtol=0):
-        raise UserError("the checkpoint's pos_embed is not the fixed 2-D sin-cos table the DiT uses: "
-                        "this network is not a standard DiT and cannot be reproduced by diffusers' DiT")
+        raise UserError(
+            "the checkpoint's pos_embed is not the fixed 2-D sin-cos table the DiT uses: "
+            "this network is not a standard DiT and cannot be reproduced by diffusers' DiT"
+        )
 
 
 def original_to_diffusers_state_dict(state: dict[str, torch.Tensor], depth: int) -> dict[str, torch.Tensor]:
@@ -593,14 +705,18 @@ def original_to_diffusers_state_dict(state: dict[str, torch.Tensor], depth: int)
     def move(old: str, new: str) -> None:
         for kind in ("weight", "bias"):
             if f"{old}.{kind}" not in source:
-                raise UserError(f"the original DiT checkpoint lacks {old}.{kind}: the file is incomplete or not a DiT")
+                raise UserError(
+                    f"the original DiT checkpoint lacks {old}.{kind}: the file is incomplete or not a DiT"
+                )
             target[f"{new}.{kind}"] = source.pop(f"{old}.{kind}")
 
     move("x_embedder.proj", "pos_embed.proj")
     embedder = f"transformer_blocks.0.{_EMBEDDER_PREFIX}"
     move("t_embedder.mlp.0", embedder + "timestep_embedder.linear_1")
     move("t_embedder.mlp.2", embedder + "timestep_embedder.linear_2")
-    target[embedder + "class_embedder.embedding_table.weight"] = source.pop("y_embedder.embedding_table.weight")
+    target[embedder + "class_embedder.embedding_table.weight"] = source.pop(
+        "y_embedder.embedding_table.weight"
+    )
     for n in range(depth):
         old, new = f"blocks.{n}", f"transformer_blocks.{n}"
         move(f"{old}.adaLN_modulation.1", f"{new}.norm1.linear")  # same chunk order: shift, scale, gate x2
@@ -616,5 +732,7 @@ def original_to_diffusers_state_dict(state: dict[str, torch.Tensor], depth: int)
     move("final_layer.adaLN_modulation.1", "proj_out_1")  # (shift, scale) in both
     move("final_layer.linear", "proj_out_2")
     if source:
-        raise UserError(f"the original DiT checkpoint has tensors this DiT does not use: {', '.join(sorted(source)[:4])}")
+        raise UserError(
+            f"the original DiT checkpoint has tensors this DiT does not use: {', '.join(sorted(source)[:4])}"
+        )
     return target

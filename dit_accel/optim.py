@@ -18,8 +18,14 @@ def effective_lr(base_lr: float, global_batch: int, scale_lr: bool) -> float:
     return base_lr * global_batch / REFERENCE_GLOBAL_BATCH if scale_lr else base_lr
 
 
-def build_optimizer(model: nn.Module, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
-                    device: torch.device | str = "cpu", implementation: str | None = None) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module,
+    lr: float,
+    betas=(0.9, 0.999),
+    weight_decay: float = 0.0,
+    device: torch.device | str = "cpu",
+    implementation: str | None = None,
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters.
 
     `implementation` is the plan's `decision.adamw`: "fused" (one kernel, no temporary) or "foreach" (a
@@ -33,8 +39,9 @@ def build_optimizer(model: nn.Module, lr: float, betas=(0.9, 0.999), weight_deca
         raise ValueError(f"AdamW implementation must be fused or foreach, got {implementation!r}")
     fused = on_cuda and implementation in (None, "fused")
     foreach = True if (implementation == "foreach" and on_cuda) else None
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=fused or None,
-                             foreach=foreach)
+    return torch.optim.AdamW(
+        params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=fused or None, foreach=foreach
+    )
 
 
 class WarmupConstant:

@@ -36,11 +36,15 @@ def read_init_weights(path: str, spec, use_ema: bool = False) -> InitWeights:
     model, found, info = ckpt.load_weights(path, use_ema=use_ema)
     mismatch = network_mismatch(found, spec)
     if mismatch:
-        raise UserError(f"--init-from {path} is another network than the plan's {spec.name}: {mismatch}",
-                        "plan the network of those weights (dit-plan --depth/--hidden/--heads/--patch/--num-classes/"
-                        "--resolution) or pass matching weights")
+        raise UserError(
+            f"--init-from {path} is another network than the plan's {spec.name}: {mismatch}",
+            "plan the network of those weights (dit-plan --depth/--hidden/--heads/--patch/--num-classes/"
+            "--resolution) or pass matching weights",
+        )
     parameters = {name: param.detach() for name, param in model.named_parameters()}
-    return InitWeights(parameters, timestep_freq_shift(model), f"{info['checkpoint']} ({info['weights']} weights)")
+    return InitWeights(
+        parameters, timestep_freq_shift(model), f"{info['checkpoint']} ({info['weights']} weights)"
+    )
 
 
 @torch.no_grad()
@@ -48,7 +52,9 @@ def load_init_weights(model: nn.Module, init: InitWeights) -> None:
     """Copy the weights into a freshly built (unsharded, unprepared) model of the same network."""
     names = {name for name, _ in model.named_parameters()}
     if names != set(init.parameters):
-        raise ValueError(f"--init-from weights do not fit the model: {sorted(names ^ set(init.parameters))[:3]}")
+        raise ValueError(
+            f"--init-from weights do not fit the model: {sorted(names ^ set(init.parameters))[:3]}"
+        )
     for name, param in model.named_parameters():
         param.copy_(init.parameters[name])
 
@@ -56,18 +62,24 @@ def load_init_weights(model: nn.Module, init: InitWeights) -> None:
 def check_resume(state: dict, plan: Plan, spec, world_size: int, checkpoint: Path) -> None:
     """Resuming must continue the same run: the same model, world size and global batch."""
     if state.get("world_size") != world_size:
-        raise UserError(f"{checkpoint} was written by {state.get('world_size')} processes but {world_size} were "
-                        f"launched", f"launch {state.get('world_size')} processes with the run's plan to resume it "
-                        f"exactly")
+        raise UserError(
+            f"{checkpoint} was written by {state.get('world_size')} processes but {world_size} were launched",
+            f"launch {state.get('world_size')} processes with the run's plan to resume it exactly",
+        )
     if state.get("global_batch") != plan.global_batch:
-        raise UserError(f"{checkpoint} trained with global batch {state.get('global_batch')} but the plan has "
-                        f"{plan.global_batch}", f"resume with the run's own plan ({checkpoint / ckpt.PLAN})")
+        raise UserError(
+            f"{checkpoint} trained with global batch {state.get('global_batch')} but the plan has "
+            f"{plan.global_batch}",
+            f"resume with the run's own plan ({checkpoint / ckpt.PLAN})",
+        )
     saved = read_plan(checkpoint / ckpt.PLAN).spec()
     if saved != spec:
-        raise UserError(f"{checkpoint} holds a {saved.name} ({saved.depth} blocks x {saved.hidden}, "
-                        f"{saved.resolution} px, {saved.latents}) but the plan is for {spec.name} ({spec.depth} x "
-                        f"{spec.hidden}, {spec.resolution} px, {spec.latents})",
-                        "use the run's own plan or a new --output-dir")
+        raise UserError(
+            f"{checkpoint} holds a {saved.name} ({saved.depth} blocks x {saved.hidden}, "
+            f"{saved.resolution} px, {saved.latents}) but the plan is for {spec.name} ({spec.depth} x "
+            f"{spec.hidden}, {spec.resolution} px, {spec.latents})",
+            "use the run's own plan or a new --output-dir",
+        )
 
 
 @dataclass
@@ -85,17 +97,23 @@ def choose_start(config: TrainConfig, run_dir: Path, plan: Plan, spec, world_siz
     start = Start(checkpoint=ckpt.resolve_resume(config.resume, run_dir))
     if config.init_from:
         existing = ckpt.latest_checkpoint(run_dir)
-        if existing is not None:  # a restarted job: continue this run, never start it over from the init weights
+        if (
+            existing is not None
+        ):  # a restarted job: continue this run, never start it over from the init weights
             start.checkpoint = start.checkpoint or existing
-            log.info(f"--init-from {config.init_from} ignored: {run_dir} already holds {existing.name}, so the run "
-                     f"resumes from it")
+            log.info(
+                f"--init-from {config.init_from} ignored: {run_dir} already holds {existing.name}, so the run "
+                f"resumes from it"
+            )
         else:
             start.init = read_init_weights(config.init_from, spec, use_ema=config.init_from_ema)
     if start.checkpoint is not None:
         from dit_accel.model import read_sidecar
 
         check_resume(ckpt.read_train_state(start.checkpoint), plan, spec, world_size, start.checkpoint)
-        start.timestep_freq_shift = read_sidecar(start.checkpoint).get("timestep_freq_shift")  # None: diffusers'
+        start.timestep_freq_shift = read_sidecar(start.checkpoint).get(
+            "timestep_freq_shift"
+        )  # None: diffusers'
     return start
 
 
@@ -113,6 +131,8 @@ def restore(start: Start, accelerator, components, dataset_size: int, seed: int)
         return state
     state.update(ckpt.load_checkpoint(accelerator, start.checkpoint, ema=components.ema))
     if state.get("dataset_size") != dataset_size:
-        log.warning(f"the dataset has {dataset_size} samples, the checkpoint's had {state.get('dataset_size')}: "
-                    f"the data order after resuming differs from the original run's")
+        log.warning(
+            f"the dataset has {dataset_size} samples, the checkpoint's had {state.get('dataset_size')}: "
+            f"the data order after resuming differs from the original run's"
+        )
     return state

@@ -47,7 +47,9 @@ class _TqdmHandler(logging.Handler):
 
         if getattr(record, "file_only", False):
             return
-        tqdm.write(("WARNING: " if record.levelno >= logging.WARNING else "") + record.getMessage(), file=sys.stdout)
+        tqdm.write(
+            ("WARNING: " if record.levelno >= logging.WARNING else "") + record.getMessage(), file=sys.stdout
+        )
 
 
 def flush_logs() -> None:
@@ -113,13 +115,21 @@ class StepLog:
         elapsed = time.perf_counter() - self.window_start
         # Every applied step's loss since the last line, each the mean over all ranks' samples.
         loss = sum(self.window_losses) / len(self.window_losses) if self.window_losses else math.nan
-        metrics = {"step": step, "loss": loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                   "images_per_s": self.plan.global_batch * self.window_steps / elapsed,
-                   "step_time_s": elapsed / self.window_steps, "skipped_steps": skipped_steps}
+        metrics = {
+            "step": step,
+            "loss": loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "images_per_s": self.plan.global_batch * self.window_steps / elapsed,
+            "step_time_s": elapsed / self.window_steps,
+            "skipped_steps": skipped_steps,
+        }
         memory_text = self._memory(metrics)
-        log.info(f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {result.lr:.3g} | grad norm "
-                 f"{result.grad_norm:.3g} | {metrics['images_per_s']:.1f} img/s | {metrics['step_time_s']:.3f} "
-                 f"s/step | {memory_text}")
+        log.info(
+            f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {result.lr:.3g} | grad norm "
+            f"{result.grad_norm:.3g} | {metrics['images_per_s']:.1f} img/s | {metrics['step_time_s']:.3f} "
+            f"s/step | {memory_text}"
+        )
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if self.accelerator.is_main_process:
@@ -144,10 +154,15 @@ class StepLog:
             text = f"peak GPU memory {gib(allocated)} allocated, {gib(reserved)} reserved"
             if plan_tensors and allocated > plan_tensors and not self.warned_memory:
                 self.warned_memory = True
-                log.warning(f"measured peak {gib(allocated)} allocated exceeds the plan's {gib(plan_tensors)} of "
-                            f"tensors (its {gib(plan_peak)} peak less overheads): report it with `dit-accel verify`; "
-                            f"the run goes on")
+                log.warning(
+                    f"measured peak {gib(allocated)} allocated exceeds the plan's {gib(plan_tensors)} of "
+                    f"tensors (its {gib(plan_peak)} peak less overheads): report it with `dit-accel verify`; "
+                    f"the run goes on"
+                )
         if plan_peak:
-            text += (f" (plan: {gib(plan_peak)})" if peak is None else
-                     f" (plan: {gib(plan_tensors)} of tensors, {gib(plan_peak)} with overheads)")
+            text += (
+                f" (plan: {gib(plan_peak)})"
+                if peak is None
+                else f" (plan: {gib(plan_tensors)} of tensors, {gib(plan_peak)} with overheads)"
+            )
         return text

@@ -21,10 +21,10 @@ import os
 import shutil
 import sys
 import zipfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -66,7 +66,9 @@ def sample_seed(seed: int, index: int) -> int:
     return keyed_seed(seed, index)
 
 
-def sample_generators(seed: int, indices: Sequence[int], device: torch.device | str = "cpu") -> list[torch.Generator]:
+def sample_generators(
+    seed: int, indices: Sequence[int], device: torch.device | str = "cpu"
+) -> list[torch.Generator]:
     return [torch.Generator(device=device).manual_seed(sample_seed(seed, int(i))) for i in indices]
 
 
@@ -86,7 +88,9 @@ def parse_classes(text: str, num_classes: int) -> list[int]:
     try:
         classes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"--classes must be comma-separated class indices like 207,360,387, got {text!r}") from None
+        raise UserError(
+            f"--classes must be comma-separated class indices like 207,360,387, got {text!r}"
+        ) from None
     if not classes:
         raise UserError("--classes is empty: give class indices like 207,360,387")
     bad = [label for label in classes if not 0 <= label < num_classes]
@@ -120,7 +124,9 @@ class EvalBatch:
 
     @cached_property
     def labels(self) -> np.ndarray:
-        return np.asarray(self.classes, dtype=np.int64)[balanced_labels(self.num_samples, len(self.classes), self.seed)]
+        return np.asarray(self.classes, dtype=np.int64)[
+            balanced_labels(self.num_samples, len(self.classes), self.seed)
+        ]
 
     def indices(self, batch: int) -> range:
         return range(batch * self.batch_size, min((batch + 1) * self.batch_size, self.num_samples))
@@ -138,7 +144,7 @@ class EvalBatch:
             return False
         try:
             with np.load(path) as shard:
-                expected = self.labels[self.indices(batch).start:self.indices(batch).stop]
+                expected = self.labels[self.indices(batch).start : self.indices(batch).stop]
                 return shard["images"].shape[0] == len(expected) and np.array_equal(shard["labels"], expected)
         except (OSError, ValueError, KeyError, zipfile.BadZipFile):
             return False
@@ -152,10 +158,13 @@ class EvalBatch:
         if settings_path.exists():
             found = json.loads(settings_path.read_text())
             if found != fingerprint:
-                changed = sorted(key for key in set(found) | set(fingerprint) if found.get(key) != fingerprint.get(key))
+                changed = sorted(
+                    key for key in set(found) | set(fingerprint) if found.get(key) != fingerprint.get(key)
+                )
                 raise UserError(
                     f"{self.shard_dir} holds shards made with other settings ({', '.join(changed)} differ): "
-                    f"rerun with the same settings to resume, or delete {self.shard_dir} to start over")
+                    f"rerun with the same settings to resume, or delete {self.shard_dir} to start over"
+                )
         elif write:
             write_json_atomically(settings_path, fingerprint)
 
@@ -166,12 +175,17 @@ class EvalBatch:
         """
         missing = [batch for batch in range(self.num_batches) if not self.shard_path(batch).exists()]
         if missing:
-            raise UserError(f"{len(missing)} of {self.num_batches} batches are missing in {self.shard_dir} "
-                            f"(first: {missing[0]}): rerun the same command to make them")
+            raise UserError(
+                f"{len(missing)} of {self.num_batches} batches are missing in {self.shard_dir} "
+                f"(first: {missing[0]}): rerun the same command to make them"
+            )
         with np.load(self.shard_path(0)) as first:
             image_shape = first["images"].shape[1:]
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
-                  "shape": (self.num_samples, *image_shape)}
+        header = {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+            "fortran_order": False,
+            "shape": (self.num_samples, *image_shape),
+        }
 
         def write(file) -> None:
             with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
@@ -182,13 +196,17 @@ class EvalBatch:
                         with np.load(self.shard_path(batch)) as shard:
                             images = shard["images"]
                         if images.shape[1:] != image_shape or images.dtype != np.uint8:
-                            raise UserError(f"{self.shard_path(batch)} holds {images.dtype} images of shape "
-                                            f"{images.shape[1:]}, expected uint8 {image_shape}: delete it and rerun")
+                            raise UserError(
+                                f"{self.shard_path(batch)} holds {images.dtype} images of shape "
+                                f"{images.shape[1:]}, expected uint8 {image_shape}: delete it and rerun"
+                            )
                         member.write(np.ascontiguousarray(images).tobytes())
                         written += len(images)
                 if written != self.num_samples:
-                    raise UserError(f"the shards in {self.shard_dir} hold {written} images, expected "
-                                    f"{self.num_samples}: delete {self.shard_dir} and rerun")
+                    raise UserError(
+                        f"the shards in {self.shard_dir} hold {written} images, expected "
+                        f"{self.num_samples}: delete {self.shard_dir} and rerun"
+                    )
                 with archive.open("arr_1.npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, self.labels)
 
@@ -204,7 +222,9 @@ class Source:
 
     model: torch.nn.Module
     spec: object  # planner.spec.DiTSpec
-    info: dict  # "checkpoint", "weights" ("ema" | "model" | "diffusers"), and the train state when there is one
+    info: (
+        dict  # "checkpoint", "weights" ("ema" | "model" | "diffusers"), and the train state when there is one
+    )
     train_config: dict  # the run's train_config.json ({} for a diffusers folder)
 
 
@@ -218,11 +238,17 @@ def load_source(path: str | os.PathLike, use_ema: bool = True, device: torch.dev
 
     path = Path(path)
     if not path.exists():
-        raise UserError(f"--checkpoint {path} does not exist: pass a run folder, a checkpoint folder or a diffusers "
-                        f"DiT pipeline folder")
+        raise UserError(
+            f"--checkpoint {path} does not exist: pass a run folder, a checkpoint folder or a diffusers "
+            f"DiT pipeline folder"
+        )
     model, spec, info = ckpt.load_weights(path, use_ema=use_ema, device=device)
     config_path = Path(info["checkpoint"]) / ckpt.TRAIN_CONFIG
-    train_config = json.loads(config_path.read_text()) if info["weights"] != "diffusers" and config_path.is_file() else {}
+    train_config = (
+        json.loads(config_path.read_text())
+        if info["weights"] != "diffusers" and config_path.is_file()
+        else {}
+    )
     return Source(model, spec, info, train_config)
 
 
@@ -266,14 +292,20 @@ def load_decoder(spec, vae_path: str | None, device: torch.device | str) -> Deco
             raise UserError("--vae is for latent models, but this model works in pixel space: drop --vae")
         return Decoder(None)
     if not vae_path:
-        raise UserError("this model makes VAE latents and no VAE is recorded with its run: pass --vae DIR "
-                        "(the AutoencoderKL folder it was trained with)")
+        raise UserError(
+            "this model makes VAE latents and no VAE is recorded with its run: pass --vae DIR "
+            "(the AutoencoderKL folder it was trained with)"
+        )
     from dit_accel.data.latents import load_vae
 
     vae, identity = load_vae(vae_path)
     vae.to(device)
-    return Decoder(vae, float(vae.config.scaling_factor), float(getattr(vae.config, "shift_factor", None) or 0.0),
-                   identity["source"])
+    return Decoder(
+        vae,
+        float(vae.config.scaling_factor),
+        float(getattr(vae.config, "shift_factor", None) or 0.0),
+        identity["source"],
+    )
 
 
 # --- sampling -------------------------------------------------------------------------------------------------
@@ -284,9 +316,16 @@ def default_spacing(sampler: str) -> str:
 
 
 @torch.no_grad()
-def sample_latents(model: torch.nn.Module, spec, labels: Sequence[int], indices: Sequence[int],
-                   settings: SampleSettings, spacing: str | None = None, device: torch.device | str = "cpu",
-                   progress: bool = False) -> torch.Tensor:
+def sample_latents(
+    model: torch.nn.Module,
+    spec,
+    labels: Sequence[int],
+    indices: Sequence[int],
+    settings: SampleSettings,
+    spacing: str | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> torch.Tensor:
     """The sampler's x_0 (scaled latents, or pixels) for samples `indices` with classes `labels`.
 
     Each sample draws all of its noise from its own generator (see the module docstring).
@@ -297,16 +336,34 @@ def sample_latents(model: torch.nn.Module, spec, labels: Sequence[int], indices:
     device = torch.device(device)
     y = torch.as_tensor(list(labels), dtype=torch.long, device=device)
     shape = (len(y), spec.in_channels, spec.latent_size, spec.latent_size)
-    model_fn = classifier_free_guidance(as_model_fn(model), settings.cfg_scale, null_class(model), settings.guidance)
+    model_fn = classifier_free_guidance(
+        as_model_fn(model), settings.cfg_scale, null_class(model), settings.guidance
+    )
     run = ddpm_sample if settings.sampler == "ddpm" else ddim_sample
-    return run(model_fn, Diffusion.linear(), shape, y, num_steps=settings.steps,
-               spacing=spacing or default_spacing(settings.sampler),
-               generator=sample_generators(settings.seed, indices, device), device=device,
-               clip_denoised=spec.latents == "pixel", progress=progress)
+    return run(
+        model_fn,
+        Diffusion.linear(),
+        shape,
+        y,
+        num_steps=settings.steps,
+        spacing=spacing or default_spacing(settings.sampler),
+        generator=sample_generators(settings.seed, indices, device),
+        device=device,
+        clip_denoised=spec.latents == "pixel",
+        progress=progress,
+    )
 
 
-def sample_images(model, spec, decoder: Decoder, labels: Sequence[int], indices: Sequence[int],
-                  settings: SampleSettings, spacing: str | None = None, device="cpu") -> np.ndarray:
+def sample_images(
+    model,
+    spec,
+    decoder: Decoder,
+    labels: Sequence[int],
+    indices: Sequence[int],
+    settings: SampleSettings,
+    spacing: str | None = None,
+    device="cpu",
+) -> np.ndarray:
     """(N, H, W, 3) uint8 images for one batch."""
     from dit_accel.images import to_uint8_nhwc
 
@@ -323,37 +380,76 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dit-accel sample",
         description="Class-conditional samples: a PNG grid plus single images (--out), or the FID evaluation "
-                    "batch (--num-samples N --npz FILE; run it under `accelerate launch` to use every GPU).")
-    parser.add_argument("--checkpoint", required=True,
-                        help="run folder (its newest complete checkpoint), checkpoint folder, or diffusers DiT folder")
-    parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
-                        help="sample from the EMA weights (default) or, with --no-ema, the raw weights")
-    parser.add_argument("--classes", default=None,
-                        help="comma-separated class indices, e.g. 207,360,387 (default: the paper's 8 showcase classes "
-                             "for ImageNet-1k, else the first 8; with --npz: every class)")
-    parser.add_argument("--per-class", type=int, default=1, help="samples per class in the grid (one row per class)")
-    parser.add_argument("--cfg-scale", type=float, default=None,
-                        help="classifier-free guidance scale; 1 turns it off (default 4.0 for a grid, 1.5 for --npz)")
-    parser.add_argument("--guidance", choices=GUIDANCE_MODES, default="all",
-                        help="guide all latent channels (diffusers, default) or the first 3 only (original DiT repository)")
+        "batch (--num-samples N --npz FILE; run it under `accelerate launch` to use every GPU).",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="run folder (its newest complete checkpoint), checkpoint folder, or diffusers DiT folder",
+    )
+    parser.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sample from the EMA weights (default) or, with --no-ema, the raw weights",
+    )
+    parser.add_argument(
+        "--classes",
+        default=None,
+        help="comma-separated class indices, e.g. 207,360,387 (default: the paper's 8 showcase classes "
+        "for ImageNet-1k, else the first 8; with --npz: every class)",
+    )
+    parser.add_argument(
+        "--per-class", type=int, default=1, help="samples per class in the grid (one row per class)"
+    )
+    parser.add_argument(
+        "--cfg-scale",
+        type=float,
+        default=None,
+        help="classifier-free guidance scale; 1 turns it off (default 4.0 for a grid, 1.5 for --npz)",
+    )
+    parser.add_argument(
+        "--guidance",
+        choices=GUIDANCE_MODES,
+        default="all",
+        help="guide all latent channels (diffusers, default) or the first 3 only (original DiT repository)",
+    )
     parser.add_argument("--steps", type=int, default=250, help="sampling steps (respaced from 1000)")
-    parser.add_argument("--sampler", choices=SAMPLERS, default="ddpm",
-                        help="ddpm: ancestral with the learned variance (default); ddim: deterministic (eta 0)")
-    parser.add_argument("--spacing", choices=("even", "leading"), default=None,
-                        help="which training steps the chain keeps (default: even for ddpm, leading for ddim)")
+    parser.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default="ddpm",
+        help="ddpm: ancestral with the learned variance (default); ddim: deterministic (eta 0)",
+    )
+    parser.add_argument(
+        "--spacing",
+        choices=("even", "leading"),
+        default=None,
+        help="which training steps the chain keeps (default: even for ddpm, leading for ddim)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sample i is seeded from (seed, i)")
-    parser.add_argument("--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)")
+    parser.add_argument(
+        "--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)"
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass on each process")
-    parser.add_argument("--out", default=None, help="grid PNG to write; singles go to <name>_images/ next to it")
-    parser.add_argument("--npz", default=None, help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels)")
-    parser.add_argument("--num-samples", type=int, default=None, help="images in the evaluation batch (e.g. 50000)")
+    parser.add_argument(
+        "--out", default=None, help="grid PNG to write; singles go to <name>_images/ next to it"
+    )
+    parser.add_argument(
+        "--npz", default=None, help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels)"
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=None, help="images in the evaluation batch (e.g. 50000)"
+    )
     return parser
 
 
 def _check_args(args) -> None:
     if (args.out is None) == (args.npz is None):
-        raise UserError("pass exactly one of --out grid.png (a grid to look at) or --npz samples.npz --num-samples N "
-                        "(the FID evaluation batch)")
+        raise UserError(
+            "pass exactly one of --out grid.png (a grid to look at) or --npz samples.npz --num-samples N "
+            "(the FID evaluation batch)"
+        )
     if args.npz is not None and not args.num_samples:
         raise UserError("--npz needs --num-samples N (50000 for the standard FID-50K)")
     if args.num_samples is not None and args.npz is None:
@@ -367,8 +463,13 @@ def _check_args(args) -> None:
 
 
 def _settings(args, default_cfg: float) -> SampleSettings:
-    return SampleSettings(cfg_scale=default_cfg if args.cfg_scale is None else args.cfg_scale, steps=args.steps,
-                          sampler=args.sampler, guidance=args.guidance, seed=args.seed)
+    return SampleSettings(
+        cfg_scale=default_cfg if args.cfg_scale is None else args.cfg_scale,
+        steps=args.steps,
+        sampler=args.sampler,
+        guidance=args.guidance,
+        seed=args.seed,
+    )
 
 
 def _classes(args, spec, for_grid: bool) -> list[int]:
@@ -390,12 +491,26 @@ def sample_grid(args) -> int:
     batches = []
     for start in range(0, len(labels), args.batch_size):
         indices = range(start, min(start + args.batch_size, len(labels)))
-        batches.append(sample_images(source.model, source.spec, decoder, labels[start:indices.stop], indices,
-                                     settings, args.spacing, device))
+        batches.append(
+            sample_images(
+                source.model,
+                source.spec,
+                decoder,
+                labels[start : indices.stop],
+                indices,
+                settings,
+                args.spacing,
+                device,
+            )
+        )
     images = np.concatenate(batches)
-    grid_path, singles = save_grid_and_singles(images, labels, args.out, grid_columns(len(labels), args.per_class))
-    print(f"wrote {grid_path} ({len(labels)} samples, {settings.sampler} {settings.steps} steps, cfg {settings.cfg_scale}, "
-          f"{source.info['weights']} weights) and {len(labels)} single images in {singles}/")
+    grid_path, singles = save_grid_and_singles(
+        images, labels, args.out, grid_columns(len(labels), args.per_class)
+    )
+    print(
+        f"wrote {grid_path} ({len(labels)} samples, {settings.sampler} {settings.steps} steps, cfg {settings.cfg_scale}, "
+        f"{source.info['weights']} weights) and {len(labels)} single images in {singles}/"
+    )
     return 0
 
 
@@ -413,12 +528,24 @@ def sample_eval_batch(args) -> int:
     vae_path = args.vae or default_vae_path(source)
     decoder = load_decoder(source.spec, vae_path, accelerator.device)
     settings = _settings(args, default_cfg=1.5)
-    job = EvalBatch(npz_path, args.num_samples, args.batch_size, tuple(_classes(args, source.spec, for_grid=False)),
-                    settings.seed)
-    fingerprint = {**asdict(settings), "spacing": args.spacing or default_spacing(settings.sampler),
-                   "checkpoint": source.info["checkpoint"], "weights": source.info["weights"],
-                   "step": source.info.get("step"), "vae": decoder.source, "num_samples": job.num_samples,
-                   "batch_size": job.batch_size, "classes": list(job.classes)}
+    job = EvalBatch(
+        npz_path,
+        args.num_samples,
+        args.batch_size,
+        tuple(_classes(args, source.spec, for_grid=False)),
+        settings.seed,
+    )
+    fingerprint = {
+        **asdict(settings),
+        "spacing": args.spacing or default_spacing(settings.sampler),
+        "checkpoint": source.info["checkpoint"],
+        "weights": source.info["weights"],
+        "step": source.info.get("step"),
+        "vae": decoder.source,
+        "num_samples": job.num_samples,
+        "batch_size": job.batch_size,
+        "classes": list(job.classes),
+    }
     job.check_or_write_settings(fingerprint, write=False)  # every rank refuses foreign shards before any work
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -430,17 +557,20 @@ def sample_eval_batch(args) -> int:
     skipped = len(mine) - len(todo)
     for batch in tqdm(todo, desc="batches", disable=not accelerator.is_local_main_process):
         indices = job.indices(batch)
-        labels = job.labels[indices.start:indices.stop]
-        images = sample_images(source.model, source.spec, decoder, labels, indices, settings, args.spacing,
-                               accelerator.device)
+        labels = job.labels[indices.start : indices.stop]
+        images = sample_images(
+            source.model, source.spec, decoder, labels, indices, settings, args.spacing, accelerator.device
+        )
         job.save_shard(batch, images, labels)
     print(f"rank {accelerator.process_index}: {len(todo)} batches made, {skipped} already done", flush=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         job.assemble()
         counts = np.bincount(job.labels, minlength=max(job.classes) + 1)[list(job.classes)]
-        print(f"wrote {npz_path}: arr_0 {job.num_samples} images, arr_1 labels ({len(job.classes)} classes, "
-              f"{counts.min()}-{counts.max()} each), {settings.sampler} {settings.steps} steps, cfg {settings.cfg_scale}")
+        print(
+            f"wrote {npz_path}: arr_0 {job.num_samples} images, arr_1 labels ({len(job.classes)} classes, "
+            f"{counts.min()}-{counts.max()} each), {settings.sampler} {settings.steps} steps, cfg {settings.cfg_scale}"
+        )
     accelerator.wait_for_everyone()
     return 0
 

@@ -24,6 +24,7 @@ from dit_accel.train_config import TrainConfig
 from planner.planfile import Plan
 from planner.rules import PRECISIONS
 
+
 @dataclass
 class Components:
     """Everything one training step touches. Built by `build_components`; the loop, the checkpointer and
@@ -42,7 +43,10 @@ class Components:
     grad_accum: int
     accelerator: object | None = None  # accelerate.Accelerator, or None for a bare device
     autocast_dtype: torch.dtype | None = None  # bare device only: the dtype the step autocasts to
-    latent_shift_scale: tuple[float, float] = (0.0, 1.0)  # online encoding: the VAE's shift and scaling factors
+    latent_shift_scale: tuple[float, float] = (
+        0.0,
+        1.0,
+    )  # online encoding: the VAE's shift and scaling factors
 
     @property
     def raw_model(self) -> nn.Module:
@@ -67,9 +71,16 @@ def compute_dtype(precision: str) -> torch.dtype | None:
     return getattr(torch, name) if name else None
 
 
-def build_components(plan: Plan, config: TrainConfig, accelerator=None, device: torch.device | str | None = None,
-                     spec=None, precision: str | None = None, init: InitWeights | None = None,
-                     timestep_freq_shift: int | None = None) -> Components:
+def build_components(
+    plan: Plan,
+    config: TrainConfig,
+    accelerator=None,
+    device: torch.device | str | None = None,
+    spec=None,
+    precision: str | None = None,
+    init: InitWeights | None = None,
+    timestep_freq_shift: int | None = None,
+) -> Components:
     """Model, EMA, optimizer, lr schedule and objective, exactly as the plan says.
 
     The model is built on its device (`with device:`), seeded: no CPU copy to move over, and the same
@@ -125,10 +136,22 @@ def build_components(plan: Plan, config: TrainConfig, accelerator=None, device: 
     vae, latent_shift_scale = None, (0.0, 1.0)
     if decision.latents == "online":
         vae, latent_shift_scale = load_vae(config.vae, device)
-    return Components(spec=spec, plan=plan, config=config, model=model, ema=ema, optimizer=optimizer,
-                      scheduler=scheduler, objective=Diffusion.linear(), vae=vae, device=device,
-                      grad_accum=decision.grad_accum, accelerator=accelerator,
-                      autocast_dtype=autocast_dtype, latent_shift_scale=latent_shift_scale)
+    return Components(
+        spec=spec,
+        plan=plan,
+        config=config,
+        model=model,
+        ema=ema,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        objective=Diffusion.linear(),
+        vae=vae,
+        device=device,
+        grad_accum=decision.grad_accum,
+        accelerator=accelerator,
+        autocast_dtype=autocast_dtype,
+        latent_shift_scale=latent_shift_scale,
+    )
 
 
 def load_vae(path: str, device: torch.device):
@@ -145,7 +168,9 @@ def load_vae(path: str, device: torch.device):
 
 
 @torch.no_grad()
-def encode_online(components: Components, images: torch.Tensor, posterior_noise: torch.Tensor) -> torch.Tensor:
+def encode_online(
+    components: Components, images: torch.Tensor, posterior_noise: torch.Tensor
+) -> torch.Tensor:
     """Images in [-1, 1] -> scaled latents, the posterior drawn with each sample's own noise."""
     from dit_accel.data.latents import encode_posterior
 
@@ -166,7 +191,9 @@ def train_micro_step(components: Components, batch: dict) -> torch.Tensor:
     if components.vae is not None:
         x0 = encode_online(components, x0, batch["posterior_noise"])
     labels = batch["y"].to(device, non_blocking=True)
-    labels = torch.where(batch["drop"].to(device), torch.full_like(labels, null_class(components.spec)), labels)
+    labels = torch.where(
+        batch["drop"].to(device), torch.full_like(labels, null_class(components.spec)), labels
+    )
     t = batch["t"].to(device, non_blocking=True)
     noise = batch["noise"].to(device, non_blocking=True)
     model_fn = as_model_fn(components.model)
@@ -219,7 +246,11 @@ def check_step(components: Components, loss_sum: torch.Tensor) -> StepCheck:
     grad_norm = torch.as_tensor(full_tensor(grad_norm), device=components.device, dtype=torch.float32)
     loss_mean = loss_sum.float() / components.grad_accum
     # Under fp16 the grad scaler owns overflowing gradients (it skips and lowers its scale); a NaN loss is ours.
-    bad = ~torch.isfinite(loss_mean) if _fp16_scaled(components) else ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
+    bad = (
+        ~torch.isfinite(loss_mean)
+        if _fp16_scaled(components)
+        else ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
+    )
     stats = torch.stack([loss_mean, bad.float()])
     if accelerator is not None and accelerator.num_processes > 1:
         stats = accelerator.reduce(stats, reduction="sum")
@@ -257,5 +288,6 @@ def optimizer_step(components: Components, loss_sum: torch.Tensor) -> StepResult
     else:
         applied = False
         components.optimizer.zero_grad(set_to_none=True)
-    return StepResult(applied=applied, loss=float(check.stats[0].item()), grad_norm=float(check.grad_norm.item()),
-                      lr=lr)
+    return StepResult(
+        applied=applied, loss=float(check.stats[0].item()), grad_norm=float(check.grad_norm.item()), lr=lr
+    )

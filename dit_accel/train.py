@@ -52,7 +52,11 @@ def train(config: TrainConfig) -> int:
 
     accelerator = make_accelerator(plan, config, run_dir)
     check_launch(plan, accelerator.num_processes, config.plan)
-    rank, world_size, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    rank, world_size, is_main = (
+        accelerator.process_index,
+        accelerator.num_processes,
+        accelerator.is_main_process,
+    )
     log_path = setup_logging(run_dir, rank, is_main)
     faults = Faults.from_environment(rank)
     d = plan.decision
@@ -62,8 +66,9 @@ def train(config: TrainConfig) -> int:
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
     start = choose_start(config, run_dir, plan, spec, world_size)
     tf32 = set_tf32(config.tf32, accelerator.device)
-    components = build_components(plan, config, accelerator, init=start.init,
-                                  timestep_freq_shift=start.timestep_freq_shift)
+    components = build_components(
+        plan, config, accelerator, init=start.init, timestep_freq_shift=start.timestep_freq_shift
+    )
     state = restore(start, accelerator, components, len(dataset), config.seed)
     faults.install(components.raw_model, state["step"], d.grad_accum)
 
@@ -78,32 +83,50 @@ def train(config: TrainConfig) -> int:
         accelerator.init_trackers("train", config=tracker_config(config, plan))
 
     latent_shape = (spec.in_channels, spec.latent_size, spec.latent_size)  # what the network sees
-    noise = SampleNoise(config.seed, components.objective.num_timesteps, latent_shape, config.class_dropout,
-                        posterior_shape=latent_shape if d.latents == "online" else None)
+    noise = SampleNoise(
+        config.seed,
+        components.objective.num_timesteps,
+        latent_shape,
+        config.class_dropout,
+        posterior_shape=latent_shape if d.latents == "online" else None,
+    )
     batches = iter(make_loader(dataset, order, noise, config, state["step"], rank, components.device))
     from dit_accel.model import sidecar
 
-    checkpointer = Checkpointer(accelerator, run_dir, ema=components.ema, plan=plan.to_json(),
-                                config=config.to_json(), keep_last=config.keep_last,
-                                sidecar=sidecar(components.raw_model),  # the timestep shift travels along
-                                before_commit=faults.before_commit)
+    checkpointer = Checkpointer(
+        accelerator,
+        run_dir,
+        ema=components.ema,
+        plan=plan.to_json(),
+        config=config.to_json(),
+        keep_last=config.keep_last,
+        sidecar=sidecar(components.raw_model),  # the timestep shift travels along
+        before_commit=faults.before_commit,
+    )
     steplog = StepLog(run_dir, plan, accelerator, components.device, config.max_steps)
     last_good = start.checkpoint
 
-    layout = "replicated (DDP)" if not plan.sharding.uses_fsdp else \
-        f"sharded {d.sharding} (FSDP2, reshard after forward: {plan.sharding.reshard_after_forward})"
+    layout = (
+        "replicated (DDP)"
+        if not plan.sharding.uses_fsdp
+        else f"sharded {d.sharding} (FSDP2, reshard after forward: {plan.sharding.reshard_after_forward})"
+    )
     tf32_text = "on" if tf32 else ("off (--no-tf32)" if components.device.type == "cuda" else "n/a on CPU")
-    log.info(f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters, {layout}; "
-             f"TF32 {tf32_text}; world size {world_size} x micro-batch {d.micro_batch} x accumulation "
-             f"{d.grad_accum} = global batch {plan.global_batch}; precision {d.precision} on "
-             f"{components.device.type}; checkpointed blocks {d.checkpointed_blocks}/{spec.depth}; {len(dataset)} "
-             f"samples, {order.steps_per_epoch} steps per epoch; lr "
-             f"{components.optimizer.param_groups[0]['initial_lr']:.3g}; run folder {run_dir}; log {log_path}")
+    log.info(
+        f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters, {layout}; "
+        f"TF32 {tf32_text}; world size {world_size} x micro-batch {d.micro_batch} x accumulation "
+        f"{d.grad_accum} = global batch {plan.global_batch}; precision {d.precision} on "
+        f"{components.device.type}; checkpointed blocks {d.checkpointed_blocks}/{spec.depth}; {len(dataset)} "
+        f"samples, {order.steps_per_epoch} steps per epoch; lr "
+        f"{components.optimizer.param_groups[0]['initial_lr']:.3g}; run folder {run_dir}; log {log_path}"
+    )
     if start.checkpoint is not None:
         log.info(f"resumed from {start.checkpoint} at step {state['step']}")
     if start.init is not None:
-        log.info(f"initialized from {state['init_from']}, timestep shift {start.init.timestep_freq_shift}: step 0 "
-                 f"with a fresh optimizer, lr schedule and data order; the EMA starts at these weights")
+        log.info(
+            f"initialized from {state['init_from']}, timestep shift {start.init.timestep_freq_shift}: step 0 "
+            f"with a fresh optimizer, lr schedule and data order; the EMA starts at these weights"
+        )
     if state["step"] >= config.max_steps:
         log.info(f"already at step {state['step']} >= --max-steps {config.max_steps}: nothing to do")
         accelerator.end_training()
@@ -111,14 +134,23 @@ def train(config: TrainConfig) -> int:
 
     from tqdm import tqdm
 
-    progress = tqdm(total=config.max_steps, initial=state["step"], disable=not (is_main and config.progress_bar),
-                    unit="step", dynamic_ncols=True, file=sys.stderr)
+    progress = tqdm(
+        total=config.max_steps,
+        initial=state["step"],
+        disable=not (is_main and config.progress_bar),
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
 
     def stop(reason: str) -> TrainingStopped:
         progress.close()
         accelerator.end_training()
-        where = f"last good checkpoint: {last_good} (resume with --resume auto)" if last_good else \
-            "no checkpoint was written yet"
+        where = (
+            f"last good checkpoint: {last_good} (resume with --resume auto)"
+            if last_good
+            else "no checkpoint was written yet"
+        )
         return TrainingStopped(f"{reason}; {where}")
 
     while state["step"] < config.max_steps:
@@ -127,7 +159,9 @@ def train(config: TrainConfig) -> int:
         for micro_step in range(d.grad_accum):
             batch = next(batches)
             with accelerator.accumulate(components.model):
-                assert accelerator.sync_gradients == (micro_step == d.grad_accum - 1), "accumulation out of step"
+                assert accelerator.sync_gradients == (micro_step == d.grad_accum - 1), (
+                    "accumulation out of step"
+                )
                 loss_sum = loss_sum + train_micro_step(components, batch)
         result = optimizer_step(components, loss_sum)
         state["step"] = step
@@ -141,14 +175,20 @@ def train(config: TrainConfig) -> int:
         if not result.applied:
             state["skipped_steps"] += 1
             if config.nan_policy == "abort":
-                raise stop(f"non-finite loss or gradient at step {step} (loss {result.loss}, grad norm "
-                           f"{result.grad_norm}); the step was not applied and the run stopped; lower --lr or set "
-                           f"--grad-clip, or pass --nan-policy skip")
-            log.warning(f"non-finite loss or gradient at step {step}: skipped ({state['skipped_steps']} skipped so "
-                        f"far, at most {config.max_skipped_steps})")
+                raise stop(
+                    f"non-finite loss or gradient at step {step} (loss {result.loss}, grad norm "
+                    f"{result.grad_norm}); the step was not applied and the run stopped; lower --lr or set "
+                    f"--grad-clip, or pass --nan-policy skip"
+                )
+            log.warning(
+                f"non-finite loss or gradient at step {step}: skipped ({state['skipped_steps']} skipped so "
+                f"far, at most {config.max_skipped_steps})"
+            )
             if state["skipped_steps"] > config.max_skipped_steps:
-                raise stop(f"{state['skipped_steps']} steps had a non-finite loss or gradient, more than "
-                           f"--max-skipped-steps {config.max_skipped_steps}; stopped at step {step}")
+                raise stop(
+                    f"{state['skipped_steps']} steps had a non-finite loss or gradient, more than "
+                    f"--max-skipped-steps {config.max_skipped_steps}; stopped at step {step}"
+                )
 
         if step % config.log_every == 0 or step == config.max_steps:
             loss = steplog.write(step, result, state["skipped_steps"])

@@ -21,58 +21,115 @@ DEFAULT_NUM_WORKERS = 4  # DataLoader workers per rank unless the node's CPUs al
 @dataclass
 class TrainConfig:
     plan: str = field(default="", metadata={"help": "plan.json written by dit-plan (required)"})
-    output_dir: str = field(default="", metadata={"help": "run folder: checkpoints, logs, TensorBoard (required)"})
+    output_dir: str = field(
+        default="", metadata={"help": "run folder: checkpoints, logs, TensorBoard (required)"}
+    )
     data_path: str | None = field(default=None, metadata={"help": "image folder (one sub-folder per class)"})
-    latents: str | None = field(default=None, metadata={"help": "latent cache written by `dit-accel extract-latents`"})
-    vae: str | None = field(default=None, metadata={"help": "AutoencoderKL folder for online encoding (plan latents 'online')"})
+    latents: str | None = field(
+        default=None, metadata={"help": "latent cache written by `dit-accel extract-latents`"}
+    )
+    vae: str | None = field(
+        default=None, metadata={"help": "AutoencoderKL folder for online encoding (plan latents 'online')"}
+    )
 
-    max_steps: int = field(default=400_000, metadata={"help": "optimizer steps to train to (DiT's main results: 400K)"})
-    resume: str | None = field(default=None, metadata={"help": "'auto' (newest complete checkpoint in the run folder) or a checkpoint/run folder"})
-    init_from: str | None = field(default=None, metadata={
-        "help": "start a NEW run (step 0, fresh optimizer) from these weights: a dit-accel run or checkpoint folder "
-                "(e.g. one made by `dit-accel import-dit`) or a diffusers DiT transformer/pipeline folder; ignored once "
-                "--output-dir holds a checkpoint (the run then resumes from it)"})
-    init_from_ema: bool = field(default=False, metadata={
-        "help": "with --init-from a dit-accel checkpoint: start from its EMA weights instead of its raw weights"})
-    checkpoint_every: int = field(default=5_000, metadata={"help": "optimizer steps between checkpoints (one is also written at the end)"})
-    keep_last: int = field(default=3, metadata={"help": "complete checkpoints to keep; older ones are deleted after a new one is complete"})
+    max_steps: int = field(
+        default=400_000, metadata={"help": "optimizer steps to train to (DiT's main results: 400K)"}
+    )
+    resume: str | None = field(
+        default=None,
+        metadata={"help": "'auto' (newest complete checkpoint in the run folder) or a checkpoint/run folder"},
+    )
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "start a NEW run (step 0, fresh optimizer) from these weights: a dit-accel run or checkpoint folder "
+            "(e.g. one made by `dit-accel import-dit`) or a diffusers DiT transformer/pipeline folder; ignored once "
+            "--output-dir holds a checkpoint (the run then resumes from it)"
+        },
+    )
+    init_from_ema: bool = field(
+        default=False,
+        metadata={
+            "help": "with --init-from a dit-accel checkpoint: start from its EMA weights instead of its raw weights"
+        },
+    )
+    checkpoint_every: int = field(
+        default=5_000,
+        metadata={"help": "optimizer steps between checkpoints (one is also written at the end)"},
+    )
+    keep_last: int = field(
+        default=3,
+        metadata={"help": "complete checkpoints to keep; older ones are deleted after a new one is complete"},
+    )
     log_every: int = field(default=100, metadata={"help": "optimizer steps between log lines"})
 
     lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (before --scale-lr)"})
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW betas, e.g. --betas 0.9 0.999"})
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.999), metadata={"help": "AdamW betas, e.g. --betas 0.9 0.999"}
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (DiT: 0)"})
-    warmup_steps: int = field(default=0, metadata={"help": "linear lr warmup over this many optimizer steps (DiT: 0)"})
-    scale_lr: bool = field(default=False, metadata={"help": "multiply lr by global_batch / 256 (linear scaling rule)"})
-    grad_clip: float | None = field(default=None, metadata={"help": "clip the gradient norm to this value (DiT: off)"})
+    warmup_steps: int = field(
+        default=0, metadata={"help": "linear lr warmup over this many optimizer steps (DiT: 0)"}
+    )
+    scale_lr: bool = field(
+        default=False, metadata={"help": "multiply lr by global_batch / 256 (linear scaling rule)"}
+    )
+    grad_clip: float | None = field(
+        default=None, metadata={"help": "clip the gradient norm to this value (DiT: off)"}
+    )
     ema_decay: float = field(default=0.9999, metadata={"help": "EMA decay per optimizer step, kept in fp32"})
-    class_dropout: float = field(default=0.1, metadata={"help": "probability of replacing a label by the null class (for guidance)"})
+    class_dropout: float = field(
+        default=0.1, metadata={"help": "probability of replacing a label by the null class (for guidance)"}
+    )
     seed: int = field(default=0, metadata={"help": "base seed; rank r seeds its global RNGs with seed + r"})
 
-    nan_policy: str = field(default="abort", metadata={"help": "on a NaN/Inf loss or gradient: abort (default) or skip the step"})
-    max_skipped_steps: int = field(default=10, metadata={"help": "with --nan-policy skip, abort after this many skipped steps"})
+    nan_policy: str = field(
+        default="abort", metadata={"help": "on a NaN/Inf loss or gradient: abort (default) or skip the step"}
+    )
+    max_skipped_steps: int = field(
+        default=10, metadata={"help": "with --nan-policy skip, abort after this many skipped steps"}
+    )
     # None (the command line without --num-workers): DEFAULT_NUM_WORKERS, capped to the node's CPUs.
-    num_workers: int | None = field(default=DEFAULT_NUM_WORKERS, metadata={
-        "help": f"DataLoader worker processes per rank (default: {DEFAULT_NUM_WORKERS}, or fewer on a node whose CPUs "
-                f"cannot run that many: CPUs // ranks per node - 1)"})
-    tf32: bool = field(default=True, metadata={"help": "TF32 matmuls and convolutions on CUDA (--no-tf32 for full fp32)"})
-    tensorboard: bool = field(default=True, metadata={"help": "log to TensorBoard in OUTPUT_DIR/tensorboard (--no-tensorboard to turn off)"})
+    num_workers: int | None = field(
+        default=DEFAULT_NUM_WORKERS,
+        metadata={
+            "help": f"DataLoader worker processes per rank (default: {DEFAULT_NUM_WORKERS}, or fewer on a node whose CPUs "
+            f"cannot run that many: CPUs // ranks per node - 1)"
+        },
+    )
+    tf32: bool = field(
+        default=True, metadata={"help": "TF32 matmuls and convolutions on CUDA (--no-tf32 for full fp32)"}
+    )
+    tensorboard: bool = field(
+        default=True,
+        metadata={"help": "log to TensorBoard in OUTPUT_DIR/tensorboard (--no-tensorboard to turn off)"},
+    )
     progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
-    debug_checksums: bool = field(default=False, metadata={"help": "write a parameter checksum per step to each rank's log (slow; for tests)"})
+    debug_checksums: bool = field(
+        default=False,
+        metadata={"help": "write a parameter checksum per step to each rank's log (slow; for tests)"},
+    )
 
     def check(self) -> None:
         """Refuse bad values up front, before any process group or model exists."""
         if not self.plan:
             raise UserError("--plan is required: pass the plan.json written by `dit-plan --out DIR`")
         if not self.output_dir:
-            raise UserError("--output-dir is required: the run folder for checkpoints and logs, e.g. runs/xl2")
+            raise UserError(
+                "--output-dir is required: the run folder for checkpoints and logs, e.g. runs/xl2"
+            )
         sources = [name for name in ("data_path", "latents") if getattr(self, name)]
         if len(sources) != 1:
             raise UserError("pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)")
         if self.init_from and self.resume not in (None, "auto"):
-            raise UserError(f"--init-from starts a new run from weights but --resume {self.resume} continues a run: pass "
-                            f"one of them (--resume auto with --init-from is fine: it resumes once the run has a checkpoint)")
+            raise UserError(
+                f"--init-from starts a new run from weights but --resume {self.resume} continues a run: pass "
+                f"one of them (--resume auto with --init-from is fine: it resumes once the run has a checkpoint)"
+            )
         if self.init_from_ema and not self.init_from:
-            raise UserError("--init-from-ema chooses the weights of --init-from: add --init-from RUN_OR_CHECKPOINT, or drop it")
+            raise UserError(
+                "--init-from-ema chooses the weights of --init-from: add --init-from RUN_OR_CHECKPOINT, or drop it"
+            )
         positive = ("max_steps", "checkpoint_every", "keep_last", "log_every")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -94,7 +151,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "TrainConfig":
+    def from_json(cls, data: dict) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         if "betas" in values:
@@ -121,11 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
             flags.append(f"--{spec.name}")
         help_text = spec.metadata.get("help", "")
         if spec.type == "bool" or isinstance(spec.default, bool):
-            parser.add_argument(*flags, dest=spec.name, action=argparse.BooleanOptionalAction,
-                                default=spec.default, help=help_text)
+            parser.add_argument(
+                *flags,
+                dest=spec.name,
+                action=argparse.BooleanOptionalAction,
+                default=spec.default,
+                help=help_text,
+            )
         elif spec.name == "betas":
-            parser.add_argument(*flags, dest=spec.name, type=float, nargs=2, default=spec.default,
-                                metavar=("BETA1", "BETA2"), help=help_text)
+            parser.add_argument(
+                *flags,
+                dest=spec.name,
+                type=float,
+                nargs=2,
+                default=spec.default,
+                metavar=("BETA1", "BETA2"),
+                help=help_text,
+            )
         else:
             kind = {"int": int, "float": float}.get(type(spec.default).__name__, str)
             if spec.name == "grad_clip":
@@ -133,8 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
             if spec.name == "num_workers":  # not given: None, so that the trainer may cap the default
                 parser.add_argument(*flags, dest=spec.name, type=int, default=None, help=help_text)
                 continue
-            parser.add_argument(*flags, dest=spec.name, type=kind, default=spec.default,
-                                help=f"{help_text} (default: {spec.default})")
+            parser.add_argument(
+                *flags,
+                dest=spec.name,
+                type=kind,
+                default=spec.default,
+                help=f"{help_text} (default: {spec.default})",
+            )
     return parser
 
 

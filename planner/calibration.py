@@ -36,12 +36,16 @@ def load_calibration(path: str | Path) -> dict:
     try:
         text = Path(path).read_text()
     except OSError as error:
-        raise PlanError(f"--calibration {path}: cannot read it ({error.strerror or error}): "
-                        f"give the file `dit-accel calibrate --out` wrote") from None
+        raise PlanError(
+            f"--calibration {path}: cannot read it ({error.strerror or error}): "
+            f"give the file `dit-accel calibrate --out` wrote"
+        ) from None
     try:
         data = json.loads(text)
     except ValueError:
-        raise PlanError(f"--calibration {path} is not JSON: give the file `dit-accel calibrate --out` wrote") from None
+        raise PlanError(
+            f"--calibration {path} is not JSON: give the file `dit-accel calibrate --out` wrote"
+        ) from None
     return check_calibration(data, str(path))
 
 
@@ -50,27 +54,43 @@ def check_calibration(data, where: str = "the calibration") -> dict:
     path = where
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise PlanError(f"--calibration {path} has schema {found!r}, not {SCHEMA!r}: re-run `dit-accel calibrate` "
-                        f"with this version")
+        raise PlanError(
+            f"--calibration {path} has schema {found!r}, not {SCHEMA!r}: re-run `dit-accel calibrate` "
+            f"with this version"
+        )
     missing = [key for key in REQUIRED if not isinstance(data.get(key), dict)]
     if missing:
-        raise PlanError(f"--calibration {path} lacks {', '.join(missing)}: it is incomplete", "re-run `dit-accel calibrate`")
+        raise PlanError(
+            f"--calibration {path} lacks {', '.join(missing)}: it is incomplete",
+            "re-run `dit-accel calibrate`",
+        )
     unknown = sorted(set(data["assumptions"]) - set(CALIBRATABLE))
     if unknown:
-        raise PlanError(f"--calibration {path} sets {', '.join(unknown)}, which are not measurable figures "
-                        f"({', '.join(CALIBRATABLE)}): re-run `dit-accel calibrate`")
+        raise PlanError(
+            f"--calibration {path} sets {', '.join(unknown)}, which are not measurable figures "
+            f"({', '.join(CALIBRATABLE)}): re-run `dit-accel calibrate`"
+        )
     return data
 
 
 def _same_model(measured: dict, spec) -> bool:
     sizes = ("depth", "hidden", "heads", "patch")
-    return (measured.get("resolution") == spec.resolution
-            and all(measured.get(key) == getattr(spec, key) for key in sizes if key in measured)
-            and (measured.get("name") == spec.name or all(key in measured for key in sizes)))
+    return (
+        measured.get("resolution") == spec.resolution
+        and all(measured.get(key) == getattr(spec, key) for key in sizes if key in measured)
+        and (measured.get("name") == spec.name or all(key in measured for key in sizes))
+    )
 
 
-def apply_calibration(data: dict, source: str | None, assumptions: Assumptions, spec, precision: str,
-                      gpu_preset_name: str | None, vram_bytes: int) -> tuple[Assumptions, dict, list[str]]:
+def apply_calibration(
+    data: dict,
+    source: str | None,
+    assumptions: Assumptions,
+    spec,
+    precision: str,
+    gpu_preset_name: str | None,
+    vram_bytes: int,
+) -> tuple[Assumptions, dict, list[str]]:
     """(assumptions with the measured figures that apply to this plan, the record for plan.json, warnings).
 
     Raises PlanError where the file cannot describe this plan (see the module docstring)."""
@@ -79,8 +99,10 @@ def apply_calibration(data: dict, source: str | None, assumptions: Assumptions, 
     measured_preset = gpu.get("preset")
     gpu_name = gpu.get("name") or measured_preset or "an unnamed GPU"
     if gpu_preset_name and measured_preset and measured_preset != gpu_preset_name:
-        raise PlanError(f"--calibration {where} was measured on {gpu_name} ({measured_preset}), but the plan is for "
-                        f"--gpu {gpu_preset_name}: calibrate on {gpu_preset_name}, or plan with --gpu {measured_preset}")
+        raise PlanError(
+            f"--calibration {where} was measured on {gpu_name} ({measured_preset}), but the plan is for "
+            f"--gpu {gpu_preset_name}: calibrate on {gpu_preset_name}, or plan with --gpu {measured_preset}"
+        )
     figures = dict(data["assumptions"])
     skipped: dict[str, str] = {}
     warnings = []
@@ -100,22 +122,30 @@ def apply_calibration(data: dict, source: str | None, assumptions: Assumptions, 
     if not _same_model(model, spec):
         measured_model = f"{model.get('name', '?')} @ {model.get('resolution', '?')} px"
         skip(THROUGHPUT_FIGURES, f"measured on {measured_model}")
-        warnings.append(f"--calibration {where} measured {measured_model}, not {spec.name} @ {spec.resolution} px: "
-                        f"its memory overheads are used, its MFU and small-batch efficiency are not")
+        warnings.append(
+            f"--calibration {where} measured {measured_model}, not {spec.name} @ {spec.resolution} px: "
+            f"its memory overheads are used, its MFU and small-batch efficiency are not"
+        )
     measured_precision = data["config"].get("precision")
     if measured_precision != precision:
         both_mixed = {measured_precision, precision} <= {"bf16", "fp16"}
         if not both_mixed:
             skip(("mfu_mixed", "mfu_fp32"), f"measured in {measured_precision}")
-        warnings.append(f"--calibration {where} measured {measured_precision}, the plan trains {precision}"
-                        + ("" if both_mixed else ": its MFU does not apply to this precision"))
+        warnings.append(
+            f"--calibration {where} measured {measured_precision}, the plan trains {precision}"
+            + ("" if both_mixed else ": its MFU does not apply to this precision")
+        )
     total = gpu.get("total_bytes")
     if isinstance(total, int) and total > 0 and abs(total - vram_bytes) > 0.1 * vram_bytes:
-        warnings.append(f"--calibration {where} ran on a GPU of {total / 2**30:.1f} GiB, the plan is for "
-                        f"{vram_bytes / 2**30:.1f} GiB per GPU")
+        warnings.append(
+            f"--calibration {where} ran on a GPU of {total / 2**30:.1f} GiB, the plan is for "
+            f"{vram_bytes / 2**30:.1f} GiB per GPU"
+        )
     if skipped and gpu_preset_name is None:
-        warnings.append(f"--calibration {where}: MFU and small-batch efficiency not used without --gpu "
-                        f"({skipped[next(iter(skipped))]})")
+        warnings.append(
+            f"--calibration {where}: MFU and small-batch efficiency not used without --gpu "
+            f"({skipped[next(iter(skipped))]})"
+        )
     try:
         calibrated = assumptions.calibrated(figures)
     except PlanError as error:
@@ -136,9 +166,13 @@ def apply_calibration(data: dict, source: str | None, assumptions: Assumptions, 
 
 def describe(record: dict) -> str:
     """One line for the terminal and plan.md: which file, GPU and date, and what it changed."""
-    applied = ", ".join(f"{name} {_value(name, value)}" for name, value in record["applied"].items()) or "nothing"
-    line = (f"calibrated with {record['file'] or 'a calibration'} ({record['gpu']}, {record['created'] or 'undated'}): "
-            f"{applied}")
+    applied = (
+        ", ".join(f"{name} {_value(name, value)}" for name, value in record["applied"].items()) or "nothing"
+    )
+    line = (
+        f"calibrated with {record['file'] or 'a calibration'} ({record['gpu']}, {record['created'] or 'undated'}): "
+        f"{applied}"
+    )
     if record["not_applied"]:
         line += f"; not used: {', '.join(record['not_applied'])}"
     return line

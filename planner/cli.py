@@ -33,29 +33,50 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                epilog=f"Sizes: {UNIT_RULE}. Comma-separated --gpus/--vram/--gpu/--global-batch/--model/--resolution "
-                       "make a sweep: one table row per combination, no files written.")
+    p = _Parser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Sizes: {UNIT_RULE}. Comma-separated --gpus/--vram/--gpu/--global-batch/--model/--resolution "
+        "make a sweep: one table row per combination, no files written.",
+    )
     hw = p.add_argument_group("cluster")
     hw.add_argument("--gpus", help="GPUs per node (comma list sweeps)")
     hw.add_argument("--nodes", default="1", help="nodes (default 1)")
     hw.add_argument("--vram", help="memory per GPU with a unit: 40GB, 40GiB, 80000MiB (comma list sweeps)")
-    hw.add_argument("--gpu", help="GPU preset: a100-40g, a100-80g, h100-80g, h200, l40s, rtx4090, v100-32g, ...")
-    hw.add_argument("--host-ram", help="host RAM per node (e.g. 512GiB): warn before the OOM killer's exitcode -9")
+    hw.add_argument(
+        "--gpu", help="GPU preset: a100-40g, a100-80g, h100-80g, h200, l40s, rtx4090, v100-32g, ..."
+    )
+    hw.add_argument(
+        "--host-ram", help="host RAM per node (e.g. 512GiB): warn before the OOM killer's exitcode -9"
+    )
     hw.add_argument("--main-process-ip", help="multi-node: address of the first node")
     hw.add_argument("--main-process-port", help="multi-node: rendezvous port (default 29500)")
     tr = p.add_argument_group("training")
-    tr.add_argument("--global-batch", default="256", help="images per optimizer step (default 256, the DiT recipe)")
-    tr.add_argument("--round-global-batch", action="store_true", help="use the nearest global batch the GPUs divide")
+    tr.add_argument(
+        "--global-batch", default="256", help="images per optimizer step (default 256, the DiT recipe)"
+    )
+    tr.add_argument(
+        "--round-global-batch", action="store_true", help="use the nearest global batch the GPUs divide"
+    )
     tr.add_argument("--model", default="DiT-XL/2", help="DiT-{S,B,L,XL}/{2,4,8} (default DiT-XL/2)")
     tr.add_argument("--resolution", default="256", help="image side in pixels (default 256)")
     tr.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     tr.add_argument("--latents", default="precomputed", choices=["precomputed", "online", "pixel"])
-    tr.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True, help="keep an EMA copy (default on)")
-    tr.add_argument("--adamw", default="fused", choices=["fused", "foreach"],
-                    help="AdamW implementation: fused (default, no temporary) or foreach (+4 B/param at the step)")
-    tr.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction, default=True,
-                    help="DDP gradients live in its all-reduce buckets (default on; off costs 4 B/param)")
+    tr.add_argument(
+        "--ema", action=argparse.BooleanOptionalAction, default=True, help="keep an EMA copy (default on)"
+    )
+    tr.add_argument(
+        "--adamw",
+        default="fused",
+        choices=["fused", "foreach"],
+        help="AdamW implementation: fused (default, no temporary) or foreach (+4 B/param at the step)",
+    )
+    tr.add_argument(
+        "--gradient-as-bucket-view",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="DDP gradients live in its all-reduce buckets (default on; off costs 4 B/param)",
+    )
     ch = p.add_argument_group("the choice")
     ch.add_argument("--sharding", default="auto", choices=["auto", "ddp", "zero2", "zero3"])
     ch.add_argument("--checkpointing", default="auto", help="auto | none | all | N blocks")
@@ -65,14 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("depth", "hidden", "heads", "patch", "num-classes"):
         cu.add_argument(f"--{flag}", help=f"override the --model's {flag.replace('-', ' ')}")
     out = p.add_argument_group("output")
-    out.add_argument("--out", help="directory for accelerate_config.yaml, plan.json, plan.md (default ./plan)")
+    out.add_argument(
+        "--out", help="directory for accelerate_config.yaml, plan.json, plan.md (default ./plan)"
+    )
     out.add_argument("--format", default="table", choices=FORMATS, help="terminal output format")
-    out.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
-                     help="override an assumed constant (repeatable); --list-assumptions shows them")
+    out.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override an assumed constant (repeatable); --list-assumptions shows them",
+    )
     out.add_argument("--list-assumptions", action="store_true", help="print the assumed constants and exit")
-    out.add_argument("--calibration", metavar="FILE",
-                     help="use the figures `dit-accel calibrate` measured on the GPU (context, fragmentation, MFU) "
-                          "in place of the assumed ones")
+    out.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="use the figures `dit-accel calibrate` measured on the GPU (context, fragmentation, MFU) "
+        "in place of the assumed ones",
+    )
     return p
 
 
@@ -102,7 +133,9 @@ def parse_assumptions(pairs: list[str]) -> dict:
         name, sep, value = pair.partition("=")
         name = name.strip()
         if not sep or name not in types:
-            raise PlanError(f"--assume {pair!r}: write NAME=VALUE with NAME one of {', '.join(assumption_names())}")
+            raise PlanError(
+                f"--assume {pair!r}: write NAME=VALUE with NAME one of {', '.join(assumption_names())}"
+            )
         kind = types[name]
         try:
             if kind is int and name.endswith("_bytes"):
@@ -147,20 +180,33 @@ def common_kwargs(args) -> dict:
         try:
             checkpointing = int(checkpointing)
         except ValueError:
-            raise PlanError(f"--checkpointing must be auto, none, all or a number of blocks, got {args.checkpointing!r}") from None
+            raise PlanError(
+                f"--checkpointing must be auto, none, all or a number of blocks, got {args.checkpointing!r}"
+            ) from None
         if checkpointing < 0:
             raise PlanError(f"--checkpointing {checkpointing}: a block count is 0 or more")
-    custom = {name: _int(getattr(args, name), f"--{name.replace('_', '-')}")
-              for name in ("depth", "hidden", "heads", "patch", "num_classes") if getattr(args, name) is not None}
+    custom = {
+        name: _int(getattr(args, name), f"--{name.replace('_', '-')}")
+        for name in ("depth", "hidden", "heads", "patch", "num_classes")
+        if getattr(args, name) is not None
+    }
     return dict(
         nodes=_int(args.nodes, "--nodes"),
-        precision=args.precision, latents=args.latents, ema=args.ema, sharding=args.sharding,
-        checkpointing=checkpointing, headroom=args.headroom,
+        precision=args.precision,
+        latents=args.latents,
+        ema=args.ema,
+        sharding=args.sharding,
+        checkpointing=checkpointing,
+        headroom=args.headroom,
         max_micro_batch=_int(args.max_micro_batch, "--max-micro-batch") if args.max_micro_batch else None,
-        host_ram=args.host_ram, round_global_batch=args.round_global_batch, adamw=args.adamw,
+        host_ram=args.host_ram,
+        round_global_batch=args.round_global_batch,
+        adamw=args.adamw,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
         main_process_ip=args.main_process_ip,
-        main_process_port=_int(args.main_process_port, "--main-process-port") if args.main_process_port else None,
+        main_process_port=_int(args.main_process_port, "--main-process-port")
+        if args.main_process_port
+        else None,
         assumptions=parse_assumptions(args.assume) or None,
         calibration=args.calibration,
         **custom,
@@ -191,7 +237,9 @@ def run(argv: list[str] | None) -> int:
         load_calibration(args.calibration)  # a bad file is one error, not one per sweep row
     if len(combos) > 1:
         if args.out is not None:
-            raise PlanError("a sweep prints one table and writes no files: drop --out, or plan one combination")
+            raise PlanError(
+                "a sweep prints one table and writes no files: drop --out, or plan one combination"
+            )
         rows = []
         for combo in combos:
             try:

@@ -20,6 +20,7 @@ from planner.errors import PlanError
 MiB = 2**20
 GiB = 2**30
 
+
 @dataclass(frozen=True)
 class GPUPreset:
     """One GPU model. Peaks are dense tensor-core FLOP/s; None where the GPU lacks the format."""
@@ -39,7 +40,9 @@ class GPUPreset:
             return self.peak_flops.get("tf32") or self.peak_flops["fp32"]
         rate = self.peak_flops.get(precision)
         if not rate:
-            raise PlanError(f"--gpu {self.name} has no {precision} tensor cores: use --precision fp16 or fp32")
+            raise PlanError(
+                f"--gpu {self.name} has no {precision} tensor cores: use --precision fp16 or fp32"
+            )
         return rate
 
 
@@ -54,7 +57,9 @@ def gpu_presets() -> dict[str, GPUPreset]:
             description=entry["description"],
             memory_bytes=int(entry["memory_mib"]) * MiB,
             bf16=bool(entry["bf16"]),
-            peak_flops={k: (float(v) * 1e12 if v is not None else None) for k, v in entry["peak_tflops"].items()},
+            peak_flops={
+                k: (float(v) * 1e12 if v is not None else None) for k, v in entry["peak_tflops"].items()
+            },
             intra_node_busbw_bytes_per_s=float(entry["intra_node_busbw_gbps"]) * 1e9,
             source=entry["source"],
             aliases=tuple(str(alias) for alias in entry.get("aliases", ())),
@@ -70,12 +75,16 @@ def gpu_preset(name: str) -> GPUPreset:
         if key == preset.name or key in preset.aliases:
             return preset
     known = list(presets)
-    close = difflib.get_close_matches(key, known + [a for p in presets.values() for a in p.aliases], n=1, cutoff=0.4)
+    close = difflib.get_close_matches(
+        key, known + [a for p in presets.values() for a in p.aliases], n=1, cutoff=0.4
+    )
     hint = ""
     if close:
         match = next(p.name for p in presets.values() if close[0] == p.name or close[0] in p.aliases)
         hint = f"did you mean {match}? "
-    raise PlanError(f"unknown --gpu {name!r}: {hint}known GPUs are {', '.join(known)} (or give --vram instead)")
+    raise PlanError(
+        f"unknown --gpu {name!r}: {hint}known GPUs are {', '.join(known)} (or give --vram instead)"
+    )
 
 
 @dataclass(frozen=True)
@@ -86,22 +95,38 @@ class Assumptions:
     """
 
     # --- fixed device memory outside PyTorch's caching allocator --------------------------------------
-    cuda_context_bytes: int = 512 * MiB  # CUDA context + kernels, lazy module loading: 0.3-1 GB by GPU and CUDA version
-    cublas_workspace_bytes: int = 64 * MiB  # PyTorch's default CUBLAS_WORKSPACE_CONFIG :4096:8 (32 MiB) + cuBLASLt
+    cuda_context_bytes: int = (
+        512 * MiB
+    )  # CUDA context + kernels, lazy module loading: 0.3-1 GB by GPU and CUDA version
+    cublas_workspace_bytes: int = (
+        64 * MiB
+    )  # PyTorch's default CUBLAS_WORKSPACE_CONFIG :4096:8 (32 MiB) + cuBLASLt
     nccl_buffer_bytes: int = 512 * MiB  # per rank when world_size > 1: NCCL_BUFFSIZE 4 MiB x channels x peers
-    fragmentation: float = 0.05  # caching allocator: reserved beyond allocated, as a fraction of allocated at the peak
+    fragmentation: float = (
+        0.05  # caching allocator: reserved beyond allocated, as a fraction of allocated at the peak
+    )
     # --- how the trainer runs the step (the plan records these, the trainer follows them) ------------
     autocast_device: str = "cuda"  # "cuda" | "cpu": whose autocast op lists decide the saved dtypes
-    attention: str = "fused"  # "fused" (SDPA flash/efficient kernels) | "math" (keeps the softmax: e*heads*s^2*b)
-    loss_tensors: float = 15.25  # output-sized fp32 tensors alive while the learned-sigma loss is computed (traced:
+    attention: str = (
+        "fused"  # "fused" (SDPA flash/efficient kernels) | "math" (keeps the softmax: e*heads*s^2*b)
+    )
+    loss_tensors: float = (
+        15.25  # output-sized fp32 tensors alive while the learned-sigma loss is computed (traced:
+    )
     #                               30 latent-sized ones and the two edge-bin masks of the discretised Gaussian)
     vae_params: int = 83_653_863  # the whole SD AutoencoderKL as pipelines load it (encoder 34,163,664)
-    vae_bytes_per_param: int = 4  # the VAE stays fp32: latents are encoded once, precision matters more than speed
-    vae_activation_maps: float = 5.0  # encoder peak, in full-resolution 128-channel maps per image (traced; planner/vae.py)
+    vae_bytes_per_param: int = (
+        4  # the VAE stays fp32: latents are encoded once, precision matters more than speed
+    )
+    vae_activation_maps: float = (
+        5.0  # encoder peak, in full-resolution 128-channel maps per image (traced; planner/vae.py)
+    )
     # --- throughput ----------------------------------------------------------------------------------
     mfu_mixed: float = 0.33  # bf16/fp16: fast-DiT's README, 107 img/s on one A100 at batch 128, checkpointed
     mfu_fp32: float = 0.125  # TF32: the DiT repository's train.py, 26 img/s per A100 at micro-batch 32
-    half_efficiency_tokens: int = 512  # micro-batch x tokens at which matmuls run at half their saturated rate
+    half_efficiency_tokens: int = (
+        512  # micro-batch x tokens at which matmuls run at half their saturated rate
+    )
     comm_exposed_fraction: float = 0.3  # share of gradient/parameter traffic not hidden behind compute
     fsdp_efficiency: float = 0.95  # FSDP's per-unit gather/launch latency beyond bandwidth (zero2/zero3)
     inter_node_busbw_bytes_per_s: float = 25e9  # one 200 Gb/s NIC per GPU (InfiniBand HDR / RoCE)
@@ -114,19 +139,23 @@ class Assumptions:
     prefetch_factor: int = 2  # batches each worker keeps ready (PyTorch's default)
     pinned_batches: int = 2  # pin_memory copies in flight
 
-    def replace(self, **changes) -> "Assumptions":
+    def replace(self, **changes) -> Assumptions:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
-            raise PlanError(f"unknown assumption(s) {sorted(unknown)}: known are {', '.join(assumption_names())}")
+            raise PlanError(
+                f"unknown assumption(s) {sorted(unknown)}: known are {', '.join(assumption_names())}"
+            )
         updated = dataclasses.replace(self, **changes)
         updated.validate()
         return updated
 
-    def calibrated(self, measured: dict) -> "Assumptions":
+    def calibrated(self, measured: dict) -> Assumptions:
         """The hook for measured figures (a calibration file): only the CALIBRATABLE constants may change."""
         unknown = set(measured) - set(CALIBRATABLE)
         if unknown:
-            raise PlanError(f"calibration sets {sorted(unknown)}, which are not measurable: use {', '.join(CALIBRATABLE)}")
+            raise PlanError(
+                f"calibration sets {sorted(unknown)}, which are not measurable: use {', '.join(CALIBRATABLE)}"
+            )
         return self.replace(**measured)
 
     def mfu(self, precision: str) -> float:

@@ -42,8 +42,9 @@ def per_rank_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) 
     }
 
 
-def host_estimate(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions,
-                  host_ram_bytes: int | None) -> tuple[dict, list[str]]:
+def host_estimate(
+    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions, host_ram_bytes: int | None
+) -> tuple[dict, list[str]]:
     """The plan's `host` section and its warnings (with the fix) when --host-ram is too small."""
     parts = per_rank_bytes(spec, decision, assumptions)
     rank_total = sum(parts.values())
@@ -61,8 +62,10 @@ def host_estimate(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptio
     if host_ram_bytes is not None and node_total > WARN_FRACTION * host_ram_bytes:
         largest = max(parts, key=parts.get)
         verdict = "exceeds" if node_total > host_ram_bytes else "is close to"
-        fixes = [f"fewer data-loader workers (now {assumptions.loader_workers} per rank: --assume loader_workers=N)",
-                 "loading the weights once per node instead of once per rank"]
+        fixes = [
+            f"fewer data-loader workers (now {assumptions.loader_workers} per rank: --assume loader_workers=N)",
+            "loading the weights once per node instead of once per rank",
+        ]
         if decision.latents != "precomputed":
             fixes.append("precomputed latents (dit-accel extract-latents)")
         warnings.append(

@@ -24,15 +24,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner import vae
 from planner.errors import PlanError
 from planner.hardware import Assumptions, GPUPreset
 from planner.rules import SHARDING_MODES
 from planner.spec import TIMESTEP_FREQ_DIM, DiTSpec
-from planner import vae
 
-COMPONENTS = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries", "overhead")
-PHASES = ("vae_encode", "last_block_forward", "end_of_forward", "start_of_backward", "end_of_backward",
-          "optimizer_step")  # the moments, in the order the step reaches them
+COMPONENTS = (
+    "weights",
+    "grads",
+    "optimizer",
+    "ema",
+    "activations",
+    "autocast_cache",
+    "vae",
+    "temporaries",
+    "overhead",
+)
+PHASES = (
+    "vae_encode",
+    "last_block_forward",
+    "end_of_forward",
+    "start_of_backward",
+    "end_of_backward",
+    "optimizer_step",
+)  # the moments, in the order the step reaches them
 BACKWARD_MOMENTS = ("start_of_backward", "end_of_backward")
 FORWARD_MOMENTS = ("last_block_forward", "end_of_forward")
 SHARDINGS = tuple(SHARDING_MODES)
@@ -69,7 +85,9 @@ class Decision:
     # "fused" (one kernel, no temporary; the trainer's default on CUDA) | "foreach" (PyTorch's default on CUDA
     # when not fused: +4 B/param at the step) | "single" (the per-tensor loop, PyTorch's default on a CPU)
     adamw: str = "fused"
-    gradient_as_bucket_view: bool = True  # DDP grads alias its buckets (saves 4 B/param); Accelerate's default is off
+    gradient_as_bucket_view: bool = (
+        True  # DDP grads alias its buckets (saves 4 B/param); Accelerate's default is off
+    )
 
     @property
     def sharded(self) -> bool:
@@ -121,6 +139,7 @@ def element_bytes(precision: str, autocast_device: str = "cuda", pure: bool = Fa
 
 # --- parameters ---------------------------------------------------------------------------------------
 
+
 def block_matrix_params(spec: DiTSpec) -> int:
     """Weight matrices of one block (q, k, v, out; MLP in and out; adaLN's 6d projection): what autocast casts."""
     d = spec.hidden
@@ -153,6 +172,7 @@ def buffer_bytes(spec: DiTSpec) -> int:
 
 # --- activations: what autograd saves, op by op ------------------------------------------------------
 
+
 def hidden_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
     """One residual-stream tensor (b x s x d in the compute dtype): a block's input, output or gated branch."""
     return micro_batch * spec.tokens * spec.hidden * eb.compute
@@ -170,7 +190,9 @@ def embedder_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> i
     return b * (TIMESTEP_FREQ_DIM * c + 2 * d * c + INT64_BYTES + d * eb.table + d * c + 6 * d * c)
 
 
-def block_saved_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, attention: str = "fused") -> dict[str, int]:
+def block_saved_bytes(
+    spec: DiTSpec, micro_batch: int, eb: ElementBytes, attention: str = "fused"
+) -> dict[str, int]:
     """Saved tensors of one BasicTransformerBlock (ada_norm_zero), by op. `b*s*d` elements unless noted."""
     b, s, d, h = micro_batch, spec.tokens, spec.hidden, spec.heads
     c, n = eb.compute, eb.norm
@@ -228,14 +250,17 @@ def loss_saved_bytes(spec: DiTSpec, micro_batch: int, loss_tensors: float) -> in
     return int(loss_tensors * micro_batch * spec.out_channels * spec.latent_size**2 * FP32_BYTES)
 
 
-def saved_activation_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, checkpointed_blocks: int = 0,
-                           attention: str = "fused") -> int:
+def saved_activation_bytes(
+    spec: DiTSpec, micro_batch: int, eb: ElementBytes, checkpointed_blocks: int = 0, attention: str = "fused"
+) -> int:
     """Every tensor autograd holds for backward after the forward of the network (loss excluded).
 
     This is the figure a saved-tensor trace measures (storages de-duplicated, parameters excluded).
     """
     if not 0 <= checkpointed_blocks <= spec.depth:
-        raise PlanError(f"--checkpointing {checkpointed_blocks} is outside 0..{spec.depth} (the model's depth)")
+        raise PlanError(
+            f"--checkpointing {checkpointed_blocks} is outside 0..{spec.depth} (the model's depth)"
+        )
     full = sum(block_saved_bytes(spec, micro_batch, eb, attention).values())
     kept = (spec.depth - checkpointed_blocks) * full
     kept += checkpointed_blocks * checkpointed_block_saved_bytes(spec, micro_batch, eb)
@@ -251,8 +276,9 @@ def recompute_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes, attention
     return block - (hidden_bytes(spec, micro_batch, eb) if eb.norm_saves_block_input else 0)
 
 
-def checkpointed_forward_peak(spec: DiTSpec, micro_batch: int, eb: ElementBytes,
-                              casts_weights: bool = False) -> tuple[int, int]:
+def checkpointed_forward_peak(
+    spec: DiTSpec, micro_batch: int, eb: ElementBytes, casts_weights: bool = False
+) -> tuple[int, int]:
     """(activations, weight copies) alive at the peak inside a checkpointed block's forward. Nothing of it is
     saved; always alive are the block's adaLN output (b x 6d) and, at its MLP, the gated attention output and
     the residual after it (compute dtype) and the modulated MLP input (the norm's dtype: fp32 under CUDA
@@ -268,8 +294,9 @@ def checkpointed_forward_peak(spec: DiTSpec, micro_batch: int, eb: ElementBytes,
     return (at_gelu, 0) if at_gelu >= at_output + output_copy else (at_output, output_copy)
 
 
-def checkpointed_forward_working_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes,
-                                       casts_weights: bool = False) -> int:
+def checkpointed_forward_working_bytes(
+    spec: DiTSpec, micro_batch: int, eb: ElementBytes, casts_weights: bool = False
+) -> int:
     """Everything a checkpointed block's forward holds at its peak (`checkpointed_forward_peak`), in bytes."""
     return sum(checkpointed_forward_peak(spec, micro_batch, eb, casts_weights))
 
@@ -277,7 +304,9 @@ def checkpointed_forward_working_bytes(spec: DiTSpec, micro_batch: int, eb: Elem
 def noised_input_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
     """The noised latents x_t in fp32, which the objective holds through the network's forward (the loss reads
     them) beside the compute-dtype copy the patch conv saves; in fp32 they are that saved input itself."""
-    return 0 if eb.compute == FP32_BYTES else micro_batch * spec.in_channels * spec.latent_size**2 * FP32_BYTES
+    return (
+        0 if eb.compute == FP32_BYTES else micro_batch * spec.in_channels * spec.latent_size**2 * FP32_BYTES
+    )
 
 
 def backward_temporary_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) -> int:
@@ -295,6 +324,7 @@ def backward_temporary_bytes(spec: DiTSpec, micro_batch: int, eb: ElementBytes) 
 
 
 # --- the step ----------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -356,7 +386,9 @@ def weights_bytes(spec, decision, cluster, assumptions, moment) -> int:
         if decision.sharding == "zero2":
             total += gathered * params
         else:
-            total += gathered * (min(2, spec.depth) * spec.block_params + params - spec.depth * spec.block_params)
+            total += gathered * (
+                min(2, spec.depth) * spec.block_params + params - spec.depth * spec.block_params
+            )
     return total
 
 
@@ -424,21 +456,30 @@ def activations_bytes(spec, decision, cluster, assumptions, moment) -> int:
     b, k = decision.micro_batch, decision.checkpointed_blocks
     hidden = hidden_bytes(spec, b, eb)
     if moment == "last_block_forward":
-        saved_before_head = saved_activation_bytes(spec, b, eb, k, assumptions.attention) \
-            - final_layer_saved_bytes(spec, b, eb)
+        saved_before_head = saved_activation_bytes(
+            spec, b, eb, k, assumptions.attention
+        ) - final_layer_saved_bytes(spec, b, eb)
         working, _ = checkpointed_forward_peak(spec, b, eb, casts_weights(decision))
         return saved_before_head + noised_input_bytes(spec, b, eb) + working
     if moment == "end_of_forward":
-        return (saved_activation_bytes(spec, b, eb, k, assumptions.attention)
-                + loss_saved_bytes(spec, b, assumptions.loss_tensors))
+        return saved_activation_bytes(spec, b, eb, k, assumptions.attention) + loss_saved_bytes(
+            spec, b, assumptions.loss_tensors
+        )
     if moment == "start_of_backward":
         last_recomputed = recompute_bytes(spec, b, eb, assumptions.attention) if k == spec.depth else 0
-        return (saved_activation_bytes(spec, b, eb, k, assumptions.attention) - final_layer_saved_bytes(spec, b, eb)
-                - hidden + last_recomputed)
+        return (
+            saved_activation_bytes(spec, b, eb, k, assumptions.attention)
+            - final_layer_saved_bytes(spec, b, eb)
+            - hidden
+            + last_recomputed
+        )
     # end_of_backward: block 0's backward
     if k:
-        block0 = checkpointed_block_saved_bytes(spec, b, eb) + 2 * b * INT64_BYTES \
+        block0 = (
+            checkpointed_block_saved_bytes(spec, b, eb)
+            + 2 * b * INT64_BYTES
             + recompute_bytes(spec, b, eb, assumptions.attention)
+        )
     else:
         block0 = sum(block_saved_bytes(spec, b, eb, assumptions.attention).values())
     return patch_input_bytes(spec, b, eb) + block0 - hidden
@@ -473,8 +514,12 @@ def autocast_cache_bytes(spec, decision, cluster, assumptions, moment) -> int:
         return c * (spec.params_trainable - class_table_params(spec) - k * spec.block_params)
     if moment == "last_block_forward":
         _, in_use = checkpointed_forward_peak(spec, decision.micro_batch, _eb(decision, assumptions), True)
-        return in_use + c * (spec.params_trainable - class_table_params(spec) - spec.param_breakdown()["final_layer"]
-                             - spec.depth * spec.block_params)
+        return in_use + c * (
+            spec.params_trainable
+            - class_table_params(spec)
+            - spec.param_breakdown()["final_layer"]
+            - spec.depth * spec.block_params
+        )
     if moment == "start_of_backward" and k < spec.depth:
         return c * ((spec.depth - k) * block_matrix_params(spec) + backward_held_matrix_params(spec))
     return c * (block_matrix_params(spec) + backward_held_matrix_params(spec))
@@ -487,8 +532,12 @@ def vae_bytes(spec, decision, cluster, assumptions, moment) -> int:
         return 0
     total = assumptions.vae_params * assumptions.vae_bytes_per_param
     if moment == "vae_encode":
-        total += vae.encoder_activation_bytes(spec.resolution, decision.micro_batch, assumptions.vae_activation_maps,
-                                              assumptions.vae_bytes_per_param)
+        total += vae.encoder_activation_bytes(
+            spec.resolution,
+            decision.micro_batch,
+            assumptions.vae_activation_maps,
+            assumptions.vae_bytes_per_param,
+        )
     return total
 
 
@@ -543,25 +592,38 @@ _COMPONENT_FUNCTIONS = {
 }
 
 
-def phase_components(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions,
-                     phase: str) -> dict[str, int]:
+def phase_components(
+    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions, phase: str
+) -> dict[str, int]:
     """Every component at one moment, overhead last (it depends on the rest)."""
-    parts = {name: int(fn(spec, decision, cluster, assumptions, phase)) for name, fn in _COMPONENT_FUNCTIONS.items()}
+    parts = {
+        name: int(fn(spec, decision, cluster, assumptions, phase))
+        for name, fn in _COMPONENT_FUNCTIONS.items()
+    }
     parts["overhead"] = overhead_bytes(cluster, assumptions, sum(parts.values()))
     return {name: parts[name] for name in COMPONENTS}
 
 
-def step_memory(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions,
-                budget_bytes: int | None = None) -> MemoryEstimate:
+def step_memory(
+    spec: DiTSpec,
+    decision: Decision,
+    cluster: Cluster,
+    assumptions: Assumptions,
+    budget_bytes: int | None = None,
+) -> MemoryEstimate:
     """Per-GPU memory of one training step at each moment that can be its peak; the peak is the largest."""
     if decision.sharding not in SHARDINGS:
         raise PlanError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {decision.sharding!r}")
     if decision.adamw not in ADAMW_KINDS:
         raise PlanError(f"--adamw must be one of {', '.join(ADAMW_KINDS)}, got {decision.adamw!r}")
     if not 0 <= decision.checkpointed_blocks <= spec.depth:
-        raise PlanError(f"--checkpointing {decision.checkpointed_blocks} is outside 0..{spec.depth} (the model's depth)")
+        raise PlanError(
+            f"--checkpointing {decision.checkpointed_blocks} is outside 0..{spec.depth} (the model's depth)"
+        )
     chosen = moments(spec, decision)
     by_moment = {m: phase_components(spec, decision, cluster, assumptions, m) for m in chosen}
     peak = max(chosen, key=lambda m: sum(by_moment[m].values()))
     budget = cluster.vram_bytes if budget_bytes is None else budget_bytes
-    return MemoryEstimate(phases=by_moment, peak_phase=peak, vram_bytes=cluster.vram_bytes, budget_bytes=budget)
+    return MemoryEstimate(
+        phases=by_moment, peak_phase=peak, vram_bytes=cluster.vram_bytes, budget_bytes=budget
+    )

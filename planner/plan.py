@@ -58,7 +58,9 @@ def resolve_precision(precision: str, gpu) -> str:
     if precision not in PRECISIONS:
         raise PlanError(f"--precision must be auto, {', '.join(PRECISIONS)}, got {precision!r}")
     if gpu is not None and precision == "bf16" and not gpu.bf16:
-        raise PlanError(f"--precision bf16: {gpu.name} has no bf16 tensor cores", "use --precision fp16 (or auto)")
+        raise PlanError(
+            f"--precision bf16: {gpu.name} has no bf16 tensor cores", "use --precision fp16 (or auto)"
+        )
     return precision
 
 
@@ -82,14 +84,36 @@ def _assumptions(value) -> Assumptions:
     return Assumptions().replace(**dict(value))
 
 
-def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | None = None, nodes: int = 1,
-              model: str = "DiT-XL/2", resolution: int = 256, precision: str = "auto", latents: str = "precomputed",
-              ema: bool = True, sharding: str = "auto", checkpointing="auto", headroom="5%",
-              max_micro_batch: int | None = None, host_ram=None, round_global_batch: bool = False,
-              adamw: str = "fused", gradient_as_bucket_view: bool = True, depth: int | None = None,
-              hidden: int | None = None, heads: int | None = None, patch: int | None = None,
-              num_classes: int | None = None, main_process_ip: str | None = None,
-              main_process_port: int | None = None, assumptions=None, calibration=None) -> dict:
+def make_plan(
+    gpus: int = 8,
+    global_batch: int = 256,
+    *,
+    vram=None,
+    gpu: str | None = None,
+    nodes: int = 1,
+    model: str = "DiT-XL/2",
+    resolution: int = 256,
+    precision: str = "auto",
+    latents: str = "precomputed",
+    ema: bool = True,
+    sharding: str = "auto",
+    checkpointing="auto",
+    headroom="5%",
+    max_micro_batch: int | None = None,
+    host_ram=None,
+    round_global_batch: bool = False,
+    adamw: str = "fused",
+    gradient_as_bucket_view: bool = True,
+    depth: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    patch: int | None = None,
+    num_classes: int | None = None,
+    main_process_ip: str | None = None,
+    main_process_port: int | None = None,
+    assumptions=None,
+    calibration=None,
+) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
 
     `assumptions`: overrides of assumed constants (a dict, or an `Assumptions`). `calibration`: a file written
@@ -98,7 +122,9 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
     """
     inputs = {k: v for k, v in locals().items() if k not in ("assumptions", "calibration")}  # as given
     inputs["assumptions"] = dict(assumptions) if isinstance(assumptions, dict) else None
-    inputs["calibration"] = str(calibration) if calibration is not None and not isinstance(calibration, dict) else None
+    inputs["calibration"] = (
+        str(calibration) if calibration is not None and not isinstance(calibration, dict) else None
+    )
 
     gpus_per_node = _positive_int(gpus, "--gpus")
     nodes = _positive_int(nodes, "--nodes")
@@ -119,8 +145,10 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
         raise PlanError("give the GPU memory: --vram 40GB (or 40GiB), or a preset with --gpu a100-40g")
     vram_bytes = _bytes(vram, "--vram") if vram is not None else preset.memory_bytes
     if preset is not None and vram_bytes > preset.memory_bytes:
-        raise PlanError(f"--vram {format_bytes(vram_bytes)} is more than {preset.name}'s {format_bytes(preset.memory_bytes)}: "
-                        f"drop --vram, or choose the --gpu that has it")
+        raise PlanError(
+            f"--vram {format_bytes(vram_bytes)} is more than {preset.name}'s {format_bytes(preset.memory_bytes)}: "
+            f"drop --vram, or choose the --gpu that has it"
+        )
     headroom_bytes = parse_headroom(headroom, vram_bytes)
     budget_bytes = vram_bytes - headroom_bytes
     host_ram_bytes = _bytes(host_ram, "--host-ram") if host_ram is not None else None
@@ -134,8 +162,10 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
     if global_batch % world and round_global_batch:
         below, above = nearest_valid_global_batches(global_batch, world)
         rounded = above if below is None or above - global_batch <= global_batch - below else below
-        warnings.append(f"--global-batch {global_batch} rounded to {rounded}, the nearest multiple of {world} GPUs "
-                        f"(--round-global-batch); the learning rate is the recipe's, not rescaled")
+        warnings.append(
+            f"--global-batch {global_batch} rounded to {rounded}, the nearest multiple of {world} GPUs "
+            f"(--round-global-batch); the learning rate is the recipe's, not rescaled"
+        )
         global_batch = rounded
     check_global_batch(global_batch, world)
 
@@ -148,35 +178,60 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
             data, source = load_calibration(calibration), str(calibration)
         base = assumptions if isinstance(assumptions, Assumptions) else Assumptions()
         base, calibrated, calibration_warnings = apply_calibration(
-            data, source, base, spec, resolved_precision, preset.name if preset else None, vram_bytes)
+            data, source, base, spec, resolved_precision, preset.name if preset else None, vram_bytes
+        )
         assumed = base.replace(**dict(assumptions)) if isinstance(assumptions, dict) else base
         warnings += calibration_warnings
-    space = SearchSpace(global_batch=global_batch, precision=resolved_precision, latents=latents, ema=bool(ema),
-                        sharding=sharding, checkpointing=_checkpointing(checkpointing), max_micro_batch=max_micro_batch,
-                        adamw=adamw, gradient_as_bucket_view=bool(gradient_as_bucket_view))
+    space = SearchSpace(
+        global_batch=global_batch,
+        precision=resolved_precision,
+        latents=latents,
+        ema=bool(ema),
+        sharding=sharding,
+        checkpointing=_checkpointing(checkpointing),
+        max_micro_batch=max_micro_batch,
+        adamw=adamw,
+        gradient_as_bucket_view=bool(gradient_as_bucket_view),
+    )
     best, path = choose(spec, space, cluster, assumed, budget_bytes)
     decision, memory, throughput = best.decision, best.memory, best.throughput
     others = alternatives(spec, space, cluster, assumed, budget_bytes, decision)
     host, host_warnings = host_estimate(spec, decision, cluster, assumed, host_ram_bytes)
     warnings += host_warnings
-    warnings += _advice(spec, decision, cluster, preset, precision, main_process_ip, others, throughput, assumed)
+    warnings += _advice(
+        spec, decision, cluster, preset, precision, main_process_ip, others, throughput, assumed
+    )
 
     return {
         "schema": SCHEMA,
         "inputs": inputs,
         "units": UNIT_RULE,
         "model": {
-            "name": spec.name, "resolution": spec.resolution, "latent_size": spec.latent_size,
-            "in_channels": spec.in_channels, "out_channels": spec.out_channels, "tokens": spec.tokens,
-            "depth": spec.depth, "hidden": spec.hidden, "heads": spec.heads, "patch": spec.patch,
-            "num_classes": spec.num_classes, "params_trainable": spec.params_trainable,
+            "name": spec.name,
+            "resolution": spec.resolution,
+            "latent_size": spec.latent_size,
+            "in_channels": spec.in_channels,
+            "out_channels": spec.out_channels,
+            "tokens": spec.tokens,
+            "depth": spec.depth,
+            "hidden": spec.hidden,
+            "heads": spec.heads,
+            "patch": spec.patch,
+            "num_classes": spec.num_classes,
+            "params_trainable": spec.params_trainable,
             "fwd_flops_per_image": spec.fwd_flops_per_image,
         },
         "cluster": {
-            "nodes": nodes, "gpus_per_node": gpus_per_node, "world_size": world, "vram_bytes": vram_bytes,
-            "gpu": preset.name if preset else None, "gpu_description": preset.description if preset else None,
+            "nodes": nodes,
+            "gpus_per_node": gpus_per_node,
+            "world_size": world,
+            "vram_bytes": vram_bytes,
+            "gpu": preset.name if preset else None,
+            "gpu_description": preset.description if preset else None,
             "main_process_ip": main_process_ip,
-            "main_process_port": int(main_process_port) if main_process_port is not None else DEFAULT_MAIN_PROCESS_PORT,
+            "main_process_port": int(main_process_port)
+            if main_process_port is not None
+            else DEFAULT_MAIN_PROCESS_PORT,
         },
         "global_batch": global_batch,
         "decision": {
@@ -192,7 +247,9 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
             "vram_bytes": vram_bytes,
             "headroom_bytes": headroom_bytes,
             "peak_phase": memory.peak_phase,
-            "phases": {phase: dict(parts, total_bytes=sum(parts.values())) for phase, parts in memory.phases.items()},
+            "phases": {
+                phase: dict(parts, total_bytes=sum(parts.values())) for phase, parts in memory.phases.items()
+            },
             "activation_breakdown": activation_breakdown(spec, decision, assumed),
         },
         "throughput": {
@@ -208,15 +265,26 @@ def make_plan(gpus: int = 8, global_batch: int = 256, *, vram=None, gpu: str | N
         },
         "host": host,
         "alternatives": [
-            {**dataclasses.asdict(c.decision),
-             "peak_bytes": c.memory.peak_bytes, "est_images_per_s": c.throughput.images_per_s}
+            {
+                **dataclasses.asdict(c.decision),
+                "peak_bytes": c.memory.peak_bytes,
+                "est_images_per_s": c.throughput.images_per_s,
+            }
             for c in others
         ],
         "search": {
             "rule": "furthest point that fits on a fixed path from the leanest configuration; each step takes the move "
-                    "(larger micro-batch | one checkpointed block fewer | less sharding) with the most img/s per byte",
-            "path": [[c.decision.sharding, c.decision.micro_batch, c.decision.checkpointed_blocks, c.memory.peak_bytes,
-                      round(c.throughput.images_per_s, 2)] for c in path],
+            "(larger micro-batch | one checkpointed block fewer | less sharding) with the most img/s per byte",
+            "path": [
+                [
+                    c.decision.sharding,
+                    c.decision.micro_batch,
+                    c.decision.checkpointed_blocks,
+                    c.memory.peak_bytes,
+                    round(c.throughput.images_per_s, 2),
+                ]
+                for c in path
+            ],
         },
         "assumptions": dataclasses.asdict(assumed),
         "calibration": calibrated,  # null, or the file, GPU and date of the measured figures used
@@ -246,38 +314,56 @@ def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
         "loss_bytes": memory.loss_saved_bytes(spec, b, assumed.loss_tensors),
         "recompute_bytes": memory.recompute_bytes(spec, b, eb, assumed.attention) if c else 0,
         "checkpointed_forward_bytes": memory.checkpointed_forward_working_bytes(
-            spec, b, eb, memory.casts_weights(decision)) if c else 0,
+            spec, b, eb, memory.casts_weights(decision)
+        )
+        if c
+        else 0,
         "backward_temporary_bytes": memory.backward_temporary_bytes(spec, b, eb),
     }
 
 
-def _advice(spec, decision, cluster, preset, asked_precision, main_process_ip, others, throughput,
-            assumed) -> list[str]:
+def _advice(
+    spec, decision, cluster, preset, asked_precision, main_process_ip, others, throughput, assumed
+) -> list[str]:
     notes = []
     if preset is None:
-        notes.append("throughput assumes an A100-class peak (312 TFLOP/s bf16) because only --vram was given: "
-                     "pass --gpu for the real rates")
+        notes.append(
+            "throughput assumes an A100-class peak (312 TFLOP/s bf16) because only --vram was given: "
+            "pass --gpu for the real rates"
+        )
         if asked_precision == "auto":
-            notes.append("--precision auto chose bf16 assuming a GPU with bf16 (Ampere or newer); "
-                         "for V100 or T4 pass --precision fp16 or --gpu")
+            notes.append(
+                "--precision auto chose bf16 assuming a GPU with bf16 (Ampere or newer); "
+                "for V100 or T4 pass --precision fp16 or --gpu"
+            )
     if cluster.nodes > 1 and not main_process_ip:
-        notes.append("no --main-process-ip: the SLURM script takes the first node's address; with another launcher "
-                     "pass --main_process_ip to every `accelerate launch`")
+        notes.append(
+            "no --main-process-ip: the SLURM script takes the first node's address; with another launcher "
+            "pass --main_process_ip to every `accelerate launch`"
+        )
     if decision.precision == "fp16":
-        notes.append("fp16 trains with dynamic loss scaling (Accelerate's GradScaler); bf16 needs none where available")
+        notes.append(
+            "fp16 trains with dynamic loss scaling (Accelerate's GradScaler); bf16 needs none where available"
+        )
     if decision.latents == "online":
-        notes.append("--latents online runs the VAE encoder on every image of every step; precomputed latents "
-                     "(dit-accel extract-latents) save its compute and memory")
+        notes.append(
+            "--latents online runs the VAE encoder on every image of every step; precomputed latents "
+            "(dit-accel extract-latents) save its compute and memory"
+        )
     if decision.sharded:
-        notes.append(f"{decision.sharding} shards with FSDP ({SHARDING_MODES[decision.sharding].fsdp1_strategy}): the shared embedder "
-                     f"must sit in the root FSDP unit, and grads are reduce-scattered every micro-step (sync_each_batch)")
+        notes.append(
+            f"{decision.sharding} shards with FSDP ({SHARDING_MODES[decision.sharding].fsdp1_strategy}): the shared embedder "
+            f"must sit in the root FSDP unit, and grads are reduce-scattered every micro-step (sync_each_batch)"
+        )
     communication = communication_warning(spec, decision, cluster, assumed, throughput)
     if communication:
         notes.append(communication)
     faster = [c for c in others if c.throughput.images_per_s > throughput.images_per_s * 1.03]
     if faster:
         f = faster[0].decision
-        notes.append(f"an off-path choice estimates {faster[0].throughput.images_per_s / throughput.images_per_s - 1:.0%} "
-                     f"faster ({f.sharding}, micro-batch {f.micro_batch}, {f.checkpointed_blocks} checkpointed): "
-                     f"pin it with --sharding/--checkpointing/--max-micro-batch if you trust the throughput model")
+        notes.append(
+            f"an off-path choice estimates {faster[0].throughput.images_per_s / throughput.images_per_s - 1:.0%} "
+            f"faster ({f.sharding}, micro-batch {f.micro_batch}, {f.checkpointed_blocks} checkpointed): "
+            f"pin it with --sharding/--checkpointing/--max-micro-batch if you trust the throughput model"
+        )
     return notes

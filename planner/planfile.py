@@ -117,7 +117,9 @@ class Plan:
         """The same plan with some decision fields changed (a traced variant, a different micro-batch)."""
         source = copy.deepcopy(self.source)
         source.setdefault("decision", {}).update(changes)
-        return dataclasses.replace(self, decision=dataclasses.replace(self.decision, **changes), source=source)
+        return dataclasses.replace(
+            self, decision=dataclasses.replace(self.decision, **changes), source=source
+        )
 
     def to_json(self) -> dict:
         return copy.deepcopy(self.source)
@@ -177,57 +179,92 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
     top = _Reader(data, "", origin)
     schema = data.get("schema")
     if schema not in KNOWN_SCHEMAS:
-        raise PlanError(f"plan {origin} has schema {schema!r} but this dit-accel reads {', '.join(KNOWN_SCHEMAS)}: "
-                        f"re-plan with the dit-plan of this dit-accel version")
+        raise PlanError(
+            f"plan {origin} has schema {schema!r} but this dit-accel reads {', '.join(KNOWN_SCHEMAS)}: "
+            f"re-plan with the dit-plan of this dit-accel version"
+        )
     m = top.section("model")
     model = PlanModel(
-        name=m.get("name", str), resolution=m.get("resolution", int, minimum=1),
-        latent_size=m.get("latent_size", int, None, minimum=1), in_channels=m.get("in_channels", int, None, minimum=1),
-        depth=m.get("depth", int, None, minimum=1), hidden=m.get("hidden", int, None, minimum=1),
-        heads=m.get("heads", int, None, minimum=1), patch=m.get("patch", int, None, minimum=1),
+        name=m.get("name", str),
+        resolution=m.get("resolution", int, minimum=1),
+        latent_size=m.get("latent_size", int, None, minimum=1),
+        in_channels=m.get("in_channels", int, None, minimum=1),
+        depth=m.get("depth", int, None, minimum=1),
+        hidden=m.get("hidden", int, None, minimum=1),
+        heads=m.get("heads", int, None, minimum=1),
+        patch=m.get("patch", int, None, minimum=1),
         num_classes=m.get("num_classes", int, None, minimum=1),
         params_trainable=m.get("params_trainable", int, None, minimum=1),
-        fwd_flops_per_image=m.get("fwd_flops_per_image", float, None))
+        fwd_flops_per_image=m.get("fwd_flops_per_image", float, None),
+    )
     c = top.section("cluster")
     cluster = PlanCluster(
-        nodes=c.get("nodes", int, 1, minimum=1), gpus_per_node=c.get("gpus_per_node", int, None, minimum=1) or 0,
-        world_size=c.get("world_size", int, minimum=1), vram_bytes=c.get("vram_bytes", int, 0, minimum=0),
-        gpu=c.get("gpu", str, None), main_process_ip=c.get("main_process_ip", str, None),
-        main_process_port=c.get("main_process_port", int, None, minimum=1))
+        nodes=c.get("nodes", int, 1, minimum=1),
+        gpus_per_node=c.get("gpus_per_node", int, None, minimum=1) or 0,
+        world_size=c.get("world_size", int, minimum=1),
+        vram_bytes=c.get("vram_bytes", int, 0, minimum=0),
+        gpu=c.get("gpu", str, None),
+        main_process_ip=c.get("main_process_ip", str, None),
+        main_process_port=c.get("main_process_port", int, None, minimum=1),
+    )
     if cluster.gpus_per_node and cluster.nodes * cluster.gpus_per_node != cluster.world_size:
-        top.fail(f"cluster.world_size {cluster.world_size} is not nodes x gpus_per_node "
-                 f"({cluster.nodes} x {cluster.gpus_per_node})")
+        top.fail(
+            f"cluster.world_size {cluster.world_size} is not nodes x gpus_per_node "
+            f"({cluster.nodes} x {cluster.gpus_per_node})"
+        )
     d = top.section("decision")
     decision = Decision(
-        micro_batch=d.get("micro_batch", int, minimum=1), grad_accum=d.get("grad_accum", int, minimum=1),
+        micro_batch=d.get("micro_batch", int, minimum=1),
+        grad_accum=d.get("grad_accum", int, minimum=1),
         checkpointed_blocks=d.get("checkpointed_blocks", int, minimum=0),
         precision=d.get("precision", str, choices=tuple(PRECISIONS)),
         sharding=d.get("sharding", str, "ddp", choices=tuple(SHARDING_MODES)),
-        latents=d.get("latents", str, choices=LATENT_MODES), ema=d.get("ema", bool, True),
+        latents=d.get("latents", str, choices=LATENT_MODES),
+        ema=d.get("ema", bool, True),
         adamw=d.get("adamw", str, "fused", choices=("fused", "foreach", "single")),
-        gradient_as_bucket_view=d.get("gradient_as_bucket_view", bool, False))
+        gradient_as_bucket_view=d.get("gradient_as_bucket_view", bool, False),
+    )
     global_batch = top.get("global_batch", int, minimum=1)
     if decision.micro_batch * decision.grad_accum * cluster.world_size != global_batch:
-        top.fail(f"global_batch {global_batch} != micro_batch x grad_accum x world_size "
-                 f"({decision.micro_batch} x {decision.grad_accum} x {cluster.world_size})")
+        top.fail(
+            f"global_batch {global_batch} != micro_batch x grad_accum x world_size "
+            f"({decision.micro_batch} x {decision.grad_accum} x {cluster.world_size})"
+        )
     if model.depth is not None and decision.checkpointed_blocks > model.depth:
-        top.fail(f"decision.checkpointed_blocks {decision.checkpointed_blocks} is more than the model's "
-                 f"{model.depth} blocks")
+        top.fail(
+            f"decision.checkpointed_blocks {decision.checkpointed_blocks} is more than the model's "
+            f"{model.depth} blocks"
+        )
     mem = top.section("memory", optional=True)
     memory = None
     if mem is not None:
         memory = PlanMemory(
             components={name: mem.get(name, int, 0, minimum=0) for name in COMPONENTS},
-            peak_bytes=mem.get("peak_bytes", int, minimum=0), budget_bytes=mem.get("budget_bytes", int, 0),
-            peak_phase=mem.get("peak_phase", str, None))
+            peak_bytes=mem.get("peak_bytes", int, minimum=0),
+            budget_bytes=mem.get("budget_bytes", int, 0),
+            peak_phase=mem.get("peak_phase", str, None),
+        )
     t = top.section("throughput", optional=True) or _Reader({}, "throughput", origin)
     throughput = PlanThroughput(
-        est_images_per_s=t.get("est_images_per_s", float, None), step_flops=t.get("step_flops", float, None),
-        assumed_mfu=t.get("assumed_mfu", float, None), step_time_s=t.get("step_time_s", float, None))
-    plan = Plan(schema=schema, model=model, cluster=cluster, global_batch=global_batch, decision=decision,
-                memory=memory, throughput=throughput, inputs=top.get("inputs", dict, {}),
-                host=top.get("host", dict, {}), assumptions=top.get("assumptions", dict, {}),
-                warnings=tuple(top.get("warnings", list, [])), source=copy.deepcopy(data))
+        est_images_per_s=t.get("est_images_per_s", float, None),
+        step_flops=t.get("step_flops", float, None),
+        assumed_mfu=t.get("assumed_mfu", float, None),
+        step_time_s=t.get("step_time_s", float, None),
+    )
+    plan = Plan(
+        schema=schema,
+        model=model,
+        cluster=cluster,
+        global_batch=global_batch,
+        decision=decision,
+        memory=memory,
+        throughput=throughput,
+        inputs=top.get("inputs", dict, {}),
+        host=top.get("host", dict, {}),
+        assumptions=top.get("assumptions", dict, {}),
+        warnings=tuple(top.get("warnings", list, [])),
+        source=copy.deepcopy(data),
+    )
     spec_from_plan(plan)  # the network must be buildable: a bad width or head count is the plan's fault
     return plan
 
@@ -236,12 +273,16 @@ def read_plan(path: str | Path) -> Plan:
     """plan.json from disk, checked (see `parse_plan`); a missing or unreadable file is one line too."""
     path = Path(path)
     if not path.is_file():
-        raise PlanError(f"plan {path} not found: make one with `dit-plan --gpus N --vram SIZE --out DIR` and pass "
-                        f"DIR/plan.json")
+        raise PlanError(
+            f"plan {path} not found: make one with `dit-plan --gpus N --vram SIZE --out DIR` and pass "
+            f"DIR/plan.json"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise PlanError(f"plan {path} is not valid JSON ({error.msg} at line {error.lineno}): {REMAKE}") from None
+        raise PlanError(
+            f"plan {path} is not valid JSON ({error.msg} at line {error.lineno}): {REMAKE}"
+        ) from None
     except (OSError, UnicodeDecodeError) as error:
         raise PlanError(f"cannot read plan {path} ({error}): check the path and its permissions") from None
     return parse_plan(data, str(path))
@@ -254,10 +295,18 @@ def spec_from_plan(plan: Plan | dict) -> DiTSpec:
         plan = parse_plan(plan)
     model, inputs, latents = plan.model, plan.inputs, plan.decision.latents
     if None not in (model.depth, model.hidden, model.heads, model.patch):
-        return custom_spec(depth=model.depth, hidden=model.hidden, heads=model.heads, patch=model.patch,
-                           resolution=model.resolution, latents=latents,
-                           num_classes=model.num_classes or inputs.get("num_classes") or NUM_CLASSES,
-                           name=model.name)
-    overrides = {key: inputs.get(key) for key in ("depth", "hidden", "heads", "num_classes") if inputs.get(key)}
+        return custom_spec(
+            depth=model.depth,
+            hidden=model.hidden,
+            heads=model.heads,
+            patch=model.patch,
+            resolution=model.resolution,
+            latents=latents,
+            num_classes=model.num_classes or inputs.get("num_classes") or NUM_CLASSES,
+            name=model.name,
+        )
+    overrides = {
+        key: inputs.get(key) for key in ("depth", "hidden", "heads", "num_classes") if inputs.get(key)
+    }
     name = inputs.get("model") or model.name.removesuffix("-custom")
     return model_spec(name, model.resolution, latents, **overrides)

@@ -24,16 +24,21 @@ DESCRIBE = {
     "temporaries": "short-lived buffers",
     "overhead": "CUDA context, cuBLAS, NCCL, fragmentation",
 }
-PHASE_NAMES = {"vae_encode": "VAE encode", "last_block_forward": "last block's forward", "end_of_forward": "end of forward",
-               "start_of_backward": "start of backward", "end_of_backward": "end of backward",
-               "optimizer_step": "optimizer step"}
+PHASE_NAMES = {
+    "vae_encode": "VAE encode",
+    "last_block_forward": "last block's forward",
+    "end_of_forward": "end of forward",
+    "start_of_backward": "start of backward",
+    "end_of_backward": "end of backward",
+    "optimizer_step": "optimizer step",
+}
 # What the activations are at each moment (plan.md's arithmetic).
 ACTIVATIONS_AT = {
     "vae_encode": "none yet (the DiT forward has not started)",
     "last_block_forward": "every block's input and the last (checkpointed) block's working set at its MLP",
     "end_of_forward": "every saved tensor and the loss's working set",
     "start_of_backward": "the saved tensors less the loss, the final layer's and the last block's MLP output"
-                         " (+ the last block recomputed when checkpointed)",
+    " (+ the last block recomputed when checkpointed)",
     "end_of_backward": "block 0's saved set (recomputed when checkpointed) and the patch embedding's input",
     "optimizer_step": "none",
 }
@@ -51,7 +56,9 @@ def describe(plan: dict, component: str) -> str:
     d, m = plan["decision"], plan["memory"]
     text = DESCRIBE[component]
     if component == "weights" and d["sharding"] != "ddp":
-        text = f"fp32 master shard (1/{plan['cluster']['world_size']}) + FSDP gathered {d['precision']} params"
+        text = (
+            f"fp32 master shard (1/{plan['cluster']['world_size']}) + FSDP gathered {d['precision']} params"
+        )
     elif component == "grads":
         if d["sharding"] != "ddp":
             text = f"fp32 gradient shard (1/{plan['cluster']['world_size']})"
@@ -64,22 +71,33 @@ def describe(plan: dict, component: str) -> str:
     elif component == "activations":
         a = m["activation_breakdown"]
         text = f"{a['stored_blocks']} blocks stored, {a['checkpointed_blocks']} checkpointed"
-        text += {"last_block_forward": "; the last block's forward", "end_of_forward": "; + the loss",
-                 "start_of_backward": "; the last block's backward", "end_of_backward": "; block 0's backward"
-                 }.get(m["peak_phase"], "")
+        text += {
+            "last_block_forward": "; the last block's forward",
+            "end_of_forward": "; + the loss",
+            "start_of_backward": "; the last block's backward",
+            "end_of_backward": "; block 0's backward",
+        }.get(m["peak_phase"], "")
     elif component == "autocast_cache" and m["peak_phase"] == "last_block_forward":
-        text = "autocast's cached copies of the patch conv and the embedder (checkpointed blocks cast uncached)"
+        text = (
+            "autocast's cached copies of the patch conv and the embedder (checkpointed blocks cast uncached)"
+        )
     elif component == "autocast_cache" and m["peak_phase"] == "end_of_forward":
         text = "autocast's cached bf16/fp16 copy of every weight it cast"
         if d["checkpointed_blocks"]:
             text += f" outside the {d['checkpointed_blocks']} checkpointed blocks"
     elif component == "temporaries":
         in_backward = "activation and weight gradients in flight"
-        text = {"optimizer_step": "foreach AdamW intermediate" if d["adamw"] == "foreach" else "none (fused AdamW)",
-                "start_of_backward": in_backward, "end_of_backward": in_backward}.get(m["peak_phase"], text)
+        text = {
+            "optimizer_step": "foreach AdamW intermediate"
+            if d["adamw"] == "foreach"
+            else "none (fused AdamW)",
+            "start_of_backward": in_backward,
+            "end_of_backward": in_backward,
+        }.get(m["peak_phase"], text)
     elif component == "overhead":
         a = plan["assumptions"]
-        text = f"CUDA context, cuBLAS{', NCCL' if plan['cluster']['world_size'] > 1 else ''}, fragmentation {a['fragmentation']:.0%}"
+        nccl = ", NCCL" if plan["cluster"]["world_size"] > 1 else ""
+        text = f"CUDA context, cuBLAS{nccl}, fragmentation {a['fragmentation']:.0%}"
     return text
 
 
@@ -98,28 +116,63 @@ def title(plan: dict) -> str:
     nodes = f"{c['nodes']} node{'s' if c['nodes'] > 1 else ''}"
     memory = f"{format_bytes(c['vram_bytes'])} = {format_bytes(c['vram_bytes'], 'GB')}"
     gpu = f"{c['gpu']} GPUs ({memory})" if c["gpu"] else f"GPUs of {memory}"
-    return (f"{m['name']} @ {m['resolution']} px ({m['params_trainable']:,} params) on {nodes} x "
-            f"{c['gpus_per_node']} {gpu}, global batch {plan['global_batch']}")
+    return (
+        f"{m['name']} @ {m['resolution']} px ({m['params_trainable']:,} params) on {nodes} x "
+        f"{c['gpus_per_node']} {gpu}, global batch {plan['global_batch']}"
+    )
 
 
 def decision_rows(plan: dict) -> tuple[list, list]:
     d, t, m = plan["decision"], plan["throughput"], plan["memory"]
-    headers = ["micro-batch", "grad accum", "checkpointed blocks", "precision", "sharding", "latents", "EMA",
-               "peak GiB", "% VRAM", "est. img/s"]
-    row = [d["micro_batch"], d["grad_accum"], f"{d['checkpointed_blocks']} / {plan['model']['depth']}", d["precision"],
-           d["sharding"], d["latents"], "on" if d["ema"] else "off", _gib(m["peak_bytes"]),
-           _share(m["peak_bytes"], m["vram_bytes"]), f"{t['est_images_per_s']:.0f}"]
+    headers = [
+        "micro-batch",
+        "grad accum",
+        "checkpointed blocks",
+        "precision",
+        "sharding",
+        "latents",
+        "EMA",
+        "peak GiB",
+        "% VRAM",
+        "est. img/s",
+    ]
+    row = [
+        d["micro_batch"],
+        d["grad_accum"],
+        f"{d['checkpointed_blocks']} / {plan['model']['depth']}",
+        d["precision"],
+        d["sharding"],
+        d["latents"],
+        "on" if d["ema"] else "off",
+        _gib(m["peak_bytes"]),
+        _share(m["peak_bytes"], m["vram_bytes"]),
+        f"{t['est_images_per_s']:.0f}",
+    ]
     return headers, [row]
 
 
 def memory_rows(plan: dict) -> tuple[list, list]:
     m = plan["memory"]
     vram = m["vram_bytes"]
-    rows = [[name, _gib(m[name]), _share(m[name], vram), describe(plan, name)] for name in COMPONENTS if m[name]]
-    rows.append(["peak", _gib(m["peak_bytes"]), _share(m["peak_bytes"], vram),
-                 f"at the {PHASE_NAMES[m['peak_phase']]}"])
-    rows.append(["budget", _gib(m["budget_bytes"]), _share(m["budget_bytes"], vram),
-                 f"VRAM {format_bytes(vram)} minus {format_bytes(m['headroom_bytes'])} headroom"])
+    rows = [
+        [name, _gib(m[name]), _share(m[name], vram), describe(plan, name)] for name in COMPONENTS if m[name]
+    ]
+    rows.append(
+        [
+            "peak",
+            _gib(m["peak_bytes"]),
+            _share(m["peak_bytes"], vram),
+            f"at the {PHASE_NAMES[m['peak_phase']]}",
+        ]
+    )
+    rows.append(
+        [
+            "budget",
+            _gib(m["budget_bytes"]),
+            _share(m["budget_bytes"], vram),
+            f"VRAM {format_bytes(vram)} minus {format_bytes(m['headroom_bytes'])} headroom",
+        ]
+    )
     return ["component", "GiB", "% VRAM", "what"], rows
 
 
@@ -132,10 +185,28 @@ def phase_rows(plan: dict) -> tuple[list, list]:
 
 
 def alternative_rows(plan: dict) -> tuple[list, list]:
-    headers = ["micro-batch", "grad accum", "checkpointed blocks", "sharding", "peak GiB", "% VRAM", "est. img/s"]
+    headers = [
+        "micro-batch",
+        "grad accum",
+        "checkpointed blocks",
+        "sharding",
+        "peak GiB",
+        "% VRAM",
+        "est. img/s",
+    ]
     vram = plan["memory"]["vram_bytes"]
-    rows = [[a["micro_batch"], a["grad_accum"], a["checkpointed_blocks"], a["sharding"], _gib(a["peak_bytes"]),
-             _share(a["peak_bytes"], vram), f"{a['est_images_per_s']:.0f}"] for a in plan["alternatives"]]
+    rows = [
+        [
+            a["micro_batch"],
+            a["grad_accum"],
+            a["checkpointed_blocks"],
+            a["sharding"],
+            _gib(a["peak_bytes"]),
+            _share(a["peak_bytes"], vram),
+            f"{a['est_images_per_s']:.0f}",
+        ]
+        for a in plan["alternatives"]
+    ]
     return headers, rows
 
 
@@ -155,8 +226,11 @@ def render(plan: dict, fmt: str = "table") -> str:
         return json.dumps(plan, indent=2)
     tablefmt = TABLEFMT[fmt]
     peak = PHASE_NAMES[plan["memory"]["peak_phase"]]
-    sections = [("Decision", decision_rows(plan)), (f"Memory per GPU at its peak ({peak})", memory_rows(plan)),
-                ("Alternatives (fastest first)", alternative_rows(plan))]
+    sections = [
+        ("Decision", decision_rows(plan)),
+        (f"Memory per GPU at its peak ({peak})", memory_rows(plan)),
+        ("Alternatives (fastest first)", alternative_rows(plan)),
+    ]
     heading = {"table": "{}", "markdown": "### {}", "github": "### {}", "latex": "% {}"}[fmt]
     out = [heading.format(title(plan)), f"units: {plan['units']}"]
     if plan.get("calibration"):
@@ -165,28 +239,63 @@ def render(plan: dict, fmt: str = "table") -> str:
     for name, (headers, rows) in sections:
         if not rows:
             continue
-        out += [heading.format(name), tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True), ""]
+        out += [
+            heading.format(name),
+            tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True),
+            "",
+        ]
     if plan["warnings"]:
         out.append(heading.format("Warnings"))
-        out += [("- " if fmt in ("markdown", "github") else "% " if fmt == "latex" else "! ") + w for w in plan["warnings"]]
+        out += [
+            ("- " if fmt in ("markdown", "github") else "% " if fmt == "latex" else "! ") + w
+            for w in plan["warnings"]
+        ]
     return "\n".join(out).rstrip() + "\n"
 
 
-SWEEP_HEADERS = ["nodes x gpus", "gpu / vram", "global batch", "model", "res", "micro-batch", "grad accum",
-                 "ckpt blocks", "sharding", "precision", "peak GiB", "% VRAM", "est. img/s", "note"]
+SWEEP_HEADERS = [
+    "nodes x gpus",
+    "gpu / vram",
+    "global batch",
+    "model",
+    "res",
+    "micro-batch",
+    "grad accum",
+    "ckpt blocks",
+    "sharding",
+    "precision",
+    "peak GiB",
+    "% VRAM",
+    "est. img/s",
+    "note",
+]
 
 
 def sweep_row(combo: dict, plan: dict | None, error: str | None) -> dict:
     """One sweep row as a dict (JSON) whose values `render_sweep` lays out."""
     gpu = combo.get("gpu") or combo.get("vram")
-    row = {"nodes": combo["nodes"], "gpus": combo["gpus"], "gpu_or_vram": gpu, "global_batch": combo["global_batch"],
-           "model": combo["model"], "resolution": combo["resolution"]}
+    row = {
+        "nodes": combo["nodes"],
+        "gpus": combo["gpus"],
+        "gpu_or_vram": gpu,
+        "global_batch": combo["global_batch"],
+        "model": combo["model"],
+        "resolution": combo["resolution"],
+    }
     if plan is not None:
         d, m = plan["decision"], plan["memory"]
-        row.update(global_batch=plan["global_batch"], micro_batch=d["micro_batch"], grad_accum=d["grad_accum"],
-                   checkpointed_blocks=d["checkpointed_blocks"], sharding=d["sharding"], precision=d["precision"],
-                   peak_bytes=m["peak_bytes"], vram_bytes=m["vram_bytes"],
-                   est_images_per_s=plan["throughput"]["est_images_per_s"], note="")
+        row.update(
+            global_batch=plan["global_batch"],
+            micro_batch=d["micro_batch"],
+            grad_accum=d["grad_accum"],
+            checkpointed_blocks=d["checkpointed_blocks"],
+            sharding=d["sharding"],
+            precision=d["precision"],
+            peak_bytes=m["peak_bytes"],
+            vram_bytes=m["vram_bytes"],
+            est_images_per_s=plan["throughput"]["est_images_per_s"],
+            note="",
+        )
     else:
         row.update(note=error)
     return row
@@ -198,17 +307,29 @@ def render_sweep(rows: list[dict], fmt: str = "table") -> str:
     table = []
     for r in rows:
         planned = "micro_batch" in r
-        table.append([
-            f"{r['nodes']} x {r['gpus']}", r["gpu_or_vram"], r["global_batch"], r["model"], r["resolution"],
-            r.get("micro_batch", "-"), r.get("grad_accum", "-"), r.get("checkpointed_blocks", "-"),
-            r.get("sharding", "-"), r.get("precision", "-"),
-            _gib(r["peak_bytes"]) if planned else "-", _share(r["peak_bytes"], r["vram_bytes"]) if planned else "-",
-            f"{r['est_images_per_s']:.0f}" if planned else "-", r["note"],
-        ])
+        table.append(
+            [
+                f"{r['nodes']} x {r['gpus']}",
+                r["gpu_or_vram"],
+                r["global_batch"],
+                r["model"],
+                r["resolution"],
+                r.get("micro_batch", "-"),
+                r.get("grad_accum", "-"),
+                r.get("checkpointed_blocks", "-"),
+                r.get("sharding", "-"),
+                r.get("precision", "-"),
+                _gib(r["peak_bytes"]) if planned else "-",
+                _share(r["peak_bytes"], r["vram_bytes"]) if planned else "-",
+                f"{r['est_images_per_s']:.0f}" if planned else "-",
+                r["note"],
+            ]
+        )
     return tabulate(table, headers=SWEEP_HEADERS, tablefmt=TABLEFMT[fmt], disable_numparse=True) + "\n"
 
 
 # --- plan.md -----------------------------------------------------------------------------------------
+
 
 def _md(headers, rows) -> str:
     return tabulate(rows, headers=headers, tablefmt="pipe", disable_numparse=True)
@@ -226,8 +347,11 @@ def plan_markdown(plan: dict) -> str:
         "",
         f"Units: {plan['units']}. Memory is per GPU; `dit-plan` wrote this with schema `{plan['schema']}`.",
         "",
-        (f"Measured figures: {calibration_line(plan['calibration'])}." if plan.get("calibration")
-         else "No calibration: every overhead, the fragmentation and the MFU are assumed (see Assumptions)."),
+        (
+            f"Measured figures: {calibration_line(plan['calibration'])}."
+            if plan.get("calibration")
+            else "No calibration: every overhead, the fragmentation and the MFU are assumed (see Assumptions)."
+        ),
         "",
         "## Inputs",
         "",
@@ -239,7 +363,8 @@ def plan_markdown(plan: dict) -> str:
         "",
         f"`micro_batch x grad_accum x world_size = {b} x {d['grad_accum']} x {c['world_size']} = {plan['global_batch']}`"
         f" (the global batch, exactly). Accelerate: `mixed_precision: {d['mixed_precision']}`"
-        + (f", FSDP `{d['fsdp_sharding_strategy']}`" if d["fsdp_sharding_strategy"] else "") + ".",
+        + (f", FSDP `{d['fsdp_sharding_strategy']}`" if d["fsdp_sharding_strategy"] else "")
+        + ".",
         "",
         f"## Memory per GPU at its peak ({PHASE_NAMES[m['peak_phase']]})",
         "",
@@ -265,7 +390,11 @@ def plan_markdown(plan: dict) -> str:
         f"{a['checkpointed_blocks']} checkpointed x {format_bytes(a['checkpointed_block_bytes'])} (their inputs) + "
         f"patch embedding and final layer {format_bytes(a['head_and_tail_bytes'])} = {format_bytes(a['saved_bytes'])};"
         f" the loss adds {format_bytes(a['loss_bytes'])} at the end of the forward"
-        + (f"; recomputing a checkpointed block adds {format_bytes(a['recompute_bytes'])}" if a["recompute_bytes"] else "")
+        + (
+            f"; recomputing a checkpointed block adds {format_bytes(a['recompute_bytes'])}"
+            if a["recompute_bytes"]
+            else ""
+        )
         + f". Backward has {format_bytes(a['backward_temporary_bytes'])} of gradients in flight inside a block.",
         f"- activations at the {PHASE_NAMES[m['peak_phase']]}: {ACTIVATIONS_AT[m['peak_phase']]} = "
         f"{format_bytes(m['activations'])}.",
@@ -305,9 +434,13 @@ def plan_markdown(plan: dict) -> str:
         "",
         plan["search"]["rule"] + ".",
         "",
-        _md(["sharding", "micro-batch", "checkpointed", "peak GiB", "est. img/s", "fits"],
-            [[p[0], p[1], p[2], _gib(p[3]), f"{p[4]:.0f}", "yes" if p[3] <= m["budget_bytes"] else "no"]
-             for p in plan["search"]["path"]]),
+        _md(
+            ["sharding", "micro-batch", "checkpointed", "peak GiB", "est. img/s", "fits"],
+            [
+                [p[0], p[1], p[2], _gib(p[3]), f"{p[4]:.0f}", "yes" if p[3] <= m["budget_bytes"] else "no"]
+                for p in plan["search"]["path"]
+            ],
+        ),
         "",
     ]
     if plan["warnings"]:

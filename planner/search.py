@@ -32,6 +32,7 @@ FALLBACK_BUSBW_BYTES_PER_S = 100e9  # intra-node bandwidth when only --vram is k
 
 # --- throughput --------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Throughput:
     step_flops: float  # FLOPs of one optimizer step on the whole cluster (recompute and VAE encode included)
@@ -82,7 +83,9 @@ def comm_bytes_per_gpu(spec: DiTSpec, decision: Decision, cluster: Cluster) -> f
 def peak_flops(cluster: Cluster, precision: str, assumptions: Assumptions) -> float:
     if cluster.gpu is not None:
         return cluster.gpu.matmul_peak_flops(precision)
-    return assumptions.default_peak_flops / (2 if precision == "fp32" else 1)  # TF32 runs at half the bf16 rate
+    return assumptions.default_peak_flops / (
+        2 if precision == "fp32" else 1
+    )  # TF32 runs at half the bf16 rate
 
 
 def bus_bandwidth(cluster: Cluster, assumptions: Assumptions) -> float:
@@ -93,7 +96,9 @@ def bus_bandwidth(cluster: Cluster, assumptions: Assumptions) -> float:
     return cluster.gpu.intra_node_busbw_bytes_per_s if cluster.gpu else FALLBACK_BUSBW_BYTES_PER_S
 
 
-def estimate_throughput(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions) -> Throughput:
+def estimate_throughput(
+    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions
+) -> Throughput:
     """Images per second: per-GPU compute at peak x MFU x small-batch efficiency, plus exposed communication."""
     global_batch = decision.micro_batch * decision.grad_accum * cluster.world_size
     per_image = image_step_flops(spec, decision)
@@ -104,18 +109,30 @@ def estimate_throughput(spec: DiTSpec, decision: Decision, cluster: Cluster, ass
     if decision.sharded:
         rate *= assumptions.fsdp_efficiency
     compute_s = decision.micro_batch * decision.grad_accum * per_image / rate
-    comm_s = assumptions.comm_exposed_fraction * comm_bytes_per_gpu(spec, decision, cluster) / bus_bandwidth(cluster, assumptions)
+    comm_s = (
+        assumptions.comm_exposed_fraction
+        * comm_bytes_per_gpu(spec, decision, cluster)
+        / bus_bandwidth(cluster, assumptions)
+    )
     step_s = compute_s + comm_s
-    return Throughput(step_flops=per_image * global_batch, images_per_s=global_batch / step_s, step_time_s=step_s,
-                      compute_time_s=compute_s, exposed_comm_time_s=comm_s, efficiency=efficiency,
-                      peak_flops_per_gpu=peak, assumed_mfu=mfu)
+    return Throughput(
+        step_flops=per_image * global_batch,
+        images_per_s=global_batch / step_s,
+        step_time_s=step_s,
+        compute_time_s=compute_s,
+        exposed_comm_time_s=comm_s,
+        efficiency=efficiency,
+        peak_flops_per_gpu=peak,
+        assumed_mfu=mfu,
+    )
 
 
 COMM_WARNING_SHARE = 0.25  # exposed communication above this share of the step time gets a plan warning
 
 
-def communication_warning(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions,
-                          throughput: Throughput) -> str | None:
+def communication_warning(
+    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions, throughput: Throughput
+) -> str | None:
     """Why a plan estimates few images/s when its step is communication-bound (typically across nodes with a
     small per-GPU batch): the share, the bytes and the bandwidth behind `estimate_throughput`, and the fixes."""
     share = throughput.exposed_comm_time_s / throughput.step_time_s if throughput.step_time_s else 0.0
@@ -123,24 +140,36 @@ def communication_warning(spec: DiTSpec, decision: Decision, cluster: Cluster, a
         return None
     busbw = bus_bandwidth(cluster, assumptions)
     if cluster.nodes > 1:
-        source, key, example = "inter-node", "inter_node_busbw_bytes_per_s", " (e.g. 50e9 for 400 Gb/s NDR per GPU)"
+        source, key, example = (
+            "inter-node",
+            "inter_node_busbw_bytes_per_s",
+            " (e.g. 50e9 for 400 Gb/s NDR per GPU)",
+        )
     else:
         source, key, example = "intra-node", "intra_node_busbw_bytes_per_s", ""
     if decision.sharding == "ddp":
         collectives = "the fp32 gradient all-reduce, once per optimizer step"
-        amortise = (f"a larger --global-batch (gradient accumulation reaches it where memory is short) spreads the "
-                    f"same bytes over more images")
+        amortise = (
+            "a larger --global-batch (gradient accumulation reaches it where memory is short) spreads the "
+            "same bytes over more images"
+        )
     else:
         collectives = f"{decision.sharding}'s gathers and reduce-scatters, every micro-step"
-        amortise = "a larger micro-batch (fewer accumulation micro-steps) or --sharding ddp where it fits sends fewer bytes per image"
-    return (f"exposed communication is {share:.0%} of the estimated step time ({throughput.exposed_comm_time_s * 1e3:.0f} "
-            f"of {throughput.step_time_s * 1e3:.0f} ms): each GPU sends {comm_bytes_per_gpu(spec, decision, cluster) / 1e9:.2f} GB "
-            f"per step ({collectives}) at an assumed {busbw / 1e9:.0f} GB/s {source} bus bandwidth, "
-            f"{assumptions.comm_exposed_fraction:.0%} of it not hidden behind backward; {amortise}, and "
-            f"--assume {key}=BYTES_PER_S{example} states the real fabric")
+        amortise = (
+            "a larger micro-batch (fewer accumulation micro-steps) or --sharding ddp where it fits "
+            "sends fewer bytes per image"
+        )
+    return (
+        f"exposed communication is {share:.0%} of the estimated step time ({throughput.exposed_comm_time_s * 1e3:.0f} "
+        f"of {throughput.step_time_s * 1e3:.0f} ms): each GPU sends {comm_bytes_per_gpu(spec, decision, cluster) / 1e9:.2f} GB "
+        f"per step ({collectives}) at an assumed {busbw / 1e9:.0f} GB/s {source} bus bandwidth, "
+        f"{assumptions.comm_exposed_fraction:.0%} of it not hidden behind backward; {amortise}, and "
+        f"--assume {key}=BYTES_PER_S{example} states the real fabric"
+    )
 
 
 # --- the search --------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -182,8 +211,10 @@ def check_global_batch(global_batch: int, world_size: int) -> None:
     if global_batch % world_size:
         below, above = nearest_valid_global_batches(global_batch, world_size)
         options = f"{below} or {above}" if below else f"{above}"
-        raise PlanError(f"--global-batch {global_batch} does not divide by the {world_size} GPUs (world size): "
-                        f"use {options}, or pass --round-global-batch")
+        raise PlanError(
+            f"--global-batch {global_batch} does not divide by the {world_size} GPUs (world size): "
+            f"use {options}, or pass --round-global-batch"
+        )
 
 
 def sharding_levels(space: SearchSpace, cluster: Cluster) -> list[str]:
@@ -192,7 +223,9 @@ def sharding_levels(space: SearchSpace, cluster: Cluster) -> list[str]:
         if space.sharding not in SHARDINGS:
             raise PlanError(f"--sharding must be auto, ddp, zero2 or zero3, got {space.sharding!r}")
         if space.sharding != "ddp" and cluster.world_size == 1:
-            raise PlanError(f"--sharding {space.sharding} needs more than one GPU: use --sharding ddp or add --gpus")
+            raise PlanError(
+                f"--sharding {space.sharding} needs more than one GPU: use --sharding ddp or add --gpus"
+            )
         return [space.sharding]
     return ["ddp"] if cluster.world_size == 1 else ["zero3", "zero2", "ddp"]
 
@@ -209,8 +242,10 @@ def checkpoint_range(space: SearchSpace, spec: DiTSpec) -> tuple[int, int]:
     if isinstance(mode, int) and 0 <= mode <= spec.depth:
         return mode, mode
     if isinstance(mode, int):
-        raise PlanError(f"--checkpointing {mode} is outside 0..{spec.depth} (the model's depth): use auto, none, all "
-                        f"or a block count 0..{spec.depth}")
+        raise PlanError(
+            f"--checkpointing {mode} is outside 0..{spec.depth} (the model's depth): use auto, none, all "
+            f"or a block count 0..{spec.depth}"
+        )
     raise PlanError(f"--checkpointing must be auto, none, all or a block count 0..{spec.depth}, got {mode!r}")
 
 
@@ -223,17 +258,28 @@ def micro_batches(space: SearchSpace, cluster: Cluster) -> list[int]:
     return options
 
 
-def evaluate(spec, space, cluster, assumptions, budget_bytes, micro_batch, checkpointed, sharding) -> Candidate:
+def evaluate(
+    spec, space, cluster, assumptions, budget_bytes, micro_batch, checkpointed, sharding
+) -> Candidate:
     per_rank = space.global_batch // cluster.world_size
-    decision = Decision(micro_batch=micro_batch, grad_accum=per_rank // micro_batch, checkpointed_blocks=checkpointed,
-                        precision=space.precision, sharding=sharding, latents=space.latents, ema=space.ema,
-                        adamw=space.adamw, gradient_as_bucket_view=space.gradient_as_bucket_view)
+    decision = Decision(
+        micro_batch=micro_batch,
+        grad_accum=per_rank // micro_batch,
+        checkpointed_blocks=checkpointed,
+        precision=space.precision,
+        sharding=sharding,
+        latents=space.latents,
+        ema=space.ema,
+        adamw=space.adamw,
+        gradient_as_bucket_view=space.gradient_as_bucket_view,
+    )
     memory = step_memory(spec, decision, cluster, assumptions, budget_bytes)
     return Candidate(decision, memory, estimate_throughput(spec, decision, cluster, assumptions))
 
 
-def search_path(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions,
-                budget_bytes: int) -> list[Candidate]:
+def search_path(
+    spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions, budget_bytes: int
+) -> list[Candidate]:
     """The fixed path from the leanest configuration to the richest (see the module docstring)."""
     batches = micro_batches(space, cluster)
     levels = sharding_levels(space, cluster)
@@ -267,8 +313,9 @@ def search_path(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions
         path.append(best)
 
 
-def choose(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions,
-           budget_bytes: int) -> tuple[Candidate, list[Candidate]]:
+def choose(
+    spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions, budget_bytes: int
+) -> tuple[Candidate, list[Candidate]]:
     """The decision (furthest fitting point of the path) and the path. Raises PlanError if nothing fits."""
     path = search_path(spec, space, cluster, assumptions, budget_bytes)
     fitting = [c for c in path if c.fits]
@@ -277,8 +324,15 @@ def choose(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Ass
     return fitting[-1], path
 
 
-def alternatives(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions, budget_bytes: int,
-                 decision: Decision, limit: int = 5) -> list[Candidate]:
+def alternatives(
+    spec: DiTSpec,
+    space: SearchSpace,
+    cluster: Cluster,
+    assumptions: Assumptions,
+    budget_bytes: int,
+    decision: Decision,
+    limit: int = 5,
+) -> list[Candidate]:
     """Other fitting configurations worth a look, fastest first: for each sharding level and micro-batch,
     the fewest checkpointed blocks that fit."""
     first_ckpt, last_ckpt = checkpoint_range(space, spec)
@@ -286,7 +340,9 @@ def alternatives(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumption
     for sharding in sharding_levels(space, cluster):
         for micro_batch in micro_batches(space, cluster):
             for checkpointed in range(last_ckpt, first_ckpt + 1):
-                candidate = evaluate(spec, space, cluster, assumptions, budget_bytes, micro_batch, checkpointed, sharding)
+                candidate = evaluate(
+                    spec, space, cluster, assumptions, budget_bytes, micro_batch, checkpointed, sharding
+                )
                 if candidate.fits:
                     if candidate.decision != decision:
                         found.append(candidate)
@@ -297,7 +353,10 @@ def alternatives(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumption
 
 # --- when nothing fits -------------------------------------------------------------------------------
 
-def leanest(spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions, budget_bytes: int) -> Candidate:
+
+def leanest(
+    spec: DiTSpec, space: SearchSpace, cluster: Cluster, assumptions: Assumptions, budget_bytes: int
+) -> Candidate:
     """The least memory any configuration needs: zero3 (if several GPUs), micro-batch 1, every block checkpointed."""
     relaxed = dataclasses.replace(space, sharding="auto", checkpointing="all", max_micro_batch=1)
     return search_path(spec, relaxed, cluster, assumptions, budget_bytes)[0]
@@ -315,18 +374,25 @@ def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: 
     need = lean.memory.peak_bytes
     d = lean.decision
     how = f"{d.sharding}, micro-batch {d.micro_batch}, {d.checkpointed_blocks} of {spec.depth} blocks checkpointed"
-    message = (f"{spec.name} at {spec.resolution} px needs at least {format_bytes(need)} per GPU ({how}) "
-               f"but the budget is {format_bytes(budget_bytes)}")
+    message = (
+        f"{spec.name} at {spec.resolution} px needs at least {format_bytes(need)} per GPU ({how}) "
+        f"but the budget is {format_bytes(budget_bytes)}"
+    )
     absolute = leanest(spec, space, cluster, assumptions, budget_bytes)
     if absolute.fits:
-        return message + (f"; without your --sharding/--checkpointing/--max-micro-batch limits it needs "
-                          f"{format_bytes(absolute.memory.peak_bytes)}: relax them")
+        return message + (
+            f"; without your --sharding/--checkpointing/--max-micro-batch limits it needs "
+            f"{format_bytes(absolute.memory.peak_bytes)}: relax them"
+        )
     need = min(need, absolute.memory.peak_bytes)
     ideas = []
     if space.adamw == "foreach" and fits(space_=dataclasses.replace(space, adamw="fused")):
         ideas.append("--adamw fused")
-    if not space.gradient_as_bucket_view and cluster.world_size > 1 and fits(
-            space_=dataclasses.replace(space, gradient_as_bucket_view=True)):
+    if (
+        not space.gradient_as_bucket_view
+        and cluster.world_size > 1
+        and fits(space_=dataclasses.replace(space, gradient_as_bucket_view=True))
+    ):
         ideas.append("--gradient-as-bucket-view")
     if space.ema and fits(space_=dataclasses.replace(space, ema=False)):
         ideas.append("--no-ema (keep the EMA elsewhere)")
@@ -334,12 +400,18 @@ def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: 
     more += [dataclasses.replace(cluster, nodes=n) for n in range(cluster.nodes + 1, cluster.nodes * 64 + 1)]
     for bigger in more:
         if space.global_batch % bigger.world_size == 0 and fits(cluster_=bigger):
-            flag = f"--gpus {bigger.gpus_per_node}" if bigger.nodes == cluster.nodes else f"--nodes {bigger.nodes}"
+            flag = (
+                f"--gpus {bigger.gpus_per_node}"
+                if bigger.nodes == cluster.nodes
+                else f"--nodes {bigger.nodes}"
+            )
             ideas.append(f"{bigger.world_size} GPUs ({flag})")
             break
     headroom_fraction = 1 - budget_bytes / cluster.vram_bytes
-    larger = sorted((p for p in gpu_presets().values() if p.memory_bytes * (1 - headroom_fraction) >= need),
-                    key=lambda p: p.memory_bytes)
+    larger = sorted(
+        (p for p in gpu_presets().values() if p.memory_bytes * (1 - headroom_fraction) >= need),
+        key=lambda p: p.memory_bytes,
+    )
     if larger:
         ideas.append(f"a larger GPU (--gpu {larger[0].name}, {format_bytes(larger[0].memory_bytes)})")
     sizes = list(FAMILY)
@@ -348,4 +420,8 @@ def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: 
         if fits(spec_=model_spec(f"DiT-{smaller}/{spec.patch}", spec.resolution, spec.latents)):
             ideas.append(f"a smaller model (--model DiT-{smaller}/{spec.patch})")
             break
-    return message + ": use " + (", or ".join(ideas) if ideas else "more or larger GPUs, or a smaller model or resolution")
+    return (
+        message
+        + ": use "
+        + (", or ".join(ideas) if ideas else "more or larger GPUs, or a smaller model or resolution")
+    )

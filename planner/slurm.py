@@ -6,15 +6,19 @@ from __future__ import annotations
 import shlex
 
 
-def slurm_script(plan: dict, config_name: str = "accelerate_config.yaml", plan_name: str = "plan.json") -> str:
+def slurm_script(
+    plan: dict, config_name: str = "accelerate_config.yaml", plan_name: str = "plan.json"
+) -> str:
     cluster, model = plan["cluster"], plan["model"]
     nodes, gpus, world = cluster["nodes"], cluster["gpus_per_node"], cluster["world_size"]
     port = int(cluster.get("main_process_port") or 29500)
     fixed_ip = cluster.get("main_process_ip")
-    main_ip = shlex.quote(fixed_ip) if fixed_ip else '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+    main_ip = (
+        shlex.quote(fixed_ip) if fixed_ip else '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+    )
     job = f"dit-{model['name'].replace('/', '').replace('DiT-', '').lower()}"
     return f"""#!/bin/bash
-# SLURM job written by dit-plan: {model['name']} @ {model['resolution']} px on {nodes} nodes x {gpus} GPUs.
+# SLURM job written by dit-plan: {model["name"]} @ {model["resolution"]} px on {nodes} nodes x {gpus} GPUs.
 # Submit from the plan directory:   sbatch launch.slurm --data-path /data/imagenet/train --output-dir runs/xl2
 # Arguments after the script name go to dit_accel.train.
 #SBATCH --job-name={job}

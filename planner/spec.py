@@ -56,7 +56,8 @@ class DiTSpec:
             raise PlanError(f"--latents must be one of {', '.join(LATENT_MODES)}, got {self.latents!r}")
         if self.hidden % self.heads:
             raise PlanError(
-                f"hidden width {self.hidden} does not divide into {self.heads} heads: pick a width that is a multiple of the heads"
+                f"hidden width {self.hidden} does not divide into {self.heads} heads: "
+                "pick a width that is a multiple of the heads"
             )
         step = self.patch if self.latents == "pixel" else VAE_DOWNSAMPLE * self.patch
         if self.resolution % step:
@@ -165,14 +166,18 @@ def parse_model_name(name: str) -> tuple[str, int]:
     return match.group(1).upper(), int(match.group(2))
 
 
-def model_spec(name: str = "DiT-XL/2", resolution: int = 256, latents: str = "precomputed", **overrides) -> DiTSpec:
+def model_spec(
+    name: str = "DiT-XL/2", resolution: int = 256, latents: str = "precomputed", **overrides
+) -> DiTSpec:
     """A family member by name; `overrides` (depth, hidden, heads, patch, num_classes) make research variants."""
     size, patch = parse_model_name(name)
     depth, hidden, heads = FAMILY[size]
     fields = {"depth": depth, "hidden": hidden, "heads": heads, "patch": patch}
     unknown = set(overrides) - set(fields) - {"num_classes", "learn_sigma"}
     if unknown:
-        raise PlanError(f"unknown model override(s) {sorted(unknown)}: use depth, hidden, heads, patch, num_classes")
+        raise PlanError(
+            f"unknown model override(s) {sorted(unknown)}: use depth, hidden, heads, patch, num_classes"
+        )
     fields.update({k: v for k, v in overrides.items() if v is not None})
     standard = {"depth": depth, "hidden": hidden, "heads": heads, "patch": fields["patch"]}
     custom = any(fields[k] != standard[k] for k in standard)
@@ -180,8 +185,24 @@ def model_spec(name: str = "DiT-XL/2", resolution: int = 256, latents: str = "pr
     return DiTSpec(name=label, resolution=resolution, latents=latents, **fields)
 
 
-def custom_spec(depth: int, hidden: int, heads: int, patch: int, resolution: int, latents: str = "precomputed",
-                num_classes: int = NUM_CLASSES, name: str = "DiT-custom") -> DiTSpec:
+def custom_spec(
+    depth: int,
+    hidden: int,
+    heads: int,
+    patch: int,
+    resolution: int,
+    latents: str = "precomputed",
+    num_classes: int = NUM_CLASSES,
+    name: str = "DiT-custom",
+) -> DiTSpec:
     """A research variant or a tiny test network (e.g. depth 2, hidden 32, 8x8 latents)."""
-    return DiTSpec(name=name, depth=depth, hidden=hidden, heads=heads, patch=patch, resolution=resolution,
-                   latents=latents, num_classes=num_classes)
+    return DiTSpec(
+        name=name,
+        depth=depth,
+        hidden=hidden,
+        heads=heads,
+        patch=patch,
+        resolution=resolution,
+        latents=latents,
+        num_classes=num_classes,
+    )

@@ -16,10 +16,22 @@ UNIT_RULE = "G/GB = 10^9 bytes, GiB = 2^30 bytes (M/MB = 10^6, MiB = 2^20; T/TB 
 
 _MULTIPLIERS = {
     "": None,
-    "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
-    "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
-    "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30,
-    "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "ki": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "mi": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "gi": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+    "ti": 2**40,
     "b": 1,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
@@ -29,10 +41,14 @@ def parse_bytes(text: str, flag: str = "--vram") -> int:
     """'40G', '40GB', '40GiB', '80000M', '39.5GiB' -> bytes. Refuses bare numbers and unknown units."""
     match = _SIZE.match(str(text))
     if not match:
-        raise PlanError(f"{flag} {text!r} is not a size: write a number with a unit, e.g. 40GB or 40GiB ({UNIT_RULE})")
+        raise PlanError(
+            f"{flag} {text!r} is not a size: write a number with a unit, e.g. 40GB or 40GiB ({UNIT_RULE})"
+        )
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit not in _MULTIPLIERS:
-        raise PlanError(f"{flag} {text!r} has an unknown unit {match.group(2)!r}: use B, MB, MiB, GB, GiB, TB or TiB")
+        raise PlanError(
+            f"{flag} {text!r} has an unknown unit {match.group(2)!r}: use B, MB, MiB, GB, GiB, TB or TiB"
+        )
     if _MULTIPLIERS[unit] is None:
         raise PlanError(
             f"{flag} {text!r} has no unit: write {text}GB (10^9 bytes, as datasheets count) "
@@ -66,5 +82,7 @@ def parse_headroom(text, vram_bytes: int) -> int:
     except ValueError:
         return parse_bytes(raw, "--headroom")
     if not 0 <= fraction < 1:
-        raise PlanError(f"--headroom {raw} must be a share of VRAM below 100% (e.g. 5%) or a size (e.g. 2GiB)")
+        raise PlanError(
+            f"--headroom {raw} must be a share of VRAM below 100% (e.g. 5%) or a size (e.g. 2GiB)"
+        )
     return int(fraction * vram_bytes)

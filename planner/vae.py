@@ -42,7 +42,9 @@ def encoder_macs_per_image(resolution: int) -> int:
     return macs
 
 
-def encoder_activation_bytes(resolution: int, micro_batch: int, maps: float, bytes_per_element: int = 4) -> int:
+def encoder_activation_bytes(
+    resolution: int, micro_batch: int, maps: float, bytes_per_element: int = 4
+) -> int:
     """No-grad working set of one encode: `maps` full-resolution 128-channel feature maps per image.
 
     The first level is the widest the encoder ever holds (128 x H x W). A trace of diffusers' encoder finds

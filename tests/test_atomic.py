@@ -6,7 +6,12 @@ import os
 import pytest
 
 from dit_accel.atomic import (
-    permissions, replace_folder, staged_folder, write_atomically, write_bytes_atomically, write_json_atomically,
+    permissions,
+    replace_folder,
+    staged_folder,
+    write_atomically,
+    write_bytes_atomically,
+    write_json_atomically,
 )
 from dit_accel.errors import UserError
 
@@ -18,7 +23,7 @@ def test_a_failed_file_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path
     assert target.stat().st_mode & 0o777 == permissions(0o666)  # what open() gives, not mkstemp's 0600
 
     def half_then_crash(file):
-        file.write(b"{\"a\": ")
+        file.write(b'{"a": ')
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

@@ -47,6 +47,7 @@ def oom_above(threshold: int, calls: list | None = None):
         if micro_batch > threshold:
             raise cal.MeasureOOM(micro_batch)
         return cal.Measurement(micro_batch, 10 * micro_batch, 11 * micro_batch, 1.0)
+
     return measure
 
 
@@ -54,7 +55,9 @@ def oom_above(threshold: int, calls: list | None = None):
 @given(threshold=st.integers(1, 2000), start=st.integers(1, 3000), growth=st.sampled_from([1.25, 2.0]))
 def test_search_finds_the_largest_micro_batch_that_fits(threshold, start, growth):
     calls = []
-    largest, first_oom = cal.largest_fitting(oom_above(threshold, calls), start=start, limit=4096, growth=growth)
+    largest, first_oom = cal.largest_fitting(
+        oom_above(threshold, calls), start=start, limit=4096, growth=growth
+    )
     assert (largest, first_oom) == (threshold, threshold + 1)
     assert len(calls) == len(set(calls))  # never measures a micro-batch twice
     assert len(calls) <= 45
@@ -68,7 +71,10 @@ def test_search_stops_at_the_limit_when_nothing_runs_out_of_memory():
 
 def test_search_starts_from_what_is_already_known():
     calls = []
-    assert cal.largest_fitting(oom_above(37, calls), start=40, limit=512, known_fit=32, known_oom=64) == (37, 38)
+    assert cal.largest_fitting(oom_above(37, calls), start=40, limit=512, known_fit=32, known_oom=64) == (
+        37,
+        38,
+    )
     assert all(32 < c < 64 for c in calls)
 
 
@@ -92,44 +98,82 @@ def recorded_measure(tokens: int, calls: list):
             raise cal.MeasureOOM(micro_batch)
         n = micro_batch * tokens
         images_per_s = SATURATED_IMAGES_PER_S * n / (n + HALF_TOKENS)
-        return cal.Measurement(micro_batch, allocated, reserved, micro_batch / images_per_s,
-                               device_used_bytes=reserved + CONTEXT)
+        return cal.Measurement(
+            micro_batch, allocated, reserved, micro_batch / images_per_s, device_used_bytes=reserved + CONTEXT
+        )
+
     return measure
 
 
 def xl_plan(micro_batch=32, checkpointed_blocks=0) -> Plan:
-    return parse_plan({"schema": "dit-plan/1", "inputs": {"model": "DiT-XL/2"}, "model": {"name": "DiT-XL/2", "resolution": 256},
-            "cluster": {"world_size": 1}, "global_batch": micro_batch,
-            "decision": {"micro_batch": micro_batch, "grad_accum": 1, "checkpointed_blocks": checkpointed_blocks,
-                         "precision": "bf16", "sharding": "ddp", "latents": "precomputed", "ema": True},
-            "memory": {"peak_bytes": 20 * GiB}})
+    return parse_plan(
+        {
+            "schema": "dit-plan/1",
+            "inputs": {"model": "DiT-XL/2"},
+            "model": {"name": "DiT-XL/2", "resolution": 256},
+            "cluster": {"world_size": 1},
+            "global_batch": micro_batch,
+            "decision": {
+                "micro_batch": micro_batch,
+                "grad_accum": 1,
+                "checkpointed_blocks": checkpointed_blocks,
+                "precision": "bf16",
+                "sharding": "ddp",
+                "latents": "precomputed",
+                "ema": True,
+            },
+            "memory": {"peak_bytes": 20 * GiB},
+        }
+    )
 
 
 def test_calibration_fits_searches_and_writes_what_the_planner_reads(tmp_path):
     spec = model_spec("DiT-XL/2", 256)
     calls = []
     preset = gpu_preset("h200")
-    gpu = {"name": "NVIDIA H200", "total_bytes": TOTAL, "capability": "9.0", "preset": "h200", "_preset": preset}
-    result = cal.calibrate(xl_plan(), [8, 16, 32], steps=3, max_micro_batch=None,
-                           measure=recorded_measure(spec.tokens, calls), gpu=gpu, log=lambda line: None)
+    gpu = {
+        "name": "NVIDIA H200",
+        "total_bytes": TOTAL,
+        "capability": "9.0",
+        "preset": "h200",
+        "_preset": preset,
+    }
+    result = cal.calibrate(
+        xl_plan(),
+        [8, 16, 32],
+        steps=3,
+        max_micro_batch=None,
+        measure=recorded_measure(spec.tokens, calls),
+        gpu=gpu,
+        log=lambda line: None,
+    )
     fit = result["fit"]
     assert fit["fixed_bytes"] == FIXED and fit["per_sample_bytes"] == PER_SAMPLE
     assert fit["fragmentation"] == pytest.approx(RESERVED_RATIO, rel=1e-6)
     assert fit["outside_allocator_bytes"] == CONTEXT
     assert fit["half_efficiency_tokens"] == HALF_TOKENS
-    largest = max(mb for mb in range(1, 2000) if int((FIXED + PER_SAMPLE * mb) * RESERVED_RATIO) + CONTEXT <= TOTAL)
+    largest = max(
+        mb for mb in range(1, 2000) if int((FIXED + PER_SAMPLE * mb) * RESERVED_RATIO) + CONTEXT <= TOTAL
+    )
     assert result["largest_micro_batch"] == largest and result["smallest_oom_micro_batch"] == largest + 1
     images_per_s = SATURATED_IMAGES_PER_S * 32 * spec.tokens / (32 * spec.tokens + HALF_TOKENS)
     assert fit["images_per_s"] == pytest.approx(images_per_s)
-    assert fit["mfu"] == pytest.approx(images_per_s * 3 * spec.fwd_flops_per_image / preset.matmul_peak_flops("bf16"))
+    assert fit["mfu"] == pytest.approx(
+        images_per_s * 3 * spec.fwd_flops_per_image / preset.matmul_peak_flops("bf16")
+    )
     assert [m["micro_batch"] for m in result["measurements"]] == [8, 16, 32]  # probes are not fitted
     assert result["schema"] == "dit-calibration/1" and result["gpu"]["name"] == "NVIDIA H200"
-    assert result["config"]["precision"] == "bf16" and result["model"]["params_trainable"] == spec.params_trainable
+    assert (
+        result["config"]["precision"] == "bf16"
+        and result["model"]["params_trainable"] == spec.params_trainable
+    )
     # the planner takes the assumptions as they are
     assumptions = result["assumptions"]
     assert set(assumptions) <= set(CALIBRATABLE)
     calibrated = Assumptions().calibrated(assumptions)
-    assert calibrated.cuda_context_bytes == CONTEXT and calibrated.fragmentation == pytest.approx(RESERVED_RATIO - 1)
+    assert calibrated.cuda_context_bytes == CONTEXT and calibrated.fragmentation == pytest.approx(
+        RESERVED_RATIO - 1
+    )
     assert calibrated.mfu_mixed == pytest.approx(fit["mfu"])
     path = tmp_path / "out" / "calib.json"
     write_json_atomically(path, result)
@@ -144,11 +188,20 @@ def test_an_out_of_memory_among_the_requested_micro_batches_bounds_the_search():
     global TOTAL
     saved, TOTAL = TOTAL, 20 * GiB
     try:
-        result = cal.calibrate(xl_plan(), [4, 8, 64], steps=1, max_micro_batch=None,
-                               measure=recorded_measure(spec.tokens, calls), gpu=gpu, log=lambda line: None)
+        result = cal.calibrate(
+            xl_plan(),
+            [4, 8, 64],
+            steps=1,
+            max_micro_batch=None,
+            measure=recorded_measure(spec.tokens, calls),
+            gpu=gpu,
+            log=lambda line: None,
+        )
     finally:
         TOTAL = saved
-    largest = max(mb for mb in range(1, 100) if int((FIXED + PER_SAMPLE * mb) * RESERVED_RATIO) + CONTEXT <= 20 * GiB)
+    largest = max(
+        mb for mb in range(1, 100) if int((FIXED + PER_SAMPLE * mb) * RESERVED_RATIO) + CONTEXT <= 20 * GiB
+    )
     assert result["largest_micro_batch"] == largest
     assert 64 in result["out_of_memory_micro_batches"]
     assert all(mb <= 64 for mb in calls)
@@ -156,7 +209,6 @@ def test_an_out_of_memory_among_the_requested_micro_batches_bounds_the_search():
 
 
 def test_fewer_than_two_fitting_micro_batches_is_a_user_error():
-    spec = model_spec("DiT-XL/2", 256)
     gpu = {"name": "tiny", "total_bytes": 10 * GiB, "preset": None, "_preset": None}
     with pytest.raises(UserError, match="smaller ones"):
         cal.calibrate(xl_plan(), [1, 2, 4], 1, None, oom_above(1), gpu, log=lambda line: None)

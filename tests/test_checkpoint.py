@@ -47,8 +47,17 @@ def _train_steps(model, optimizer, scheduler, ema, steps):
 
 def _save(accelerator, run_dir, step, ema, keep_last=2, **kwargs):
     state = {"step": step, "world_size": 1, "global_batch": 5}
-    return ckpt.save_checkpoint(accelerator, run_dir, step, ema=ema, train_state=state, plan={"schema": "x"},
-                                config={"lr": 1}, keep_last=keep_last, **kwargs)
+    return ckpt.save_checkpoint(
+        accelerator,
+        run_dir,
+        step,
+        ema=ema,
+        train_state=state,
+        plan={"schema": "x"},
+        config={"lr": 1},
+        keep_last=keep_last,
+        **kwargs,
+    )
 
 
 def test_commit_rotate_and_layout(accelerator, tmp_path):
@@ -60,8 +69,17 @@ def test_commit_rotate_and_layout(accelerator, tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000002", "step_00000003"]  # keep_last=2, nothing .tmp left behind
     files = {p.name for p in final.iterdir()}
-    assert {"model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl", "ema.safetensors",
-            "train_state.json", "plan.json", "train_config.json", "COMPLETE"} <= files
+    assert {
+        "model.safetensors",
+        "optimizer.bin",
+        "custom_checkpoint_0.pkl",
+        "random_states_0.pkl",
+        "ema.safetensors",
+        "train_state.json",
+        "plan.json",
+        "train_config.json",
+        "COMPLETE",
+    } <= files
     assert json.loads((final / "COMPLETE").read_text())["step"] == 3
     assert ckpt.latest_checkpoint(tmp_path) == final
     assert ckpt.resolve_checkpoint(tmp_path) == final
@@ -108,8 +126,11 @@ def test_restore_is_exact(accelerator, tmp_path):
     saved = _save(accelerator, tmp_path, 2, ema)
     rng_after_save = torch.get_rng_state()
     _train_steps(model, optimizer, scheduler, ema, 2)
-    expected = ([p.detach().clone() for p in model.parameters()], {k: v.clone() for k, v in ema.shadow.items()},
-                scheduler.get_last_lr())
+    expected = (
+        [p.detach().clone() for p in model.parameters()],
+        {k: v.clone() for k, v in ema.shadow.items()},
+        scheduler.get_last_lr(),
+    )
 
     # Perturb everything, then restore and replay the same two steps.
     with torch.no_grad():

@@ -12,15 +12,22 @@ from dit_accel.errors import UserError
 
 
 def _fingerprint(folder):
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*.png"))}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*.png"))
+    }
 
 
 def test_demo_folder_passes_full_validation_in_the_imagenet_layout(tmp_path):
     assert main([str(tmp_path / "demo"), "--classes", "5", "--per_class", "4", "--resolution", "24"]) == 0
     summary = validate_image_folder(tmp_path / "demo", full=True)
-    assert summary.classes == ["00_red_circle", "01_green_square", "02_blue_triangle", "03_yellow_diamond",
-                               "04_magenta_cross"]
+    assert summary.classes == [
+        "00_red_circle",
+        "01_green_square",
+        "02_blue_triangle",
+        "03_yellow_diamond",
+        "04_magenta_cross",
+    ]
     assert summary.images_per_class == {name: 4 for name in summary.classes}
     assert all(Image.open(tmp_path / "demo" / rel).size == (24, 24) for rel in summary.listing.paths)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
@@ -41,7 +48,10 @@ def test_every_image_shows_its_class_colour_and_images_vary(tmp_path):
     assert len({class_name(i) for i in range(len(SHAPES) * len(COLOURS))}) == len(SHAPES) * len(COLOURS)
     for index in range(classes):
         colour = np.array(COLOURS[class_name(index).split("_")[1]])
-        images = [np.asarray(Image.open(p), dtype=np.int16) for p in sorted((tmp_path / "d" / class_name(index)).iterdir())]
+        images = [
+            np.asarray(Image.open(p), dtype=np.int16)
+            for p in sorted((tmp_path / "d" / class_name(index)).iterdir())
+        ]
         for pixels in images:
             near = (np.abs(pixels - colour).max(-1) <= 45).mean()
             assert near > 0.03, f"class {index}: only {near:.1%} of the pixels have the class colour"
@@ -59,11 +69,14 @@ def test_refuses_a_non_empty_folder_unless_forced(tmp_path, capsys):
     assert not (target / "keep.txt").exists() and len(list(target.rglob("*.png"))) == 8
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(classes=0), "--classes must be between 1 and 36"),
-    (dict(per_class=0), "--per-class must be at least 1"),
-    (dict(resolution=4), "--resolution must be at least 8"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(classes=0), "--classes must be between 1 and 36"),
+        (dict(per_class=0), "--per-class must be at least 1"),
+        (dict(resolution=4), "--resolution must be at least 8"),
+    ],
+)
 def test_bad_arguments_are_refused(tmp_path, arguments, message):
     with pytest.raises(UserError, match=message):
         write_demo_data(tmp_path / "x", **arguments)

@@ -9,7 +9,11 @@ import torch
 from PIL import Image
 
 from dit_accel.data.folder import (
-    ImageFolderData, center_crop_adm, list_image_folder, read_classes_json, validate_image_folder,
+    ImageFolderData,
+    center_crop_adm,
+    list_image_folder,
+    read_classes_json,
+    validate_image_folder,
     write_classes_json,
 )
 from dit_accel.errors import UserError
@@ -45,14 +49,17 @@ def test_listing_sorts_classes_and_files_and_maps_labels(folder):
     assert "10 images in 3 classes" in summary.describe()
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing", "does not exist"),
-    ("file", "is a file, not a directory"),
-    ("flat", "holds 2 images directly but no class sub-folders; move them into one sub-folder per class"),
-    ("nothing", "has no class sub-folders; expected one sub-folder per class"),
-    ("all_empty", "no images in"),
-    ("one_empty", "1 class folder(s) in"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "does not exist"),
+        ("file", "is a file, not a directory"),
+        ("flat", "holds 2 images directly but no class sub-folders; move them into one sub-folder per class"),
+        ("nothing", "has no class sub-folders; expected one sub-folder per class"),
+        ("all_empty", "no images in"),
+        ("one_empty", "1 class folder(s) in"),
+    ],
+)
 def test_each_layout_problem_is_one_line_naming_it(tmp_path, case, expected):
     root = tmp_path / "data"
     if case == "file":
@@ -131,8 +138,9 @@ def test_adm_crop_halves_with_box_then_bicubic_then_centers():
     by_hand = image.resize((300, 100), Image.BOX).resize((192, 64), Image.BICUBIC).crop((64, 0, 128, 64))
     assert np.array_equal(np.asarray(center_crop_adm(image, 64)), np.asarray(by_hand))
     # A short side below 2x the target is not halved; an image already at the target is unchanged.
-    assert np.array_equal(np.asarray(center_crop_adm(image.crop((0, 0, 64, 64)), 64)),
-                          np.asarray(image.crop((0, 0, 64, 64))))
+    assert np.array_equal(
+        np.asarray(center_crop_adm(image.crop((0, 0, 64, 64)), 64)), np.asarray(image.crop((0, 0, 64, 64)))
+    )
 
 
 def test_image_folder_data_yields_scaled_chw_tensors_and_int64_labels(tmp_path):

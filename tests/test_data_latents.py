@@ -19,8 +19,15 @@ from safetensors import safe_open
 
 from dit_accel.data.demo import write_demo_data
 from dit_accel.data.latents import (
-    LatentCache, build_parser, check_cache_matches, extract_latents, ExtractConfig, load_vae, main,
-    read_manifest, verify_cache,
+    ExtractConfig,
+    LatentCache,
+    build_parser,
+    check_cache_matches,
+    extract_latents,
+    load_vae,
+    main,
+    read_manifest,
+    verify_cache,
 )
 from dit_accel.errors import UserError
 
@@ -31,9 +38,16 @@ CLASSES, PER_CLASS = 3, 6  # 18 images; shard_size 4 -> 5 shards, the last one s
 def _tiny_vae(seed):
     torch.manual_seed(seed)
     return AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
-        norm_num_groups=4, layers_per_block=1, sample_size=RESOLUTION)
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        latent_channels=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+        sample_size=RESOLUTION,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +67,15 @@ def _fresh_accelerate_state():
 
 
 def _extract(assets, out, **overrides):
-    config = ExtractConfig(data_path=str(assets / "images"), vae=str(assets / "vae"), out=str(out),
-                           resolution=RESOLUTION, batch_size=3, shard_size=4, num_workers=0)
+    config = ExtractConfig(
+        data_path=str(assets / "images"),
+        vae=str(assets / "vae"),
+        out=str(out),
+        resolution=RESOLUTION,
+        batch_size=3,
+        shard_size=4,
+        num_workers=0,
+    )
     for key, value in overrides.items():
         setattr(config, key, value)
     return extract_latents(config)
@@ -103,7 +124,7 @@ def test_reader_draws_scaled_posterior_samples(assets, tmp_path):
     draws = torch.stack([cache[5][0] for _ in range(800)])
     scale = cache.scale_factor
     # latent = (mean + std * noise) * scale: the draws' moments, within 5 standard errors
-    assert (draws.mean(0) - scale * mean).abs().max() < 5 * (scale * std).max() / 800 ** 0.5
+    assert (draws.mean(0) - scale * mean).abs().max() < 5 * (scale * std).max() / 800**0.5
     assert torch.allclose(draws.std(0), scale * std, rtol=0.25)
     assert cache[5][1].dtype == torch.int64 and cache[5][1].item() == 5 // PER_CLASS
 
@@ -201,8 +222,20 @@ def test_bad_image_stops_the_cli_or_is_skipped_and_counted(assets, tmp_path, cap
     shutil.copytree(assets / "images", images)
     bad = sorted(images.glob("01_*/*.png"))[2]  # not the first of its class: the sample check passes
     bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
-    args = ["--data_path", str(images), "--vae", str(assets / "vae"), "--resolution", str(RESOLUTION),
-            "--out", str(tmp_path / "cache"), "--shard-size", "4", "--num-workers", "1"]
+    args = [
+        "--data_path",
+        str(images),
+        "--vae",
+        str(assets / "vae"),
+        "--resolution",
+        str(RESOLUTION),
+        "--out",
+        str(tmp_path / "cache"),
+        "--shard-size",
+        "4",
+        "--num-workers",
+        "1",
+    ]
     assert main(args) == 2
     stderr = capsys.readouterr().err
     last_line = [line for line in re.split(r"[\r\n]", stderr) if line.strip()][-1]
@@ -216,14 +249,18 @@ def test_bad_image_stops_the_cli_or_is_skipped_and_counted(assets, tmp_path, cap
     relative = f"{bad.parent.name}/{bad.name}"
     assert manifest["skipped"] == [relative] and manifest["count"] == CLASSES * PER_CLASS - 1
     assert manifest["images_per_class"][bad.parent.name] == PER_CLASS - 1
-    shard = tmp_path / "cache" / f"shard-{(PER_CLASS + 2) // 4:05d}.safetensors"  # listing index // shard size
+    shard = (
+        tmp_path / "cache" / f"shard-{(PER_CLASS + 2) // 4:05d}.safetensors"
+    )  # listing index // shard size
     assert json.loads(safe_open(shard, "pt").metadata()["skipped"]) == [relative]
     assert "17 images x 2 views, 1 undecodable images skipped" in capsys.readouterr().out
 
 
 def test_cli_accepts_both_spellings_of_every_option():
-    for spelling in (["--data-path", "D", "--batch-size", "8", "--no-flip"],
-                     ["--data_path", "D", "--batch_size", "8", "--no_flip"]):
+    for spelling in (
+        ["--data-path", "D", "--batch-size", "8", "--no-flip"],
+        ["--data_path", "D", "--batch_size", "8", "--no_flip"],
+    ):
         args = build_parser().parse_args(spelling + ["--vae", "V", "--out", "O"])
         assert (args.data_path, args.batch_size, args.flip) == ("D", 8, False)
 
@@ -243,11 +280,35 @@ def test_two_processes_under_accelerate_launch_write_their_own_shards(assets, tm
     config.write_text(ACCELERATE_CONFIG)
     out = tmp_path / "cache"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", "2", "--main_process_port", "0", "-m", "dit_accel.data.latents",
-               "--data-path", str(assets / "images"), "--vae", str(assets / "vae"),
-               "--resolution", str(RESOLUTION), "--out", str(out), "--shard-size", "4", "--batch-size", "3",
-               "--num-workers", "0", "--dtype", "float32"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "0",
+        "-m",
+        "dit_accel.data.latents",
+        "--data-path",
+        str(assets / "images"),
+        "--vae",
+        str(assets / "vae"),
+        "--resolution",
+        str(RESOLUTION),
+        "--out",
+        str(out),
+        "--shard-size",
+        "4",
+        "--batch-size",
+        "3",
+        "--num-workers",
+        "0",
+        "--dtype",
+        "float32",
+    ]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Traceback" not in run.stderr and "RuntimeWarning" not in run.stderr
@@ -255,7 +316,12 @@ def test_two_processes_under_accelerate_launch_write_their_own_shards(assets, tm
     manifest = read_manifest(out)
     assert manifest["world_size"] == 2 and manifest["count"] == CLASSES * PER_CLASS
     assert [(s["shard"], s["rank"], s["world_size"]) for s in manifest["shards"]] == [
-        (0, 0, 2), (1, 1, 2), (2, 0, 2), (3, 1, 2), (4, 0, 2)]
+        (0, 0, 2),
+        (1, 1, 2),
+        (2, 0, 2),
+        (3, 1, 2),
+        (4, 0, 2),
+    ]
     assert run.stdout.count("latent cache") == 1  # rank 0 reports; rank 1 stays quiet
 
     # The same latents as one process computes.

@@ -40,7 +40,9 @@ def diffusion():
 
 def test_schedule_is_diffusers_ddpm_schedule(diffusion):
     scheduler = DDPMScheduler(**DIT_SCHEDULER_CONFIG)
-    np.testing.assert_allclose(diffusion.table("alphas_cumprod").numpy(), scheduler.alphas_cumprod.double().numpy(), rtol=2e-6)
+    np.testing.assert_allclose(
+        diffusion.table("alphas_cumprod").numpy(), scheduler.alphas_cumprod.double().numpy(), rtol=2e-6
+    )
     np.testing.assert_allclose(diffusion.table("alphas_cumprod").numpy(), ALPHAS_CUMPROD, rtol=1e-12)
     assert Diffusion.from_scheduler_config(scheduler.config).num_timesteps == 1000
     with pytest.raises(UserError, match="linear"):
@@ -96,7 +98,12 @@ def reference_terms(out, x0, t, noise):
         model_mean, _ = posterior(pred_x0)
         if step > 0:
             model_var = np.exp(model_log_var)
-            kl = 0.5 * (np.log(model_var / true_var) + true_var / model_var + (true_mean - model_mean) ** 2 / model_var - 1)
+            kl = 0.5 * (
+                np.log(model_var / true_var)
+                + true_var / model_var
+                + (true_mean - model_mean) ** 2 / model_var
+                - 1
+            )
             vb.append(np.mean(kl) / math.log(2))
         else:
             std = np.exp(0.5 * model_log_var)
@@ -233,7 +240,9 @@ def test_samplers_call_the_model_with_original_timesteps(diffusion):
     ddpm_sample(model_fn, diffusion, (2, 1, 2, 2), torch.zeros(2, dtype=torch.long), num_steps=25)
     assert calls == spaced_timesteps(1000, 25)[::-1]
     calls.clear()
-    ddim_sample(model_fn, diffusion, (2, 1, 2, 2), torch.zeros(2, dtype=torch.long), num_steps=10, spacing="leading")
+    ddim_sample(
+        model_fn, diffusion, (2, 1, 2, 2), torch.zeros(2, dtype=torch.long), num_steps=10, spacing="leading"
+    )
     assert calls == list(range(0, 1000, 100))[::-1]
 
 
@@ -257,9 +266,13 @@ def test_samplers_recover_a_point_mass(diffusion, sampler):
     y = torch.zeros(8, dtype=torch.long)
     generator = torch.Generator().manual_seed(0)
     if sampler == "ddpm":
-        x = ddpm_sample(point_mass_denoiser(target), diffusion, (8, 2, 1, 1), y, num_steps=50, generator=generator)
+        x = ddpm_sample(
+            point_mass_denoiser(target), diffusion, (8, 2, 1, 1), y, num_steps=50, generator=generator
+        )
     else:
-        x = ddim_sample(point_mass_denoiser(target), diffusion, (8, 2, 1, 1), y, num_steps=20, generator=generator)
+        x = ddim_sample(
+            point_mass_denoiser(target), diffusion, (8, 2, 1, 1), y, num_steps=20, generator=generator
+        )
     torch.testing.assert_close(x, target.expand(8, 2, 1, 1), atol=1e-4, rtol=0)
 
 
@@ -294,8 +307,14 @@ def test_ddpm_with_the_exact_variance_samples_a_gaussian(diffusion):
         return torch.cat([eps(x, t), v.float().expand_as(x)], dim=1)
 
     n = 8192
-    x = ddpm_sample(model_fn, diffusion, (n, 1, 1, 1), torch.zeros(n, dtype=torch.long), num_steps=steps,
-                    generator=torch.Generator().manual_seed(0))
+    x = ddpm_sample(
+        model_fn,
+        diffusion,
+        (n, 1, 1, 1),
+        torch.zeros(n, dtype=torch.long),
+        num_steps=steps,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert abs(x.mean().item()) < 0.02 and x.std().item() == pytest.approx(s, rel=0.03)
 
 
@@ -309,8 +328,14 @@ def test_ddim_is_the_deterministic_linear_map_for_gaussian_data(diffusion):
     for k, step in enumerate(kept):
         a, a_prev = ALPHAS_CUMPROD[step], (ALPHAS_CUMPROD[kept[k - 1]] if k > 0 else 1.0)
         expected *= (math.sqrt(a_prev * a) * s**2 + math.sqrt((1 - a_prev) * (1 - a))) / (a * s**2 + 1 - a)
-    x = ddim_sample(lambda x, t, y: torch.cat([eps(x, t), torch.zeros_like(x)], dim=1), diffusion, (2, 1, 1, 1),
-                    torch.zeros(2, dtype=torch.long), num_steps=steps, noise=torch.ones(2, 1, 1, 1))
+    x = ddim_sample(
+        lambda x, t, y: torch.cat([eps(x, t), torch.zeros_like(x)], dim=1),
+        diffusion,
+        (2, 1, 1, 1),
+        torch.zeros(2, dtype=torch.long),
+        num_steps=steps,
+        noise=torch.ones(2, 1, 1, 1),
+    )
     torch.testing.assert_close(x, torch.full((2, 1, 1, 1), expected, dtype=torch.float32), rtol=1e-5, atol=0)
     assert 0.3 < expected < 0.5  # a first-order solver: below s at 20 steps
 
@@ -320,8 +345,15 @@ def test_samplers_are_deterministic_under_a_generator(diffusion):
     y = torch.zeros(4, dtype=torch.long)
 
     def draw(seed, sampler, **kwargs):
-        return sampler(lambda x, t, yy: model_fn(x, t, yy) + 0.1, diffusion, (4, 1, 1, 1), y, num_steps=10,
-                       generator=torch.Generator().manual_seed(seed), **kwargs)
+        return sampler(
+            lambda x, t, yy: model_fn(x, t, yy) + 0.1,
+            diffusion,
+            (4, 1, 1, 1),
+            y,
+            num_steps=10,
+            generator=torch.Generator().manual_seed(seed),
+            **kwargs,
+        )
 
     assert torch.equal(draw(0, ddpm_sample), draw(0, ddpm_sample))
     assert not torch.equal(draw(0, ddpm_sample), draw(1, ddpm_sample))
@@ -334,9 +366,17 @@ def test_per_sample_generators_make_samples_independent_of_the_batch(diffusion):
     shifted = lambda x, t, y: model_fn(x, t, y) + 0.1  # noqa: E731  (so the chain is not a point mass)
     y = torch.zeros(3, dtype=torch.long)
     seeds = [5, 6, 7]
-    batch = ddpm_sample(shifted, diffusion, (3, 1, 2, 2), y, num_steps=10,
-                        generator=[torch.Generator().manual_seed(s) for s in seeds])
-    alone = ddpm_sample(shifted, diffusion, (1, 1, 2, 2), y[:1], num_steps=10, generator=[torch.Generator().manual_seed(6)])
+    batch = ddpm_sample(
+        shifted,
+        diffusion,
+        (3, 1, 2, 2),
+        y,
+        num_steps=10,
+        generator=[torch.Generator().manual_seed(s) for s in seeds],
+    )
+    alone = ddpm_sample(
+        shifted, diffusion, (1, 1, 2, 2), y[:1], num_steps=10, generator=[torch.Generator().manual_seed(6)]
+    )
     torch.testing.assert_close(batch[1:2], alone, rtol=0, atol=0)
 
 
@@ -377,22 +417,46 @@ def test_guidance_formula_and_channels(channels):
 def tiny_pipeline_parts():
     torch.manual_seed(0)
     model = build_model(custom_spec(2, 32, 2, 2, 64, num_classes=1000), init="torch").eval()
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
-                        up_block_types=("UpDecoderBlock2D",), block_out_channels=(8,), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=4, sample_size=8).eval()
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        block_out_channels=(8,),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=8,
+    ).eval()
     return model, vae
 
 
-@pytest.mark.parametrize("scheduler_class, guidance_scale", [(DDIMScheduler, 4.0), (DPMSolverMultistepScheduler, 1.5),
-                                                              (DDIMScheduler, 1.0)])
+@pytest.mark.parametrize(
+    "scheduler_class, guidance_scale",
+    [(DDIMScheduler, 4.0), (DPMSolverMultistepScheduler, 1.5), (DDIMScheduler, 1.0)],
+)
 def test_sample_with_scheduler_matches_dit_pipeline(tiny_pipeline_parts, scheduler_class, guidance_scale):
     model, vae = tiny_pipeline_parts
-    pipe = DiTPipeline(transformer=model, vae=vae, scheduler=scheduler_class.from_config(DIT_SCHEDULER_CONFIG))
-    images = pipe(class_labels=[3, 999], guidance_scale=guidance_scale, num_inference_steps=6,
-                  generator=torch.Generator().manual_seed(11), output_type="pt").images
-    latents = sample_with_scheduler(as_model_fn(model), scheduler_class.from_config(DIT_SCHEDULER_CONFIG), torch.tensor([3, 999]),
-                                    latent_channels=4, latent_size=8, num_inference_steps=6, guidance_scale=guidance_scale,
-                                    generator=torch.Generator().manual_seed(11))
+    pipe = DiTPipeline(
+        transformer=model, vae=vae, scheduler=scheduler_class.from_config(DIT_SCHEDULER_CONFIG)
+    )
+    images = pipe(
+        class_labels=[3, 999],
+        guidance_scale=guidance_scale,
+        num_inference_steps=6,
+        generator=torch.Generator().manual_seed(11),
+        output_type="pt",
+    ).images
+    latents = sample_with_scheduler(
+        as_model_fn(model),
+        scheduler_class.from_config(DIT_SCHEDULER_CONFIG),
+        torch.tensor([3, 999]),
+        latent_channels=4,
+        latent_size=8,
+        num_inference_steps=6,
+        guidance_scale=guidance_scale,
+        generator=torch.Generator().manual_seed(11),
+    )
     with torch.no_grad():
         ours = (vae.decode(latents / vae.config.scaling_factor).sample / 2 + 0.5).clamp(0, 1)
     assert images.std() > 0.01

@@ -25,23 +25,38 @@ LAUNCHER_TRACEBACK = """Traceback (most recent call last):
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError: """
 
 
-def failure_entry(index, rank, exitcode, pid, host="gpu-node-07.cluster.local", time="2026-03-02_10:14:05",
-                  traceback=None, signal_suffix=True):
+def failure_entry(
+    index,
+    rank,
+    exitcode,
+    pid,
+    host="gpu-node-07.cluster.local",
+    time="2026-03-02_10:14:05",
+    traceback=None,
+    signal_suffix=True,
+):
     import signal
 
     suffix = f" ({signal.Signals(-exitcode).name})" if exitcode < 0 and signal_suffix else ""
     if traceback is None:
-        traceback = (f"Signal {-exitcode} ({signal.Signals(-exitcode).name}) received by PID {pid}" if exitcode < 0
-                     else "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
-    return (f"[{index}]:\n  time      : {time}\n  host      : {host}\n  rank      : {rank} (local_rank: {rank % 8})\n"
-            f"  exitcode  : {exitcode} (pid: {pid}){suffix}\n  error_file: <N/A>\n  traceback : {traceback}")
+        traceback = (
+            f"Signal {-exitcode} ({signal.Signals(-exitcode).name}) received by PID {pid}"
+            if exitcode < 0
+            else "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+        )
+    return (
+        f"[{index}]:\n  time      : {time}\n  host      : {host}\n  rank      : {rank} (local_rank: {rank % 8})\n"
+        f"  exitcode  : {exitcode} (pid: {pid}){suffix}\n  error_file: <N/A>\n  traceback : {traceback}"
+    )
 
 
 def failure_block(root: str, others: list[str] = ()) -> str:
     rule, line = "=" * 56, "-" * 56
     other_text = "\n".join(others) if others else "  <NO_OTHER_FAILURES>"
-    return (f"{LAUNCHER_TRACEBACK}\n{rule}\ndit_accel.train FAILED\n{line}\nFailures:\n{other_text}\n{line}\n"
-            f"Root Cause (first observed failure):\n{root}\n{rule}\n")
+    return (
+        f"{LAUNCHER_TRACEBACK}\n{rule}\ndit_accel.train FAILED\n{line}\nFailures:\n{other_text}\n{line}\n"
+        f"Root Cause (first observed failure):\n{root}\n{rule}\n"
+    )
 
 
 PREAMBLE = """The following values were not passed to `accelerate launch` and had defaults used instead:
@@ -74,22 +89,44 @@ def test_parses_the_torchrun_sigkill_block():
 def test_exitcode_9_names_the_oom_killer_the_plan_estimate_and_the_fixes(tmp_path):
     plan = load_plan(write(tmp_path, json.dumps(XL_PLAN), "plan.json"))
     checks = diagnose(SIGKILL_LOG, plan, tmp_path / "runs" / "xl2")
-    assert checks[0].name == "failed ranks" and "rank 3 (local_rank 3, pid 88127) on gpu-node-07" in checks[0].reason
+    assert (
+        checks[0].name == "failed ranks"
+        and "rank 3 (local_rank 3, pid 88127) on gpu-node-07" in checks[0].reason
+    )
     [kill] = [c for c in checks if c.name == "exitcode -9 (SIGKILL)"]
     assert kill.status is Status.FAIL
     estimate = f"{XL_PLAN['host']['per_node_bytes'] / 2**30:.1f} GiB of host RAM per node"
-    for expected in ("OOM killer", "scheduler", "dmesg", "journalctl -k", "pid 88127", estimate,
-                     str(tmp_path / "runs" / "xl2" / "logs" / "rank3.log")):
+    for expected in (
+        "OOM killer",
+        "scheduler",
+        "dmesg",
+        "journalctl -k",
+        "pid 88127",
+        estimate,
+        str(tmp_path / "runs" / "xl2" / "logs" / "rank3.log"),
+    ):
         assert expected in kill.reason, expected
-    for fix in ("fewer data-loader workers", "precomputed latents", "loading weights once per node", "more host RAM"):
+    for fix in (
+        "fewer data-loader workers",
+        "precomputed latents",
+        "loading weights once per node",
+        "more host RAM",
+    ):
         assert fix in kill.fix
 
 
 def test_older_torch_format_prefixed_lines_several_failures_and_kernel_evidence():
-    others = [failure_entry(1, 5, -6, 90211, host="gpu-node-08", time="2026-03-02_10:24:01", signal_suffix=False)]
+    others = [
+        failure_entry(1, 5, -6, 90211, host="gpu-node-08", time="2026-03-02_10:24:01", signal_suffix=False)
+    ]
     root = failure_entry(0, 2, -9, 90100, host="gpu-node-08", time="2026-03-02_10:14:05", signal_suffix=False)
     kernel = "[Mon Mar  2 10:14:05 2026] Out of memory: Killed process 90100 (python) total-vm:91234567kB, anon-rss:60123456kB\n"
-    text = "\n".join("[rank2]: " + line for line in "hello\nworld".splitlines()) + "\n" + kernel + failure_block(root, others)
+    text = (
+        "\n".join("[rank2]: " + line for line in "hello\nworld".splitlines())
+        + "\n"
+        + kernel
+        + failure_block(root, others)
+    )
     failures = parse_failures(text)
     assert [(f.rank, f.exitcode, f.root_cause) for f in failures] == [(2, -9, True), (5, -6, False)]
     checks = diagnose(text)
@@ -99,11 +136,13 @@ def test_older_torch_format_prefixed_lines_several_failures_and_kernel_evidence(
     assert any(c.name == "exitcode -6 (SIGABRT)" for c in checks)
 
 
-CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.25 GiB. GPU 1 has a total capacity of "
-            "39.38 GiB of which 1.91 GiB is free. Process 5521 has 37.46 GiB memory in use. Of the allocated memory "
-            "35.12 GiB is allocated by PyTorch, and 1.71 GiB is reserved by PyTorch but unallocated. If reserved but "
-            "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
-            "fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+CUDA_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.25 GiB. GPU 1 has a total capacity of "
+    "39.38 GiB of which 1.91 GiB is free. Process 5521 has 37.46 GiB memory in use. Of the allocated memory "
+    "35.12 GiB is allocated by PyTorch, and 1.71 GiB is reserved by PyTorch but unallocated. If reserved but "
+    "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
 RANK_TRACEBACK = """[rank1]: Traceback (most recent call last):
 [rank1]:   File "/work/dit_accel/train.py", line 712, in train
 [rank1]:     loss = train_micro_step(components, batch, loss_multiplier)
@@ -120,16 +159,26 @@ def test_cuda_oom_at_step_1_says_replan(tmp_path):
     assert oom.name == "CUDA out of memory at step 1" and oom.status is Status.FAIL
     assert "tried to allocate 2.25 GiB on GPU 1 (39.38 GiB total, 1.91 GiB free)" in oom.reason
     assert "pid 5521 (37.46 GiB)" in oom.reason
-    assert "dit-plan --vram" in oom.fix and "--max-micro-batch" in oom.fix and "checkpointed blocks" in oom.fix
+    assert (
+        "dit-plan --vram" in oom.fix and "--max-micro-batch" in oom.fix and "checkpointed blocks" in oom.fix
+    )
     assert not any(c.name == "exitcode 1" for c in checks)  # the OOM row already explains the exit
 
 
 def test_cuda_oom_after_steps_points_at_fragmentation(tmp_path):
-    steps = "".join(f"2026-03-02 11:{m:02d}:00,000 rank0 INFO step {m * 100}/400000 | loss 0.1500 | lr 0.0001\n"
-                    for m in range(1, 4))
-    checks = diagnose(steps + RANK_TRACEBACK.format(error=CUDA_OOM) + failure_block(failure_entry(0, 1, 1, 77001)))
+    steps = "".join(
+        f"2026-03-02 11:{m:02d}:00,000 rank0 INFO step {m * 100}/400000 | loss 0.1500 | lr 0.0001\n"
+        for m in range(1, 4)
+    )
+    checks = diagnose(
+        steps + RANK_TRACEBACK.format(error=CUDA_OOM) + failure_block(failure_entry(0, 1, 1, 77001))
+    )
     [oom] = [c for c in checks if c.name.startswith("CUDA out of memory")]
-    assert oom.name == "CUDA out of memory" and "after step 300" in oom.reason and "expandable_segments" in oom.fix
+    assert (
+        oom.name == "CUDA out of memory"
+        and "after step 300" in oom.reason
+        and "expandable_segments" in oom.fix
+    )
 
 
 NCCL_TIMEOUT = """[rank2]:[E302 11:02:13.441207 ProcessGroupNCCL.cpp:632] [Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1843, OpType=ALLREDUCE, NumelIn=674834720, NumelOut=674834720, Timeout(ms)=600000) ran for 600013 milliseconds before timing out.
@@ -144,7 +193,11 @@ def test_nccl_timeout_points_at_the_first_failing_rank():
     checks = diagnose(text)
     [nccl] = [c for c in checks if c.name == "NCCL timeout"]
     assert "rank(s) 2, 6 waited 600 s in ALLREDUCE (collective #1843)" in nccl.reason
-    assert "first rank that failed" in nccl.fix and "NCCL_DEBUG=INFO" in nccl.fix and "NCCL_SOCKET_IFNAME" in nccl.fix
+    assert (
+        "first rank that failed" in nccl.fix
+        and "NCCL_DEBUG=INFO" in nccl.fix
+        and "NCCL_SOCKET_IFNAME" in nccl.fix
+    )
     abort = next(c for c in checks if c.name == "exitcode -6 (SIGABRT)")
     assert "watchdog aborted the process" in abort.reason
 
@@ -166,17 +219,22 @@ def test_exitcode_1_shows_the_ranks_exception_not_the_launchers():
 
 
 def test_exitcode_2_is_dit_accel_refusing_its_input():
-    text = ("dit_accel.train: error: the plan trains on precomputed latents: pass --latents DIR\n"
-            + failure_block(failure_entry(0, 0, 2, 999)))
+    text = (
+        "dit_accel.train: error: the plan trains on precomputed latents: pass --latents DIR\n"
+        + failure_block(failure_entry(0, 0, 2, 999))
+    )
     [row] = [c for c in diagnose(text) if c.name == "exitcode 2"]
     assert "refused its input: dit_accel.train: error: the plan trains on precomputed latents" in row.reason
 
 
-@pytest.mark.parametrize("exitcode, name, words", [
-    (-11, "exitcode -11 (SIGSEGV)", ("native code", "PYTHONFAULTHANDLER=1")),
-    (-6, "exitcode -6 (SIGABRT)", ("c10::Error", "CUDA_LAUNCH_BLOCKING=1")),
-    (-7, "exitcode -7 (SIGBUS)", ("/dev/shm", "--shm-size")),
-])
+@pytest.mark.parametrize(
+    "exitcode, name, words",
+    [
+        (-11, "exitcode -11 (SIGSEGV)", ("native code", "PYTHONFAULTHANDLER=1")),
+        (-6, "exitcode -6 (SIGABRT)", ("c10::Error", "CUDA_LAUNCH_BLOCKING=1")),
+        (-7, "exitcode -7 (SIGBUS)", ("/dev/shm", "--shm-size")),
+    ],
+)
 def test_signals(exitcode, name, words):
     [row] = [c for c in diagnose(failure_block(failure_entry(0, 4, exitcode, 5150))) if c.name == name]
     text = row.reason + " " + row.fix
@@ -184,8 +242,10 @@ def test_signals(exitcode, name, words):
 
 
 def test_single_process_accelerate_launch_dies_without_a_table():
-    text = ("Traceback (most recent call last):\n  File \"/opt/conda/bin/accelerate\", line 8, in <module>\n"
-            "subprocess.CalledProcessError: Command '['/opt/conda/bin/python', '-m', 'dit_accel.train']' died with <Signals.SIGKILL: 9>.\n")
+    text = (
+        'Traceback (most recent call last):\n  File "/opt/conda/bin/accelerate", line 8, in <module>\n'
+        "subprocess.CalledProcessError: Command '['/opt/conda/bin/python', '-m', 'dit_accel.train']' died with <Signals.SIGKILL: 9>.\n"
+    )
     checks = diagnose(text)
     assert any(c.name == "exitcode -9 (SIGKILL)" for c in checks)
     assert last_exception_line(text) is None  # the launcher's exception is not the rank's
@@ -194,16 +254,28 @@ def test_single_process_accelerate_launch_dies_without_a_table():
 def test_the_command_reads_a_log_and_the_per_rank_logs(tmp_path, capsys):
     run_dir = tmp_path / "runs" / "xl2"
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "logs" / "rank1.log").write_text("2026-03-02 11:01:00,000 rank1 INFO step 500/400000 | loss 0.15\n")
-    log = write(tmp_path, RANK_TRACEBACK.format(error=CUDA_OOM) + failure_block(failure_entry(0, 1, 1, 77001)))
+    (run_dir / "logs" / "rank1.log").write_text(
+        "2026-03-02 11:01:00,000 rank1 INFO step 500/400000 | loss 0.15\n"
+    )
+    log = write(
+        tmp_path, RANK_TRACEBACK.format(error=CUDA_OOM) + failure_block(failure_entry(0, 1, 1, 77001))
+    )
     assert run(["--log", str(log), "--output-dir", str(run_dir), "--format", "json"]) == 2
     report = json.loads(capsys.readouterr().out)
     names = [row["name"] for row in report["checks"]]
     assert "CUDA out of memory" in names  # after step 500, read from rank1.log
-    clean = write(tmp_path, "2026-03-02 11:01:00,000 rank0 INFO step 100/100 | loss 0.15\n2026-03-02 rank0 INFO done\n", "ok.log")
+    clean = write(
+        tmp_path,
+        "2026-03-02 11:01:00,000 rank0 INFO step 100/100 | loss 0.15\n2026-03-02 rank0 INFO done\n",
+        "ok.log",
+    )
     assert run(["--log", str(clean)]) == 0
     assert "no failure found" in capsys.readouterr().out
-    unknown = write(tmp_path, "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'latent'\n", "odd.log")
+    unknown = write(
+        tmp_path,
+        "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'latent'\n",
+        "odd.log",
+    )
     assert run(["--log", str(unknown)]) == 0
     capsys.readouterr()
     assert run(["--log", str(unknown), "--strict", "--format", "json"]) == 1
@@ -247,18 +319,48 @@ def test_a_real_accelerate_launch_killed_by_sigkill(tmp_path, capsys):
 
     from planner.outputs import write_plan_dir
 
-    write_plan_dir(make_plan(gpus=2, vram="8G", global_batch=8, model="DiT-S/2", depth=2, hidden=32, heads=2,
-                             resolution=32, num_classes=3), tmp_path / "plan")
+    write_plan_dir(
+        make_plan(
+            gpus=2,
+            vram="8G",
+            global_batch=8,
+            model="DiT-S/2",
+            depth=2,
+            hidden=32,
+            heads=2,
+            resolution=32,
+            num_classes=3,
+        ),
+        tmp_path / "plan",
+    )
     (tmp_path / "die.py").write_text(DYING_RANK)
     launch = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "plan" / "accelerate_config.yaml"),
-         "--main_process_port", "0", str(tmp_path / "die.py")],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(tmp_path / "plan" / "accelerate_config.yaml"),
+            "--main_process_port",
+            "0",
+            str(tmp_path / "die.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert launch.returncode != 0
     log = write(tmp_path, launch.stdout + launch.stderr)
     killed_pid = int(re.search(r"rank 1 pid (\d+)", log.read_text())[1])
     assert run(["--log", str(log), "--plan", str(tmp_path / "plan" / "plan.json"), "--format", "json"]) == 2
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["checks"]}
     assert f"root cause rank 1 (local_rank 1, pid {killed_pid})" in rows["failed ranks"]["reason"]
-    assert "rank 0" in rows["failed ranks"]["reason"] and "SIGTERM: stopped by the launcher" in rows["failed ranks"]["reason"]
-    assert "OOM killer" in rows["exitcode -9 (SIGKILL)"]["reason"] and "of host RAM per node" in rows["exitcode -9 (SIGKILL)"]["reason"]
+    assert (
+        "rank 0" in rows["failed ranks"]["reason"]
+        and "SIGTERM: stopped by the launcher" in rows["failed ranks"]["reason"]
+    )
+    assert (
+        "OOM killer" in rows["exitcode -9 (SIGKILL)"]["reason"]
+        and "of host RAM per node" in rows["exitcode -9 (SIGKILL)"]["reason"]
+    )

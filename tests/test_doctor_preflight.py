@@ -17,9 +17,23 @@ from PIL import Image
 from dit_accel.doctor import Probes, run
 from dit_accel.doctor.checks import Status, exit_code, failed, passed, warned
 from dit_accel.doctor.data import check_data
-from dit_accel.doctor.distributed import Rendezvous, check_distributed, check_port_free, check_reachable, read_rendezvous
-from dit_accel.doctor.environment import (ComputeApp, EnvironmentFacts, GpuFacts, check_accelerate_config,
-                                          check_environment, parse_compute_apps, parse_driver_cuda, probe_environment)
+from dit_accel.doctor.distributed import (
+    Rendezvous,
+    check_distributed,
+    check_port_free,
+    check_reachable,
+    read_rendezvous,
+)
+from dit_accel.doctor.environment import (
+    ComputeApp,
+    EnvironmentFacts,
+    GpuFacts,
+    check_accelerate_config,
+    check_environment,
+    parse_compute_apps,
+    parse_driver_cuda,
+    probe_environment,
+)
 from dit_accel.doctor.host import HostFacts, check_host, loader_facts, read_host
 from dit_accel.doctor.output import check_output, checkpoint_bytes
 from dit_accel.doctor.plan import load_plan
@@ -30,14 +44,25 @@ GiB = 2**30
 
 # Plans by the real planner: DiT-XL/2 on 8 x 40 GB, and a 2-block DiT at 32 px on 2 GPUs (global batch 8)
 XL_PLAN = make_plan(gpus=8, vram="40G", global_batch=256)
-TINY = dict(gpus=2, vram="8G", global_batch=8, model="DiT-S/2", depth=2, hidden=32, heads=2, resolution=32, num_classes=3)
+TINY = dict(
+    gpus=2,
+    vram="8G",
+    global_batch=8,
+    model="DiT-S/2",
+    depth=2,
+    hidden=32,
+    heads=2,
+    resolution=32,
+    num_classes=3,
+)
 PIXEL_PLAN = make_plan(**TINY, latents="pixel")
 LATENT_PLAN = make_plan(**TINY, latents="precomputed")
 ANY_FREE_PORT = {"main_process_port": 0}  # tests never depend on port 29500 being free
 
 
-def write_plan(folder: Path, plan: dict = XL_PLAN, config: dict | None = None, broken: dict | None = None,
-               **changes) -> Path:
+def write_plan(
+    folder: Path, plan: dict = XL_PLAN, config: dict | None = None, broken: dict | None = None, **changes
+) -> Path:
     """dit-plan's own files for `plan` in `folder`, after `changes` (dotted keys: decision__sharding="zero3");
     then `config` edits the Accelerate YAML and `broken` plan.json's top level, to build inconsistent files."""
     plan = copy.deepcopy(plan)
@@ -49,29 +74,54 @@ def write_plan(folder: Path, plan: dict = XL_PLAN, config: dict | None = None, b
         node[leaf] = value
     write_plan_dir(plan, folder)
     config_path = folder / "accelerate_config.yaml"
-    config_path.write_text(yaml.safe_dump({**yaml.safe_load(config_path.read_text()), **ANY_FREE_PORT, **(config or {})}))
+    config_path.write_text(
+        yaml.safe_dump({**yaml.safe_load(config_path.read_text()), **ANY_FREE_PORT, **(config or {})})
+    )
     if broken:
         (folder / "plan.json").write_text(json.dumps({**plan, **broken}))
     return folder / "plan.json"
 
 
 def gpus(count=8, total=40 * GiB, free=39 * GiB, capability=(8, 0), name="NVIDIA A100-SXM4-40GB"):
-    return tuple(GpuFacts(index=i, name=name, total_bytes=total, free_bytes=free, capability=capability,
-                          uuid=f"GPU-{i:04d}") for i in range(count))
+    return tuple(
+        GpuFacts(
+            index=i, name=name, total_bytes=total, free_bytes=free, capability=capability, uuid=f"GPU-{i:04d}"
+        )
+        for i in range(count)
+    )
 
 
 def env(**changes) -> EnvironmentFacts:
-    facts = dict(python="3.11.9", torch="2.13.0+cu126", cuda_build="12.6", cudnn=90501, nccl="2.26.2",
-                 driver_version="560.35.03", driver_cuda="12.6", cuda_available=True, gpus=gpus(),
-                 tf32_matmul=False, tf32_cudnn=True, compute_apps=(), env={})
+    facts = dict(
+        python="3.11.9",
+        torch="2.13.0+cu126",
+        cuda_build="12.6",
+        cudnn=90501,
+        nccl="2.26.2",
+        driver_version="560.35.03",
+        driver_cuda="12.6",
+        cuda_available=True,
+        gpus=gpus(),
+        tf32_matmul=False,
+        tf32_cudnn=True,
+        compute_apps=(),
+        env={},
+    )
     facts.update(changes)
     return EnvironmentFacts(**facts)
 
 
 def host(**changes) -> HostFacts:
-    facts = dict(mem_total_bytes=1000 * GiB, mem_available_bytes=900 * GiB, cgroup_limit_bytes=None,
-                 shm_total_bytes=500 * GiB, shm_free_bytes=500 * GiB, open_files_soft=65536,
-                 open_files_hard=65536, cpu_count=96)
+    facts = dict(
+        mem_total_bytes=1000 * GiB,
+        mem_available_bytes=900 * GiB,
+        cgroup_limit_bytes=None,
+        shm_total_bytes=500 * GiB,
+        shm_free_bytes=500 * GiB,
+        open_files_soft=65536,
+        open_files_hard=65536,
+        cpu_count=96,
+    )
     facts.update(changes)
     return HostFacts(**facts)
 
@@ -103,83 +153,133 @@ def test_gpu_plan_with_no_gpu_visible_fails_on_the_real_cpu_machine(xl_plan, mon
 
 def test_hidden_gpus_name_cuda_visible_devices(xl_plan):
     facts = env(gpus=(), cuda_available=False, env={"CUDA_VISIBLE_DEVICES": ""})
-    row = by_name(check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "GPUs visible")
+    row = by_name(
+        check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "GPUs visible"
+    )
     assert row.status is Status.FAIL and "CUDA_VISIBLE_DEVICES" in row.reason and "unset" in row.fix
 
 
 def test_fewer_gpus_than_planned_fail_and_more_warn(xl_plan):
     config = xl_plan.path.parent / "accelerate_config.yaml"
     fewer = by_name(check_environment(xl_plan, env(gpus=gpus(4)), config), "GPUs visible")
-    assert fewer.status is Status.FAIL and "8 GPU(s) per node, 4 visible" in fewer.reason and "--gpus 4" in fewer.fix
+    assert (
+        fewer.status is Status.FAIL
+        and "8 GPU(s) per node, 4 visible" in fewer.reason
+        and "--gpus 4" in fewer.fix
+    )
     more = by_name(check_environment(xl_plan, env(gpus=gpus(16)), config), "GPUs visible")
     assert more.status is Status.WARN
 
 
 def test_busy_gpu_fails_and_names_the_process_holding_it(xl_plan):
-    busy = gpus()[:1] + tuple(GpuFacts(i, "NVIDIA A100-SXM4-40GB", 40 * GiB, 10 * GiB, (8, 0), f"GPU-{i:04d}") for i in range(1, 8))
+    busy = gpus()[:1] + tuple(
+        GpuFacts(i, "NVIDIA A100-SXM4-40GB", 40 * GiB, 10 * GiB, (8, 0), f"GPU-{i:04d}") for i in range(1, 8)
+    )
     apps = (ComputeApp(pid=4242, process_name="python", used_bytes=29 * GiB, gpu_uuid="GPU-0001"),)
-    checks = check_environment(xl_plan, env(gpus=busy, compute_apps=apps), xl_plan.path.parent / "accelerate_config.yaml")
+    checks = check_environment(
+        xl_plan, env(gpus=busy, compute_apps=apps), xl_plan.path.parent / "accelerate_config.yaml"
+    )
     assert by_name(checks, "GPU 0 memory").status is Status.PASS
     row = by_name(checks, "GPU 1 memory")
     assert row.status is Status.FAIL and "pid 4242 python (29.0 GiB)" in row.reason
-    without_smi = check_environment(xl_plan, env(gpus=busy, compute_apps=None), xl_plan.path.parent / "accelerate_config.yaml")
+    without_smi = check_environment(
+        xl_plan, env(gpus=busy, compute_apps=None), xl_plan.path.parent / "accelerate_config.yaml"
+    )
     assert "cannot be named" in by_name(without_smi, "GPU 1 memory").reason
 
 
 def test_nvidia_smi_output_is_parsed():
-    apps = parse_compute_apps("4242, python, 30120, GPU-0001\n"
-                              "5150, /usr/bin/python3 -m vllm, serve, 512, GPU-0002\n"
-                              "6000, [Insufficient Permissions], [N/A], GPU-0003\n")
-    assert apps == (ComputeApp(4242, "python", 30120 * 2**20, "GPU-0001"),
-                    ComputeApp(5150, "/usr/bin/python3 -m vllm, serve", 512 * 2**20, "GPU-0002"))
+    apps = parse_compute_apps(
+        "4242, python, 30120, GPU-0001\n"
+        "5150, /usr/bin/python3 -m vllm, serve, 512, GPU-0002\n"
+        "6000, [Insufficient Permissions], [N/A], GPU-0003\n"
+    )
+    assert apps == (
+        ComputeApp(4242, "python", 30120 * 2**20, "GPU-0001"),
+        ComputeApp(5150, "/usr/bin/python3 -m vllm, serve", 512 * 2**20, "GPU-0002"),
+    )
     banner = "| NVIDIA-SMI 560.35.03    Driver Version: 560.35.03    CUDA Version: 12.6     |"
     assert parse_driver_cuda(banner) == "12.6" and parse_driver_cuda("No devices were found") is None
 
 
 def test_a_gpu_torch_cannot_open_fails(xl_plan):
-    broken = GpuFacts(0, "NVIDIA A100-SXM4-40GB", 40 * GiB, 0, (8, 0), "GPU-0000",
-                                  error="CUDA error: out of memory")
+    broken = GpuFacts(
+        0, "NVIDIA A100-SXM4-40GB", 40 * GiB, 0, (8, 0), "GPU-0000", error="CUDA error: out of memory"
+    )
     facts = env(gpus=(broken,) + gpus()[1:], compute_apps=(ComputeApp(7, "python", 40 * GiB, "GPU-0000"),))
-    row = by_name(check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "GPU 0 memory")
-    assert row.status is Status.FAIL and "cannot open it (CUDA error: out of memory)" in row.reason and "pid 7" in row.reason
+    row = by_name(
+        check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "GPU 0 memory"
+    )
+    assert (
+        row.status is Status.FAIL
+        and "cannot open it (CUDA error: out of memory)" in row.reason
+        and "pid 7" in row.reason
+    )
 
 
 def test_gpu_smaller_than_the_plan_peak_fails_with_a_replan(xl_plan):
-    row = by_name(check_environment(xl_plan, env(gpus=gpus(total=24 * GiB, free=23 * GiB, name="NVIDIA L4")),
-                                    xl_plan.path.parent / "accelerate_config.yaml"), "GPU 0 memory")
+    row = by_name(
+        check_environment(
+            xl_plan,
+            env(gpus=gpus(total=24 * GiB, free=23 * GiB, name="NVIDIA L4")),
+            xl_plan.path.parent / "accelerate_config.yaml",
+        ),
+        "GPU 0 memory",
+    )
     assert row.status is Status.FAIL and "dit-plan --vram 24GiB" in row.fix
 
 
 def test_bf16_plan_on_a_v100_fails(xl_plan):
     facts = env(gpus=gpus(total=32 * GiB, free=31.5 * GiB, capability=(7, 0), name="Tesla V100-SXM2-32GB"))
-    row = by_name(check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "precision")
-    assert row.status is Status.FAIL and "compute capability 7.0" in row.reason and "--precision fp16" in row.fix
+    row = by_name(
+        check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml"), "precision"
+    )
+    assert (
+        row.status is Status.FAIL and "compute capability 7.0" in row.reason and "--precision fp16" in row.fix
+    )
 
 
 def test_tf32_for_fp32_plans(tmp_path):
     plan = load_plan(write_plan(tmp_path, make_plan(gpus=8, vram="80G", global_batch=256, precision="fp32")))
-    row = by_name(check_environment(plan, env(gpus=gpus(total=80 * GiB, free=79 * GiB)), tmp_path / "accelerate_config.yaml"), "TF32")
+    row = by_name(
+        check_environment(
+            plan, env(gpus=gpus(total=80 * GiB, free=79 * GiB)), tmp_path / "accelerate_config.yaml"
+        ),
+        "TF32",
+    )
     assert row.status is Status.PASS and "turns TF32 on" in row.reason and "fp32" in row.reason
     override = env(gpus=gpus(total=80 * GiB, free=79 * GiB), env={"NVIDIA_TF32_OVERRIDE": "0"})
     row = by_name(check_environment(plan, override, tmp_path / "accelerate_config.yaml"), "TF32")
     assert row.status is Status.WARN and "NVIDIA_TF32_OVERRIDE" in row.fix
 
 
-@pytest.mark.parametrize("driver_cuda, status", [("11.8", Status.FAIL), ("12.2", Status.WARN), ("12.8", Status.PASS)])
+@pytest.mark.parametrize(
+    "driver_cuda, status", [("11.8", Status.FAIL), ("12.2", Status.WARN), ("12.8", Status.PASS)]
+)
 def test_torch_cuda_build_against_the_driver(xl_plan, driver_cuda, status):
-    row = by_name(check_environment(xl_plan, env(driver_cuda=driver_cuda), xl_plan.path.parent / "accelerate_config.yaml"),
-                  "versions")
+    row = by_name(
+        check_environment(
+            xl_plan, env(driver_cuda=driver_cuda), xl_plan.path.parent / "accelerate_config.yaml"
+        ),
+        "versions",
+    )
     assert row.status is status
     assert "torch 2.13.0+cu126" in row.reason and "NCCL 2.26.2" in row.reason and "cuDNN 9.5.1" in row.reason
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_processes": 4}, "num_processes is 4, the plan's world size is 8"),
-    ({"mixed_precision": "fp16"}, "mixed_precision is fp16, the plan's bf16 needs bf16"),
-    ({"num_machines": 2}, "num_machines is 2, the plan has 1 node(s)"),
-    ({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}}, "distributed_type is DEEPSPEED"),
-    ({"dit_extra_key": 1}, "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_processes": 4}, "num_processes is 4, the plan's world size is 8"),
+        ({"mixed_precision": "fp16"}, "mixed_precision is fp16, the plan's bf16 needs bf16"),
+        ({"num_machines": 2}, "num_machines is 2, the plan has 1 node(s)"),
+        (
+            {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}},
+            "distributed_type is DEEPSPEED",
+        ),
+        ({"dit_extra_key": 1}, "unknown keys"),
+    ],
+)
 def test_accelerate_yaml_that_disagrees_with_the_plan_fails(tmp_path, change, message):
     plan_path = write_plan(tmp_path, config=change)
     row = check_accelerate_config(load_plan(plan_path), tmp_path / "accelerate_config.yaml")
@@ -191,14 +291,30 @@ def test_the_sharding_strategy_must_match_the_plans(tmp_path):
     config_path = tmp_path / "accelerate_config.yaml"
     assert check_accelerate_config(load_plan(plan_path), config_path).status is Status.PASS
     fsdp = yaml.safe_load(config_path.read_text())["fsdp_config"]
-    write_plan(tmp_path, decision__sharding="zero3", config={"fsdp_config": {**fsdp, "fsdp_reshard_after_forward": False}})
+    write_plan(
+        tmp_path,
+        decision__sharding="zero3",
+        config={"fsdp_config": {**fsdp, "fsdp_reshard_after_forward": False}},
+    )
     row = check_accelerate_config(load_plan(plan_path), config_path)
-    assert row.status is Status.FAIL and "fsdp_reshard_after_forward is false, the plan's zero3 needs true" in row.reason
-    deepspeed = {"distributed_type": "DEEPSPEED", "fsdp_config": None,
-                 "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": XL_PLAN["decision"]["grad_accum"]}}
+    assert (
+        row.status is Status.FAIL
+        and "fsdp_reshard_after_forward is false, the plan's zero3 needs true" in row.reason
+    )
+    deepspeed = {
+        "distributed_type": "DEEPSPEED",
+        "fsdp_config": None,
+        "deepspeed_config": {
+            "zero_stage": 2,
+            "gradient_accumulation_steps": XL_PLAN["decision"]["grad_accum"],
+        },
+    }
     write_plan(tmp_path, decision__sharding="zero3", config=deepspeed)
     row = check_accelerate_config(load_plan(plan_path), config_path)
-    assert row.status is Status.FAIL and "distributed_type is DEEPSPEED, dit-accel shards with FSDP2" in row.reason
+    assert (
+        row.status is Status.FAIL
+        and "distributed_type is DEEPSPEED, dit-accel shards with FSDP2" in row.reason
+    )
 
 
 def test_a_sharded_plan_passes_the_trainers_launch_check(tmp_path):
@@ -216,25 +332,36 @@ def test_missing_accelerate_yaml_fails(xl_plan, tmp_path):
 
 
 def meminfo(total_gib: float, available_gib: float) -> str:
-    return (f"MemTotal:       {int(total_gib * 2**20)} kB\nMemFree:         1000 kB\n"
-            f"MemAvailable:   {int(available_gib * 2**20)} kB\nShmem:  0 kB\n")
+    return (
+        f"MemTotal:       {int(total_gib * 2**20)} kB\nMemFree:         1000 kB\n"
+        f"MemAvailable:   {int(available_gib * 2**20)} kB\nShmem:  0 kB\n"
+    )
 
 
 def test_host_ram_below_the_plans_estimate_is_the_exitcode_9_failure(xl_plan, tmp_path):
     (tmp_path / "meminfo").write_text(meminfo(128, 100))
-    facts = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup",
-                      open_files=lambda: (65536, 65536), cpu_count=lambda: 96)
+    facts = read_host(
+        meminfo_path=tmp_path / "meminfo",
+        shm_path=tmp_path,
+        cgroup_root=tmp_path / "no-cgroup",
+        open_files=lambda: (65536, 65536),
+        cpu_count=lambda: 96,
+    )
     assert facts.mem_total_bytes == 128 * GiB and facts.mem_available_bytes == 100 * GiB
     # the planner assumed 4 workers per rank; a run with 2 needs 8 ranks x 2 workers x (RSS + prefetch) less
     need = xl_plan.host_bytes_for_workers(2)
-    assert xl_plan.host_bytes - need == 8 * 2 * (512 * 2**20 + XL_PLAN["host"]["per_rank"]["loader_prefetch"] // 4)
+    assert xl_plan.host_bytes - need == 8 * 2 * (
+        512 * 2**20 + XL_PLAN["host"]["per_rank"]["loader_prefetch"] // 4
+    )
     row = by_name(check_host(xl_plan, facts, loader_facts(xl_plan, 2)), "host RAM")
     assert row.status is Status.FAIL
     assert f"needs about {need / GiB:.1f} GiB per node" in row.reason and "100.0 GiB available" in row.reason
     assert "exitcode -9" in row.reason and "assumed 4 data-loader workers" in row.reason
     assert "data-loader workers" in row.fix and "precomputed latents" in row.fix
     (tmp_path / "meminfo").write_text(meminfo(256, need / GiB * 1.05))  # within 10%: too close to call
-    close = read_host(meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup")
+    close = read_host(
+        meminfo_path=tmp_path / "meminfo", shm_path=tmp_path, cgroup_root=tmp_path / "no-cgroup"
+    )
     assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 2)), "host RAM").status is Status.WARN
     assert by_name(check_host(xl_plan, close, loader_facts(xl_plan, 0)), "host RAM").status is Status.PASS
 
@@ -247,7 +374,10 @@ def test_a_cgroup_memory_limit_counts_like_missing_ram(xl_plan, tmp_path):
     row = by_name(check_host(xl_plan, facts, loader_facts(xl_plan, 4)), "host RAM")
     assert row.status is Status.FAIL and "cgroup memory limit" in row.reason
     (tmp_path / "cgroup" / "memory.max").write_text("max\n")
-    assert read_host(meminfo_path=tmp_path / "meminfo", cgroup_root=tmp_path / "cgroup").cgroup_limit_bytes is None
+    assert (
+        read_host(meminfo_path=tmp_path / "meminfo", cgroup_root=tmp_path / "cgroup").cgroup_limit_bytes
+        is None
+    )
 
 
 def test_the_real_host_reads(xl_plan):
@@ -258,19 +388,34 @@ def test_the_real_host_reads(xl_plan):
 
 def test_docker_default_shm_fails_for_pixel_workers(tmp_path):
     plan = load_plan(write_plan(tmp_path, make_plan(gpus=8, vram="80G", global_batch=256, latents="online")))
-    row = by_name(check_host(plan, host(shm_total_bytes=64 * 2**20, shm_free_bytes=64 * 2**20), loader_facts(plan, 8)),
-                  "/dev/shm")
+    row = by_name(
+        check_host(plan, host(shm_total_bytes=64 * 2**20, shm_free_bytes=64 * 2**20), loader_facts(plan, 8)),
+        "/dev/shm",
+    )
     assert row.status is Status.FAIL and "64 MiB in total" in row.reason and "--shm-size" in row.fix
     assert by_name(check_host(plan, host(), loader_facts(plan, 8)), "/dev/shm").status is Status.PASS
-    assert by_name(check_host(plan, host(shm_total_bytes=64 * 2**20), loader_facts(plan, 0)), "/dev/shm").status is Status.PASS
+    assert (
+        by_name(check_host(plan, host(shm_total_bytes=64 * 2**20), loader_facts(plan, 0)), "/dev/shm").status
+        is Status.PASS
+    )
 
 
 def test_open_file_limit_and_cpu_count(xl_plan):
-    checks = check_host(xl_plan, host(open_files_soft=256, open_files_hard=4096, cpu_count=16), loader_facts(xl_plan, 4))
-    assert by_name(checks, "open-file limit").status is Status.FAIL and "ulimit -n 4096" in by_name(checks, "open-file limit").fix
+    checks = check_host(
+        xl_plan, host(open_files_soft=256, open_files_hard=4096, cpu_count=16), loader_facts(xl_plan, 4)
+    )
+    assert (
+        by_name(checks, "open-file limit").status is Status.FAIL
+        and "ulimit -n 4096" in by_name(checks, "open-file limit").fix
+    )
     cpus = by_name(checks, "CPUs")
     assert cpus.status is Status.WARN and "= 40" in cpus.reason and "--num-workers 1" in cpus.fix
-    assert by_name(check_host(xl_plan, host(open_files_soft=1024), loader_facts(xl_plan, 4)), "open-file limit").status is Status.WARN
+    assert (
+        by_name(
+            check_host(xl_plan, host(open_files_soft=1024), loader_facts(xl_plan, 4)), "open-file limit"
+        ).status
+        is Status.WARN
+    )
 
 
 # --- data ----------------------------------------------------------------------------------------------------
@@ -308,13 +453,20 @@ def _empty_class(root):
     (root / "class_9").mkdir()
 
 
-@pytest.mark.parametrize("build, reason, fix", [
-    (lambda root: None, "does not exist", "one sub-folder per class"),
-    (lambda root: root.write_text("x"), "is a file, not a directory", "one sub-folder per class"),
-    (lambda root: root.mkdir(), "has no class sub-folders", "<class>/<image>.jpg"),
-    (_no_classes, "holds 1 images directly but no class sub-folders", "move them into one sub-folder per class"),
-    (_empty_class, "1 class folder(s)", "add images to them or remove them"),
-])
+@pytest.mark.parametrize(
+    "build, reason, fix",
+    [
+        (lambda root: None, "does not exist", "one sub-folder per class"),
+        (lambda root: root.write_text("x"), "is a file, not a directory", "one sub-folder per class"),
+        (lambda root: root.mkdir(), "has no class sub-folders", "<class>/<image>.jpg"),
+        (
+            _no_classes,
+            "holds 1 images directly but no class sub-folders",
+            "move them into one sub-folder per class",
+        ),
+        (_empty_class, "1 class folder(s)", "add images to them or remove them"),
+    ],
+)
 def test_each_bad_image_folder_is_a_fail_row_with_the_fix(pixel_plan, tmp_path, build, reason, fix):
     root = tmp_path / "images"
     build(root)
@@ -326,22 +478,36 @@ def test_an_undecodable_image_fails_only_when_decoded(pixel_plan, tmp_path):
     root = make_folder(tmp_path / "images")
     (root / "class_1" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     sampled = by_name(check_data(pixel_plan, root, None, None, full=False), "decoding")
-    assert sampled.status is Status.PASS and "--full decodes all" in sampled.reason  # 3.png is not a class's first image
+    assert (
+        sampled.status is Status.PASS and "--full decodes all" in sampled.reason
+    )  # 3.png is not a class's first image
     row = by_name(check_data(pixel_plan, root, None, None, full=True), "decoding")
     assert row.status is Status.FAIL and "class_1/3.png" in row.reason and "--skip-bad-images" in row.fix
 
 
 def test_too_few_images_more_classes_than_the_model_and_small_images(pixel_plan, tmp_path):
-    few = check_data(pixel_plan, make_folder(tmp_path / "few", classes=2, per_class=2), None, None, full=False)
-    assert by_name(few, "classes").status is Status.FAIL and "fewer than one global batch of 8" in by_name(few, "classes").reason
+    few = check_data(
+        pixel_plan, make_folder(tmp_path / "few", classes=2, per_class=2), None, None, full=False
+    )
+    assert (
+        by_name(few, "classes").status is Status.FAIL
+        and "fewer than one global batch of 8" in by_name(few, "classes").reason
+    )
     many = check_data(pixel_plan, make_folder(tmp_path / "many", classes=5), None, None, full=False)
-    assert by_name(many, "classes").status is Status.FAIL and "--num-classes 5" in by_name(many, "classes").fix
+    assert (
+        by_name(many, "classes").status is Status.FAIL and "--num-classes 5" in by_name(many, "classes").fix
+    )
     small = check_data(pixel_plan, make_folder(tmp_path / "small", size=16), None, None, full=False)
-    assert by_name(small, "image sizes").status is Status.WARN and "smaller than the plan's 32 px" in by_name(small, "image sizes").reason
+    assert (
+        by_name(small, "image sizes").status is Status.WARN
+        and "smaller than the plan's 32 px" in by_name(small, "image sizes").reason
+    )
 
 
 def test_images_for_a_latent_plan_fail_with_the_trainers_message(xl_plan, tmp_path):
-    row = by_name(check_data(xl_plan, make_folder(tmp_path / "images"), None, None, full=False), "data vs plan")
+    row = by_name(
+        check_data(xl_plan, make_folder(tmp_path / "images"), None, None, full=False), "data vs plan"
+    )
     assert row.status is Status.FAIL and "precomputed latents" in row.reason and "--latents DIR" in row.fix
 
 
@@ -350,9 +516,15 @@ def save_tiny_vae(folder: Path, seed: int) -> str:
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
-                        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=8,
-                        layers_per_block=1, sample_size=32)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=4,
+        norm_num_groups=8,
+        layers_per_block=1,
+        sample_size=32,
+    )
     vae.save_pretrained(folder)
     return str(folder)
 
@@ -364,13 +536,24 @@ def latent_cache(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("cache")
     vae = save_tiny_vae(root / "vae", seed=0)
-    extract_latents(ExtractConfig(data_path=str(make_folder(root / "images")), vae=vae, out=str(root / "latents"),
-                                  resolution=32, batch_size=12, shard_size=8, num_workers=0))
+    extract_latents(
+        ExtractConfig(
+            data_path=str(make_folder(root / "images")),
+            vae=vae,
+            out=str(root / "latents"),
+            resolution=32,
+            batch_size=12,
+            shard_size=8,
+            num_workers=0,
+        )
+    )
     return root
 
 
 def latent_plan(tmp_path, **changes):
-    return load_plan(write_plan(tmp_path / "latent-plan", make_plan(**{**TINY, **changes}, latents="precomputed")))
+    return load_plan(
+        write_plan(tmp_path / "latent-plan", make_plan(**{**TINY, **changes}, latents="precomputed"))
+    )
 
 
 def test_a_latent_cache_against_the_plan(latent_cache, tmp_path):
@@ -382,11 +565,11 @@ def test_a_latent_cache_against_the_plan(latent_cache, tmp_path):
     other_vae = save_tiny_vae(tmp_path / "other-vae", seed=1)
     row = by_name(check_data(plan, None, cache, other_vae, full=False), "latent VAE")
     assert row.status is Status.FAIL and "another VAE" in row.reason and "extract latents again" in row.fix
-    row = by_name(check_data(latent_plan(tmp_path, resolution=64), None, cache, None, False),
-                  "latent resolution")
+    row = by_name(
+        check_data(latent_plan(tmp_path, resolution=64), None, cache, None, False), "latent resolution"
+    )
     assert row.status is Status.FAIL and "made at 32 px but the run asks for 64 px" in row.reason
-    row = by_name(check_data(latent_plan(tmp_path, global_batch=16), None, cache, None, False),
-                  "classes")
+    row = by_name(check_data(latent_plan(tmp_path, global_batch=16), None, cache, None, False), "classes")
     assert row.status is Status.FAIL and "12 images, fewer than one global batch of 16" in row.reason
 
 
@@ -416,9 +599,15 @@ def test_a_tiny_disk_quota_fails(xl_plan, tmp_path):
     row = by_name(checks, "disk space")
     one = checkpoint_bytes(xl_plan)
     assert one == 674_834_720 * 16  # fp32 weights + EMA + two AdamW moments
-    assert row.status is Status.FAIL and "5.0 GiB free" in row.reason and "keeping 3 needs 40.2 GiB more" in row.reason
+    assert (
+        row.status is Status.FAIL
+        and "5.0 GiB free" in row.reason
+        and "keeping 3 needs 40.2 GiB more" in row.reason
+    )
     assert by_name(checks, "write permission").status is Status.PASS
-    assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == [tmp_path / "plan"]  # nothing left behind
+    assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == [
+        tmp_path / "plan"
+    ]  # nothing left behind
     roomy = lambda path: usage._replace(free=100 * GiB)  # noqa: E731
     assert by_name(check_output(xl_plan, tmp_path / "runs", 3, roomy), "disk space").status is Status.PASS
     for step in (1000, 2000, 3000):  # a run to resume: its 3 checkpoints already take their space
@@ -426,7 +615,11 @@ def test_a_tiny_disk_quota_fails(xl_plan, tmp_path):
         (tmp_path / "runs" / "checkpoints" / f"step_{step:08d}" / "COMPLETE").write_text("{}")
     quota = lambda path: usage._replace(free=15 * GiB)  # noqa: E731 - room for exactly one more
     row = by_name(check_output(xl_plan, tmp_path / "runs", 3, quota), "disk space")
-    assert row.status is Status.WARN and "needs 10.1 GiB more" in row.reason and "(3 already there)" in row.reason
+    assert (
+        row.status is Status.WARN
+        and "needs 10.1 GiB more" in row.reason
+        and "(3 already there)" in row.reason
+    )
 
 
 def test_an_output_dir_under_a_file_cannot_be_written(xl_plan, tmp_path):
@@ -476,7 +669,9 @@ def test_multi_node_addresses(tmp_path, monkeypatch):
     monkeypatch.setenv("MAIN_PROCESS_IP", "10.1.2.3")  # what dit-plan's SLURM script exports
     monkeypatch.setenv("MAIN_PROCESS_PORT", "29611")
     assert read_rendezvous(config, plan) == Rendezvous("10.1.2.3", 29611)
-    assert read_rendezvous(config, plan, "10.9.9.9", 29700) == Rendezvous("10.9.9.9", 29700)  # the launch flags win
+    assert read_rendezvous(config, plan, "10.9.9.9", 29700) == Rendezvous(
+        "10.9.9.9", 29700
+    )  # the launch flags win
 
 
 # --- the command: exit codes, formats, bad input -----------------------------------------------------------------
@@ -492,9 +687,17 @@ def ready(pixel_plan, tmp_path):
 
 
 def test_exit_code_rules():
-    ok, warning, failure = passed("g", "a", "fine"), warned("g", "b", "close", "fix"), failed("g", "c", "broken", "fix")
+    ok, warning, failure = (
+        passed("g", "a", "fine"),
+        warned("g", "b", "close", "fix"),
+        failed("g", "c", "broken", "fix"),
+    )
     assert [exit_code(rows) for rows in ([ok], [ok, warning], [ok, warning, failure])] == [0, 0, 2]
-    assert [exit_code(rows, strict=True) for rows in ([ok], [ok, warning], [ok, warning, failure])] == [0, 1, 2]
+    assert [exit_code(rows, strict=True) for rows in ([ok], [ok, warning], [ok, warning, failure])] == [
+        0,
+        1,
+        2,
+    ]
 
 
 def test_exit_codes_0_1_2_with_strict(ready, capsys, monkeypatch):

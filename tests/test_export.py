@@ -9,7 +9,8 @@ import torch
 from diffusers import AutoencoderKL, DiTPipeline
 
 from dit_accel import sample
-from dit_accel.export import import_main, main as export_main, write_pipeline
+from dit_accel.export import import_main, write_pipeline
+from dit_accel.export import main as export_main
 from dit_accel.model import build_model, conditioning_embedder, load_original_dit, timestep_freq_shift
 from planner.spec import custom_spec
 
@@ -21,15 +22,25 @@ DEPTH, HIDDEN, HEADS, PATCH = 2, 32, 2, 2
 def vae_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vae") / "vae"
     torch.manual_seed(0)
-    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-                  latent_channels=4, norm_num_groups=8, sample_size=RESOLUTION).save_pretrained(folder)
+    AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=RESOLUTION,
+    ).save_pretrained(folder)
     return folder
 
 
 def random_model(num_classes: int, seed: int = 0):
     torch.manual_seed(seed)
-    return build_model(custom_spec(DEPTH, HIDDEN, HEADS, PATCH, RESOLUTION, num_classes=num_classes), init="torch").eval()
+    return build_model(
+        custom_spec(DEPTH, HIDDEN, HEADS, PATCH, RESOLUTION, num_classes=num_classes), init="torch"
+    ).eval()
 
 
 def load_pipeline(folder) -> DiTPipeline:
@@ -48,8 +59,13 @@ def pipeline_latents(pipe: DiTPipeline, labels, generators, steps: int, cfg: flo
         return decode(z, *args, **kwargs)
 
     pipe.vae.decode = spy
-    images = pipe(class_labels=labels, guidance_scale=cfg, generator=generators, num_inference_steps=steps,
-                  output_type="pt").images
+    images = pipe(
+        class_labels=labels,
+        guidance_scale=cfg,
+        generator=generators,
+        num_inference_steps=steps,
+        output_type="pt",
+    ).images
     pipe.vae.decode = decode
     return caught["z"] * pipe.vae.config.scaling_factor, images
 
@@ -73,7 +89,9 @@ def test_exported_pipeline_gives_the_same_latents_as_dit_accel_sample(vae_dir, t
     labels, indices, seed, steps = [0, 3, 1], [0, 1, 2], 7, 8
     spec = sample.load_source(out).spec  # the exported folder also reads back as a dit-accel source
     for cfg in (4.0, 1.0):
-        theirs, their_images = pipeline_latents(pipe, labels, sample.sample_generators(seed, indices), steps, cfg)
+        theirs, their_images = pipeline_latents(
+            pipe, labels, sample.sample_generators(seed, indices), steps, cfg
+        )
         settings = sample.SampleSettings(cfg_scale=cfg, steps=steps, sampler="ddim", seed=seed)
         ours = sample.sample_latents(model, model.dit_spec, labels, indices, settings)
         scale = ours.abs().max()
@@ -81,10 +99,20 @@ def test_exported_pipeline_gives_the_same_latents_as_dit_accel_sample(vae_dir, t
         decoder = sample.load_decoder(spec, str(out / "vae"), "cpu")
         assert torch.allclose((decoder(ours) + 1) / 2, their_images, atol=1e-4)
     # Guidance is live: the guided and unguided latents differ.
-    unguided = sample.sample_latents(model, model.dit_spec, labels, indices,
-                                     sample.SampleSettings(cfg_scale=1.0, steps=steps, sampler="ddim", seed=seed))
-    guided = sample.sample_latents(model, model.dit_spec, labels, indices,
-                                   sample.SampleSettings(cfg_scale=4.0, steps=steps, sampler="ddim", seed=seed))
+    unguided = sample.sample_latents(
+        model,
+        model.dit_spec,
+        labels,
+        indices,
+        sample.SampleSettings(cfg_scale=1.0, steps=steps, sampler="ddim", seed=seed),
+    )
+    guided = sample.sample_latents(
+        model,
+        model.dit_spec,
+        labels,
+        indices,
+        sample.SampleSettings(cfg_scale=4.0, steps=steps, sampler="ddim", seed=seed),
+    )
     assert not torch.allclose(guided, unguided, atol=1e-3)
 
     # The padded table: the real classes and the null class keep their rows; the filler rows are the null row.
@@ -104,7 +132,12 @@ def test_export_cli_refuses_to_overwrite_and_too_many_classes(vae_dir, tmp_path,
     with pytest.raises(sample.UserError, match="not an empty folder"):
         write_pipeline(random_model(4), str(vae_dir), tmp_path / "busy")
     assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
-    assert export_main(["--checkpoint", str(tmp_path / "nothing"), "--vae", str(vae_dir), "--out", str(tmp_path / "p")]) == 2
+    assert (
+        export_main(
+            ["--checkpoint", str(tmp_path / "nothing"), "--vae", str(vae_dir), "--out", str(tmp_path / "p")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0]
 
@@ -122,30 +155,53 @@ def original_state_dict(num_classes=6, seed=0) -> dict:
 
     state = {
         "pos_embed": build_model(custom_spec(depth, d, HEADS, p, RESOLUTION)).pos_embed.pos_embed.clone(),
-        "x_embedder.proj.weight": rand(d, c, p, p), "x_embedder.proj.bias": rand(d),
-        "t_embedder.mlp.0.weight": rand(d, 256), "t_embedder.mlp.0.bias": rand(d),
-        "t_embedder.mlp.2.weight": rand(d, d), "t_embedder.mlp.2.bias": rand(d),
+        "x_embedder.proj.weight": rand(d, c, p, p),
+        "x_embedder.proj.bias": rand(d),
+        "t_embedder.mlp.0.weight": rand(d, 256),
+        "t_embedder.mlp.0.bias": rand(d),
+        "t_embedder.mlp.2.weight": rand(d, d),
+        "t_embedder.mlp.2.bias": rand(d),
         "y_embedder.embedding_table.weight": rand(num_classes + 1, d),
-        "final_layer.adaLN_modulation.1.weight": rand(2 * d, d), "final_layer.adaLN_modulation.1.bias": rand(2 * d),
-        "final_layer.linear.weight": rand(p * p * 2 * c, d), "final_layer.linear.bias": rand(p * p * 2 * c),
+        "final_layer.adaLN_modulation.1.weight": rand(2 * d, d),
+        "final_layer.adaLN_modulation.1.bias": rand(2 * d),
+        "final_layer.linear.weight": rand(p * p * 2 * c, d),
+        "final_layer.linear.bias": rand(p * p * 2 * c),
     }
     for n in range(depth):
         block = f"blocks.{n}."
-        state.update({
-            block + "attn.qkv.weight": rand(3 * d, d), block + "attn.qkv.bias": rand(3 * d),
-            block + "attn.proj.weight": rand(d, d), block + "attn.proj.bias": rand(d),
-            block + "mlp.fc1.weight": rand(4 * d, d), block + "mlp.fc1.bias": rand(4 * d),
-            block + "mlp.fc2.weight": rand(d, 4 * d), block + "mlp.fc2.bias": rand(d),
-            block + "adaLN_modulation.1.weight": rand(6 * d, d), block + "adaLN_modulation.1.bias": rand(6 * d),
-        })
+        state.update(
+            {
+                block + "attn.qkv.weight": rand(3 * d, d),
+                block + "attn.qkv.bias": rand(3 * d),
+                block + "attn.proj.weight": rand(d, d),
+                block + "attn.proj.bias": rand(d),
+                block + "mlp.fc1.weight": rand(4 * d, d),
+                block + "mlp.fc1.bias": rand(4 * d),
+                block + "mlp.fc2.weight": rand(d, 4 * d),
+                block + "mlp.fc2.bias": rand(d),
+                block + "adaLN_modulation.1.weight": rand(6 * d, d),
+                block + "adaLN_modulation.1.bias": rand(6 * d),
+            }
+        )
     return state
 
 
 def test_import_dit_makes_a_checkpoint_that_is_the_original_and_samples(vae_dir, tmp_path, capsys):
     original = original_state_dict()
     torch.save(original, tmp_path / "DiT-tiny.pt")
-    assert import_main(["--checkpoint", str(tmp_path / "DiT-tiny.pt"), "--out", str(tmp_path / "imported"),
-                        "--heads", str(HEADS)]) == 0
+    assert (
+        import_main(
+            [
+                "--checkpoint",
+                str(tmp_path / "DiT-tiny.pt"),
+                "--out",
+                str(tmp_path / "imported"),
+                "--heads",
+                str(HEADS),
+            ]
+        )
+        == 0
+    )
     assert "original timestep shift (0)" in capsys.readouterr().out
 
     # The trainer's own reader finds it: a complete step-0 checkpoint of the right network.
@@ -159,11 +215,13 @@ def test_import_dit_makes_a_checkpoint_that_is_the_original_and_samples(vae_dir,
         block = model.transformer_blocks[1]
         qkv_weight = torch.cat([block.attn1.to_q.weight, block.attn1.to_k.weight, block.attn1.to_v.weight])
         assert torch.equal(qkv_weight, original["blocks.1.attn.qkv.weight"])
-        assert torch.equal(block.attn1.to_v.bias, original["blocks.1.attn.qkv.bias"][2 * d:])
+        assert torch.equal(block.attn1.to_v.bias, original["blocks.1.attn.qkv.bias"][2 * d :])
         assert torch.equal(block.norm1.linear.weight, original["blocks.1.adaLN_modulation.1.weight"])
         assert torch.equal(block.ff.net[2].weight, original["blocks.1.mlp.fc2.weight"])
         embedder = conditioning_embedder(model)
-        assert torch.equal(embedder.class_embedder.embedding_table.weight, original["y_embedder.embedding_table.weight"])
+        assert torch.equal(
+            embedder.class_embedder.embedding_table.weight, original["y_embedder.embedding_table.weight"]
+        )
         assert torch.equal(embedder.timestep_embedder.linear_1.weight, original["t_embedder.mlp.0.weight"])
         assert torch.equal(model.proj_out_2.weight, original["final_layer.linear.weight"])
         assert torch.equal(model.pos_embed.proj.weight, original["x_embedder.proj.weight"])
@@ -171,15 +229,43 @@ def test_import_dit_makes_a_checkpoint_that_is_the_original_and_samples(vae_dir,
     # ... and computes what the model helper's loader (held to a reference forward of the original) computes.
     reference = load_original_dit(original, heads=HEADS)
     generator = torch.Generator().manual_seed(0)
-    x, t, y = torch.randn(3, 4, 8, 8, generator=generator), torch.tensor([0, 500, 999]), torch.tensor([0, 5, 6])
+    x, t, y = (
+        torch.randn(3, 4, 8, 8, generator=generator),
+        torch.tensor([0, 500, 999]),
+        torch.tensor([0, 5, 6]),
+    )
     with torch.no_grad():
-        assert torch.equal(model(x, timestep=t, class_labels=y).sample, reference(x, timestep=t, class_labels=y).sample)
+        assert torch.equal(
+            model(x, timestep=t, class_labels=y).sample, reference(x, timestep=t, class_labels=y).sample
+        )
 
     # It samples (no VAE is recorded with an import: --vae), and exports only with the shift change allowed.
-    assert sample.main(["--checkpoint", str(tmp_path / "imported"), "--vae", str(vae_dir), "--classes", "0,5",
-                        "--steps", "3", "--out", str(tmp_path / "grid.png")]) == 0
+    assert (
+        sample.main(
+            [
+                "--checkpoint",
+                str(tmp_path / "imported"),
+                "--vae",
+                str(vae_dir),
+                "--classes",
+                "0,5",
+                "--steps",
+                "3",
+                "--out",
+                str(tmp_path / "grid.png"),
+            ]
+        )
+        == 0
+    )
     assert len(list((tmp_path / "grid_images").iterdir())) == 2
-    export = ["--checkpoint", str(tmp_path / "imported"), "--vae", str(vae_dir), "--out", str(tmp_path / "pipe")]
+    export = [
+        "--checkpoint",
+        str(tmp_path / "imported"),
+        "--vae",
+        str(vae_dir),
+        "--out",
+        str(tmp_path / "pipe"),
+    ]
     capsys.readouterr()
     assert export_main(export) == 2
     assert "--allow-freq-shift-change" in capsys.readouterr().err
@@ -195,9 +281,15 @@ def test_import_dit_refuses_what_is_not_an_original_checkpoint(tmp_path, capsys)
     torch.save(original_state_dict(), tmp_path / "dit.pt")
     for argv, message in [
         (["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "a")], "is not a file"),
-        (["--checkpoint", str(tmp_path / "other.pt"), "--out", str(tmp_path / "a")], "not an original DiT state dict"),
+        (
+            ["--checkpoint", str(tmp_path / "other.pt"), "--out", str(tmp_path / "a")],
+            "not an original DiT state dict",
+        ),
         (["--checkpoint", str(tmp_path / "dit.pt"), "--out", str(tmp_path / "a")], "pass heads"),
-        (["--checkpoint", str(tmp_path / "dit.pt"), "--out", str(tmp_path / "busy"), "--heads", "2"], "not an empty folder"),
+        (
+            ["--checkpoint", str(tmp_path / "dit.pt"), "--out", str(tmp_path / "busy"), "--heads", "2"],
+            "not an empty folder",
+        ),
     ]:
         assert import_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

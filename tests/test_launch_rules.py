@@ -23,8 +23,12 @@ import torch.distributed.run as distrib_run
 import yaml
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.environment import str_to_bool
-from accelerate.utils.launch import (_filter_args, prepare_deepspeed_cmd_env, prepare_multi_gpu_env,
-                                     prepare_simple_launcher_cmd_env)
+from accelerate.utils.launch import (
+    _filter_args,
+    prepare_deepspeed_cmd_env,
+    prepare_multi_gpu_env,
+    prepare_simple_launcher_cmd_env,
+)
 from torch.distributed.fsdp import OffloadPolicy
 
 from dit_accel.distributed import check_launch, fsdp_plugin_for
@@ -69,9 +73,18 @@ def _no_launcher_environment(monkeypatch):
 
 # --- the launcher's translation: YAML -> the environment of rank 0 ----------------------------------------
 
+
 def launch_argv(config_path: Path, script: str = "dit_accel.train") -> list[str]:
-    return ["--config_file", str(config_path), "--main_process_port", "0",
-            "-m", script, "--plan", "plan.json"]
+    return [
+        "--config_file",
+        str(config_path),
+        "--main_process_port",
+        "0",
+        "-m",
+        script,
+        "--plan",
+        "plan.json",
+    ]
 
 
 def launched_environment(config_path: Path) -> dict[str, str]:
@@ -92,15 +105,23 @@ def launched_environment(config_path: Path) -> dict[str, str]:
             _, env = prepare_simple_launcher_cmd_env(args)
             return env
         # both torchrun launchers hand these args to torch.distributed.run, which adds each worker's variables
-        torchrun = _filter_args(args, distrib_run.get_args_parser(),
-                                ["--training_script", args.training_script,
-                                 "--training_script_args", args.training_script_args])
+        torchrun = _filter_args(
+            args,
+            distrib_run.get_args_parser(),
+            ["--training_script", args.training_script, "--training_script_args", args.training_script_args],
+        )
         config, _, _ = distrib_run.config_from_args(torchrun)
-    return {**env, "WORLD_SIZE": str(config.nproc_per_node * config.max_nodes), "RANK": "0",
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(config.nproc_per_node)}
+    return {
+        **env,
+        "WORLD_SIZE": str(config.nproc_per_node * config.max_nodes),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+    }
 
 
 # --- the two verdicts ---------------------------------------------------------------------------------------
+
 
 def doctor_verdict(plan_path: Path, config_path: Path):
     return check_accelerate_config(load_plan(plan_path), config_path)
@@ -138,6 +159,7 @@ def assert_plugin_runs_the_plan(plugin, sharding: str) -> None:
 
 # --- the YAML variants --------------------------------------------------------------------------------------
 
+
 def _fsdp(config: dict) -> dict:
     return config.setdefault("fsdp_config", {})
 
@@ -157,9 +179,17 @@ def flip_reshard(config: dict) -> None:
 
 def deepspeed(config: dict) -> None:
     config.pop("fsdp_config", None)
-    config.update(distributed_type="DEEPSPEED", deepspeed_config={
-        "zero_stage": 2, "offload_optimizer_device": "none", "offload_param_device": "none",
-        "zero3_init_flag": False, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0})
+    config.update(
+        distributed_type="DEEPSPEED",
+        deepspeed_config={
+            "zero_stage": 2,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+            "zero3_init_flag": False,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+        },
+    )
 
 
 def as_strings(config: dict) -> None:
@@ -175,25 +205,34 @@ VARIANTS = {
     "mixed_precision fp16": (lambda config: config.update(mixed_precision="fp16"), []),
     "mixed_precision no": (lambda config: config.update(mixed_precision="no"), []),
     "distributed_type FSDP": (lambda config: config.update(distributed_type="FSDP"), list(SHARDED)),
-    "distributed_type MULTI_GPU": (lambda config: config.update(distributed_type="MULTI_GPU"),
-                                   list(REPLICATED)),
+    "distributed_type MULTI_GPU": (
+        lambda config: config.update(distributed_type="MULTI_GPU"),
+        list(REPLICATED),
+    ),
     "fsdp_version 1": (fsdp_set(fsdp_version=1), list(REPLICATED)),  # a DDP launch ignores fsdp_config
     "fsdp_reshard_after_forward flipped": (flip_reshard, list(REPLICATED)),
-    "fsdp_state_dict_type FULL_STATE_DICT": (fsdp_set(fsdp_state_dict_type="FULL_STATE_DICT"),
-                                             list(REPLICATED)),
+    "fsdp_state_dict_type FULL_STATE_DICT": (
+        fsdp_set(fsdp_state_dict_type="FULL_STATE_DICT"),
+        list(REPLICATED),
+    ),
     "DEEPSPEED": (deepspeed, []),
     "fsdp_offload_params true": (fsdp_set(fsdp_offload_params=True), list(REPLICATED)),
     "fsdp_activation_checkpointing true": (fsdp_set(fsdp_activation_checkpointing=True), list(REPLICATED)),
     # the launcher's defaults: cpu_ram_efficient_loading true (refused), state dict SHARDED under FSDP2 (fine)
-    "fsdp_cpu_ram_efficient_loading left out": (fsdp_drop("fsdp_cpu_ram_efficient_loading"),
-                                                list(REPLICATED)),
+    "fsdp_cpu_ram_efficient_loading left out": (
+        fsdp_drop("fsdp_cpu_ram_efficient_loading"),
+        list(REPLICATED),
+    ),
     "fsdp_state_dict_type left out": (fsdp_drop("fsdp_state_dict_type"), list(PLANS)),
     "fsdp settings as strings": (as_strings, list(PLANS)),
     # FSDP1's name for the layout in FSDP2's boolean switch: accelerate's FSDP2 plugin would stop on it with
     # a traceback ("invalid truth value"), so both refuse it in one line
-    "fsdp_reshard_after_forward SHARD_GRAD_OP": (fsdp_set(fsdp_reshard_after_forward="SHARD_GRAD_OP"),
-                                                 list(REPLICATED)),
+    "fsdp_reshard_after_forward SHARD_GRAD_OP": (
+        fsdp_set(fsdp_reshard_after_forward="SHARD_GRAD_OP"),
+        list(REPLICATED),
+    ),
 }
+
 
 def write_variant(plan_path: Path, folder: Path, variant: str) -> Path:
     config = yaml.safe_load((plan_path.parent / "accelerate_config.yaml").read_text())
@@ -204,8 +243,7 @@ def write_variant(plan_path: Path, folder: Path, variant: str) -> Path:
     return path
 
 
-CASES = [pytest.param(name, variant, id=f"{name}-{variant}")
-         for name in PLANS for variant in VARIANTS]
+CASES = [pytest.param(name, variant, id=f"{name}-{variant}") for name in PLANS for variant in VARIANTS]
 
 
 @pytest.mark.parametrize("name, variant", CASES)
@@ -239,10 +277,14 @@ def test_each_refusal_names_the_setting_it_is_about(plans, tmp_path):
         ("ddp", "distributed_type FSDP"): "distributed_type is FSDP, the plan replicates the model (ddp)",
         ("zero3", "distributed_type MULTI_GPU"): "distributed_type is MULTI_GPU, the plan's zero3 needs FSDP",
         ("zero2", "fsdp_version 1"): "fsdp_version is 1, dit-accel shards with FSDP2",
-        ("zero2", "fsdp_reshard_after_forward flipped"):
-            "fsdp_reshard_after_forward is true, the plan's zero2 needs false",
-        ("zero3", "fsdp_reshard_after_forward flipped"):
-            "fsdp_reshard_after_forward is false, the plan's zero3 needs true",
+        (
+            "zero2",
+            "fsdp_reshard_after_forward flipped",
+        ): "fsdp_reshard_after_forward is true, the plan's zero2 needs false",
+        (
+            "zero3",
+            "fsdp_reshard_after_forward flipped",
+        ): "fsdp_reshard_after_forward is false, the plan's zero3 needs true",
         ("zero3", "fsdp_state_dict_type FULL_STATE_DICT"): "fsdp_state_dict_type is FULL_STATE_DICT",
         ("ddp", "DEEPSPEED"): "distributed_type is DEEPSPEED",
         ("zero2", "DEEPSPEED"): "distributed_type is DEEPSPEED",
@@ -321,10 +363,12 @@ ACCELERATE_TRUTH = ["y", "yes", "t", "true", "on", "1", "n", "no", "f", "false",
 def test_the_rules_read_fsdp_switches_as_accelerate_does(spelling):
     truth = str_to_bool(spelling, to_bool=True)
     base = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "WORLD_SIZE": "2"}
-    for variable, field in [("FSDP_RESHARD_AFTER_FORWARD", "reshard_after_forward"),
-                            ("FSDP_OFFLOAD_PARAMS", "offload_params"),
-                            ("FSDP_ACTIVATION_CHECKPOINTING", "activation_checkpointing"),
-                            ("FSDP_CPU_RAM_EFFICIENT_LOADING", "cpu_ram_efficient_loading")]:
+    for variable, field in [
+        ("FSDP_RESHARD_AFTER_FORWARD", "reshard_after_forward"),
+        ("FSDP_OFFLOAD_PARAMS", "offload_params"),
+        ("FSDP_ACTIVATION_CHECKPOINTING", "activation_checkpointing"),
+        ("FSDP_CPU_RAM_EFFICIENT_LOADING", "cpu_ram_efficient_loading"),
+    ]:
         settings = LaunchSettings.from_environment({**base, variable: spelling})
         assert getattr(settings, field) is truth, (variable, spelling)
 
@@ -336,15 +380,24 @@ import json, os, sys
 from pathlib import Path
 Path(sys.argv[-1], "env%s.json" % os.environ.get("RANK", "0")).write_text(json.dumps(dict(os.environ)))
 """
-REAL = [("ddp", "as written"), ("ddp-1gpu", "as written"), ("zero2", "as written"), ("zero3", "as written"),
-        ("zero3", "fsdp_reshard_after_forward flipped"), ("ddp", "distributed_type FSDP")]
+REAL = [
+    ("ddp", "as written"),
+    ("ddp-1gpu", "as written"),
+    ("zero2", "as written"),
+    ("zero3", "as written"),
+    ("zero3", "fsdp_reshard_after_forward flipped"),
+    ("ddp", "distributed_type FSDP"),
+]
 
 
 def _rules_view(env: dict) -> dict:
     """The variables the rules and the FSDP plugin read, and the process layout."""
-    return {key: value for key, value in env.items()
-            if key.startswith(("FSDP_", "ACCELERATE_USE_", "ACCELERATE_MIXED_PRECISION"))
-            or key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    return {
+        key: value
+        for key, value in env.items()
+        if key.startswith(("FSDP_", "ACCELERATE_USE_", "ACCELERATE_MIXED_PRECISION"))
+        or key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
 
 
 @pytest.mark.launched
@@ -357,11 +410,23 @@ def test_the_translation_is_what_a_real_accelerate_launch_exports(plans, tmp_pat
         folder = tmp_path / f"case{index}"
         config_path = write_variant(plans[name], folder, variant)
         argv = launch_argv(config_path)
-        argv[argv.index("-m"):] = [str(script), str(folder)]
+        argv[argv.index("-m") :] = [str(script), str(folder)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        running.append((name, variant, folder, config_path, subprocess.Popen(
-            [sys.executable, "-m", "accelerate.commands.launch", *argv], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        running.append(
+            (
+                name,
+                variant,
+                folder,
+                config_path,
+                subprocess.Popen(
+                    [sys.executable, "-m", "accelerate.commands.launch", *argv],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
+            )
+        )
     for name, variant, folder, config_path, process in running:
         output, _ = process.communicate(timeout=300)
         assert process.returncode == 0, output

@@ -10,25 +10,45 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dit_accel import memtrace
+from dit_accel.memtrace import StorageTracker, driver, extrapolate, trace_training_step
 from dit_accel.memtrace import comparison as memtrace_compare
-from dit_accel.memtrace import driver, extrapolate
-from dit_accel.memtrace import StorageTracker, trace_training_step
 from planner.planfile import Plan, parse_plan
 from planner.spec import model_spec
 
 
-def tiny_plan_json(depth=6, checkpointed_blocks=0, precision="fp32", micro_batch=4, grad_accum=1, ema=True,
-                   latents="precomputed") -> dict:
+def tiny_plan_json(
+    depth=6,
+    checkpointed_blocks=0,
+    precision="fp32",
+    micro_batch=4,
+    grad_accum=1,
+    ema=True,
+    latents="precomputed",
+) -> dict:
     """A 64-px DiT (8x8 latents, 16 tokens) of `depth` blocks, hidden 64: the least plan.json the trainer reads."""
     return {
         "schema": "dit-plan/1",
         "inputs": {},
-        "model": {"name": "DiT-custom", "resolution": 64, "depth": depth, "hidden": 64, "heads": 4, "patch": 2,
-                  "num_classes": 10},
+        "model": {
+            "name": "DiT-custom",
+            "resolution": 64,
+            "depth": depth,
+            "hidden": 64,
+            "heads": 4,
+            "patch": 2,
+            "num_classes": 10,
+        },
         "cluster": {"world_size": 1},
         "global_batch": micro_batch * grad_accum,
-        "decision": {"micro_batch": micro_batch, "grad_accum": grad_accum, "checkpointed_blocks": checkpointed_blocks,
-                     "precision": precision, "sharding": "ddp", "latents": latents, "ema": ema},
+        "decision": {
+            "micro_batch": micro_batch,
+            "grad_accum": grad_accum,
+            "checkpointed_blocks": checkpointed_blocks,
+            "precision": precision,
+            "sharding": "ddp",
+            "latents": latents,
+            "ema": ema,
+        },
     }
 
 
@@ -62,7 +82,9 @@ def test_tag_moves_bytes_between_components_without_changing_the_total():
         t = torch.empty(64)
         tracker.tag(t, "weights")
         tracker.tag(t.view(8, 8), "grads")
-        assert tracker.current["weights"] == 0 and tracker.current["grads"] == 256 and tracker.total_bytes == 256
+        assert (
+            tracker.current["weights"] == 0 and tracker.current["grads"] == 256 and tracker.total_bytes == 256
+        )
 
 
 def test_autocast_copies_of_weights_are_their_own_component():
@@ -139,7 +161,9 @@ def test_the_trace_of_dit_xl2_holds_exactly_the_architectures_states():
     assert result.components["weights"] == 4 * params
     assert result.components["buffers"] == 4 * spec.tokens * spec.hidden
     assert result.components["ema"] == 4 * params
-    assert result.components["optimizer"] == 8 * params + 4 * tensors  # exp_avg, exp_avg_sq, fp32 step counters
+    assert (
+        result.components["optimizer"] == 8 * params + 4 * tensors
+    )  # exp_avg, exp_avg_sq, fp32 step counters
     # bf16 autocast: the residual stream and most saved tensors are 2 bytes; about 40 bytes per token,
     # hidden unit and block (docs/architecture.md): a loose bracket; the grid holds the planner to exact bytes
     per_unit = result.components["activations"] / (32 * spec.tokens * spec.hidden * spec.depth)
@@ -147,8 +171,12 @@ def test_the_trace_of_dit_xl2_holds_exactly_the_architectures_states():
 
 
 def test_checkpointing_every_block_removes_almost_all_saved_activations():
-    stored = trace_training_step(tiny_plan(depth=2, checkpointed_blocks=0, micro_batch=64), autocast_device="cpu")
-    checkpointed = trace_training_step(tiny_plan(depth=2, checkpointed_blocks=2, micro_batch=64), autocast_device="cpu")
+    stored = trace_training_step(
+        tiny_plan(depth=2, checkpointed_blocks=0, micro_batch=64), autocast_device="cpu"
+    )
+    checkpointed = trace_training_step(
+        tiny_plan(depth=2, checkpointed_blocks=2, micro_batch=64), autocast_device="cpu"
+    )
     assert checkpointed.peak_bytes < stored.peak_bytes
     assert checkpointed.components["activations"] < stored.components["activations"]
 
@@ -166,7 +194,6 @@ def test_the_planners_moments_of_a_checkpointed_step_equal_the_traced_ones(micro
     the trace's window of the same moment (not only at the step's peak, which the grid holds). Inside the last
     block's forward the peak is at the GELU, or, with few tokens (4 x 16 here, hidden 64), at the MLP's output
     linear, whose uncached weight copy is then alive; the cache holds only the patch conv's and the embedder's."""
-    import dataclasses as dc
 
     from planner.hardware import Assumptions
     from planner.memory import Cluster, Decision, checkpointed_forward_peak, element_bytes, step_memory
@@ -174,13 +201,26 @@ def test_the_planners_moments_of_a_checkpointed_step_equal_the_traced_ones(micro
     plan = tiny_plan(depth=3, checkpointed_blocks=3, precision="bf16", micro_batch=micro_batch)
     spec = plan.spec()
     tracker, _ = driver._trace_once(plan, spec, 3, micro_batch, "cpu")
-    decision = Decision(micro_batch=micro_batch, grad_accum=1, checkpointed_blocks=3, precision="bf16",
-                        sharding="ddp", latents="precomputed", adamw="single")
-    planned = step_memory(spec, decision, Cluster(1, 1, 2**40), Assumptions().replace(autocast_device="cpu")).phases
+    decision = Decision(
+        micro_batch=micro_batch,
+        grad_accum=1,
+        checkpointed_blocks=3,
+        precision="bf16",
+        sharding="ddp",
+        latents="precomputed",
+        adamw="single",
+    )
+    planned = step_memory(
+        spec, decision, Cluster(1, 1, 2**40), Assumptions().replace(autocast_device="cpu")
+    ).phases
     _, in_use = checkpointed_forward_peak(spec, micro_batch, element_bytes("bf16", "cpu"), casts_weights=True)
     assert (in_use > 0) == (point == "output linear")
-    windows = {"last_block_forward": ("fwd", 1, 0, 2), "start_of_backward": ("bwd", 1, 0, 2),
-               "end_of_backward": ("bwd", 1, 0, 0), "optimizer_step": ("opt", 1)}
+    windows = {
+        "last_block_forward": ("fwd", 1, 0, 2),
+        "start_of_backward": ("bwd", 1, 0, 2),
+        "end_of_backward": ("bwd", 1, 0, 0),
+        "optimizer_step": ("opt", 1),
+    }
     for moment, window in windows.items():
         traced = dict(tracker.window_peaks[window][1])
         traced["weights"] += traced.pop("buffers")
@@ -189,8 +229,9 @@ def test_the_planners_moments_of_a_checkpointed_step_equal_the_traced_ones(micro
             # exact but for scalars: AdamW's fp32 step counters (one per tensor), the loss, one bias gradient
             assert abs(planned[moment][name] - value) <= 512, (moment, name, value, planned[moment][name])
     timestep_mlp = spec.embedder_params - (spec.num_classes + 1) * spec.hidden
-    assert planned["last_block_forward"]["autocast_cache"] == in_use + 2 * (spec.param_breakdown()["patch_embed"]
-                                                                           + timestep_mlp)
+    assert planned["last_block_forward"]["autocast_cache"] == in_use + 2 * (
+        spec.param_breakdown()["patch_embed"] + timestep_mlp
+    )
 
 
 def test_bad_inputs_are_user_errors():
@@ -282,19 +323,38 @@ def test_verify_traces_the_vae_architecture_of_a_given_folder(tmp_path, capsys):
     """--vae reads only config.json: a tiny AutoencoderKL saved here is what the trace's vae holds."""
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
-                        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=4,
-                        layers_per_block=1)  # downsamples by 8, like the SD VAE: 64 px -> 8x8 latents
+    vae = AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+    )  # downsamples by 8, like the SD VAE: 64 px -> 8x8 latents
     vae.save_pretrained(tmp_path / "vae")
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(tiny_plan_json(depth=2, latents="online")))
     plan = tiny_plan(depth=2, latents="online")
     out_json = tmp_path / "v.json"
-    assert memtrace.main([str(plan_path), "--device-autocast", "cpu", "--vae", str(tmp_path / "vae"),
-                          "--json", str(out_json)]) == 0
+    assert (
+        memtrace.main(
+            [
+                str(plan_path),
+                "--device-autocast",
+                "cpu",
+                "--vae",
+                str(tmp_path / "vae"),
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     weights = 4 * sum(p.numel() for p in vae.parameters())
     traced = json.loads(out_json.read_text())["trace"]
-    assert traced["components"]["vae"] >= weights  # its weights, and its encoder's working set if that is the peak
+    assert (
+        traced["components"]["vae"] >= weights
+    )  # its weights, and its encoder's working set if that is the peak
     sd = trace_training_step(plan, autocast_device="cpu", depth_extrapolate="off")
     assert sd.components["vae"] > traced["components"]["vae"]  # the default SD VAE is far larger
     assert memtrace.main([str(plan_path), "--vae", str(tmp_path / "nothing")]) == 2
@@ -305,8 +365,13 @@ def test_verify_traces_the_vae_architecture_of_a_given_folder(tmp_path, capsys):
 
 
 def sharded_plan_json(sharding, checkpointed_blocks, world_size=4, precision="bf16", grad_accum=1, depth=4):
-    plan = tiny_plan_json(depth=depth, checkpointed_blocks=checkpointed_blocks, precision=precision, micro_batch=8,
-                          grad_accum=grad_accum)
+    plan = tiny_plan_json(
+        depth=depth,
+        checkpointed_blocks=checkpointed_blocks,
+        precision=precision,
+        micro_batch=8,
+        grad_accum=grad_accum,
+    )
     plan["decision"]["sharding"] = sharding
     plan["cluster"]["world_size"] = world_size
     plan["global_batch"] *= world_size
@@ -345,21 +410,29 @@ def test_a_sharded_ranks_traced_activations_are_the_planners(case, capsys):
     assert result.components["weights"] == 2 * params  # every parameter traced in the compute dtype
     assert rows["optimizer"][1] == 8 * params // world_size and rows["ema"][1] == 4 * params // world_size
     assert rows["weights"][1] == rows["weights"][2]  # master shard + buffer + gathered, as the planner counts
-    if comparison.planned_compute_phase in ("end_of_backward", "optimizer_step") or case.get("grad_accum", 1) > 1:
+    if (
+        comparison.planned_compute_phase in ("end_of_backward", "optimizer_step")
+        or case.get("grad_accum", 1) > 1
+    ):
         assert rows["grads"][1] > 0 and abs(rows["grads"][3]) < 0.05  # the emulated 1/N fp32 shards
     report = memtrace.format_sharded_report(result, comparison)
     print(report)
     assert "traced: pure" in report and "derived: 1/" in report and "FSDP2's all-gather" in report
-    assert ("modelled" in rows["weights"][4]) == (case["sharding"] == "zero3")  # zero3's gathers: the planner's rule
+    assert ("modelled" in rows["weights"][4]) == (
+        case["sharding"] == "zero3"
+    )  # zero3's gathers: the planner's rule
     assert "CPU-vs-CUDA" not in report  # no autocast, so no CPU/CUDA difference in what is saved
 
 
 def test_the_sharded_trace_is_pure_low_precision_not_autocast():
     """The same network and batch: the DDP trace autocasts (weight copies in its cache, fp32 conditioning); the
     sharded rank's holds no cache and saves less, and its parameters are bf16."""
-    ddp = trace_training_step(tiny_plan(depth=2, precision="bf16", micro_batch=8), autocast_device="cpu",
-                              depth_extrapolate="off")
-    sharded = trace_training_step(sharded_plan("zero2", 0, depth=2), autocast_device="cpu", depth_extrapolate="off")
+    ddp = trace_training_step(
+        tiny_plan(depth=2, precision="bf16", micro_batch=8), autocast_device="cpu", depth_extrapolate="off"
+    )
+    sharded = trace_training_step(
+        sharded_plan("zero2", 0, depth=2), autocast_device="cpu", depth_extrapolate="off"
+    )
     assert ddp.components["autocast_cache"] > 0 and sharded.components["autocast_cache"] == 0
     assert sharded.components["activations"] < ddp.components["activations"]
     assert ddp.components["weights"] == 2 * sharded.components["weights"]  # fp32 there, bf16 here
@@ -372,8 +445,12 @@ def test_sharded_extrapolation_equals_the_full_trace(case):
     plan = sharded_plan(**case)
     full = trace_training_step(plan, depth_extrapolate="off", autocast_device="cpu")
     extrapolated = trace_training_step(plan, depth_extrapolate="on", autocast_device="cpu")
-    assert (extrapolated.peak_bytes, extrapolated.components, extrapolated.peak_at, extrapolated.peak_moment) == \
-        (full.peak_bytes, full.components, full.peak_at, full.peak_moment)
+    assert (
+        extrapolated.peak_bytes,
+        extrapolated.components,
+        extrapolated.peak_at,
+        extrapolated.peak_moment,
+    ) == (full.peak_bytes, full.components, full.peak_at, full.peak_moment)
 
 
 def test_verify_of_a_sharded_plan_names_what_is_traced_derived_and_modelled(tmp_path, capsys):
@@ -386,5 +463,8 @@ def test_verify_of_a_sharded_plan_names_what_is_traced_derived_and_modelled(tmp_
     assert "unsharded process" not in out  # the old note: traced as if unsharded with autocast
     saved = json.loads(out_json.read_text())
     assert saved["trace"]["sharding"] == "zero3" and saved["rank"]["activations"]["how"].startswith("traced")
-    assert saved["rank"]["weights"]["how"].startswith("derived") and "modelled" in saved["rank"]["weights"]["how"]
+    assert (
+        saved["rank"]["weights"]["how"].startswith("derived")
+        and "modelled" in saved["rank"]["weights"]["how"]
+    )
     assert saved["rank"]["optimizer"]["bytes"] == saved["planner"]["components"]["optimizer"]

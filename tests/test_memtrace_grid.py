@@ -23,17 +23,34 @@ COMPONENT_TOLERANCE = 0.05
 SMALL_COMPONENT = 0.01  # of the traced peak
 
 
-def make_plan(model: str, resolution: int, precision: str, checkpointed_blocks: int, micro_batch: int,
-              grad_accum: int = 1, ema: bool = True, latents: str = "precomputed") -> Plan:
-    return parse_plan({
-        "schema": "dit-plan/1",
-        "inputs": {"model": model},
-        "model": {"name": model, "resolution": resolution},
-        "cluster": {"world_size": 1, "nodes": 1, "gpus_per_node": 1},
-        "global_batch": micro_batch * grad_accum,
-        "decision": {"micro_batch": micro_batch, "grad_accum": grad_accum, "checkpointed_blocks": checkpointed_blocks,
-                     "precision": precision, "sharding": "ddp", "latents": latents, "ema": ema},
-    })
+def make_plan(
+    model: str,
+    resolution: int,
+    precision: str,
+    checkpointed_blocks: int,
+    micro_batch: int,
+    grad_accum: int = 1,
+    ema: bool = True,
+    latents: str = "precomputed",
+) -> Plan:
+    return parse_plan(
+        {
+            "schema": "dit-plan/1",
+            "inputs": {"model": model},
+            "model": {"name": model, "resolution": resolution},
+            "cluster": {"world_size": 1, "nodes": 1, "gpus_per_node": 1},
+            "global_batch": micro_batch * grad_accum,
+            "decision": {
+                "micro_batch": micro_batch,
+                "grad_accum": grad_accum,
+                "checkpointed_blocks": checkpointed_blocks,
+                "precision": precision,
+                "sharding": "ddp",
+                "latents": latents,
+                "ema": ema,
+            },
+        }
+    )
 
 
 # (model, resolution, precision, checkpointed blocks, micro-batch, grad_accum, ema, latents)
@@ -73,8 +90,10 @@ KNOWN_MISSES: dict[int, str] = {}
 
 def point_id(point) -> str:
     model, resolution, precision, checkpointed, micro_batch, grad_accum, ema, latents = point
-    return (f"{model.removeprefix('DiT-').replace('/', '_')}-{resolution}-{precision}-ckpt{checkpointed}-mb{micro_batch}"
-            f"-acc{grad_accum}{'' if ema else '-noema'}{'-online' if latents == 'online' else ''}")
+    return (
+        f"{model.removeprefix('DiT-').replace('/', '_')}-{resolution}-{precision}-ckpt{checkpointed}-mb{micro_batch}"
+        f"-acc{grad_accum}{'' if ema else '-noema'}{'-online' if latents == 'online' else ''}"
+    )
 
 
 def misses(point) -> list[str]:
@@ -85,8 +104,10 @@ def misses(point) -> list[str]:
     problems = []
     precision = point[2]
     if abs(comparison.peak_error) > PEAK_TOLERANCE[precision]:
-        problems.append(f"peak off by {comparison.peak_error:+.1%} (traced {result.peak_bytes:,} B during "
-                        f"{result.peak_at}, planner {comparison.planned_peak_bytes:,} B at {comparison.planned_phase})")
+        problems.append(
+            f"peak off by {comparison.peak_error:+.1%} (traced {result.peak_bytes:,} B during "
+            f"{result.peak_at}, planner {comparison.planned_peak_bytes:,} B at {comparison.planned_phase})"
+        )
     floor = SMALL_COMPONENT * result.peak_bytes
     for name, traced, planned, _ in comparison.rows:
         if planned is None:
@@ -125,20 +146,27 @@ def test_planner_matches_the_trace(point):
 def markdown_table() -> str:
     """The grid as docs/planner-accuracy.md shows it: `python tests/test_memtrace_grid.py`."""
     mib = 2**20
-    lines = ["| # | configuration | traced peak MiB | planner MiB | error | traced peak moment | planner moment | "
-             "components off by more than 5% (traced -> planner MiB) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| # | configuration | traced peak MiB | planner MiB | error | traced peak moment | planner moment | "
+        "components off by more than 5% (traced -> planner MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for index, point in enumerate(GRID):
         plan = make_plan(*point)
         result = trace_training_step(plan, autocast_device="cpu")
         comparison = compare(result, plan)
         floor = SMALL_COMPONENT * result.peak_bytes
-        off = [f"{name} {traced / mib:.1f} -> {planned / mib:.1f}" for name, traced, planned, _ in comparison.rows
-               if planned is not None and abs(planned - traced) > COMPONENT_TOLERANCE * max(traced, floor)]
+        off = [
+            f"{name} {traced / mib:.1f} -> {planned / mib:.1f}"
+            for name, traced, planned, _ in comparison.rows
+            if planned is not None and abs(planned - traced) > COMPONENT_TOLERANCE * max(traced, floor)
+        ]
         peak_ok = abs(comparison.peak_error) <= PEAK_TOLERANCE[point[2]]
-        lines.append(f"| {index} | {point_id(point)} | {result.peak_bytes / mib:,.1f} | "
-                     f"{comparison.planned_peak_bytes / mib:,.1f} | {comparison.peak_error:+.2%}{'' if peak_ok else ' **miss**'} | "
-                     f"{result.peak_at} | {comparison.planned_phase} | {'; '.join(off) or 'none'} |")
+        lines.append(
+            f"| {index} | {point_id(point)} | {result.peak_bytes / mib:,.1f} | "
+            f"{comparison.planned_peak_bytes / mib:,.1f} | {comparison.peak_error:+.2%}{'' if peak_ok else ' **miss**'} | "
+            f"{result.peak_at} | {comparison.planned_phase} | {'; '.join(off) or 'none'} |"
+        )
     return "\n".join(lines)
 
 
@@ -158,8 +186,10 @@ def miss_reasons() -> str:
             if planned is not None and abs(planned - traced) > COMPONENT_TOLERANCE * max(traced, floor):
                 parts.append(f"{name} {f'{error:+.0%}' if traced else f'+{planned / 2**20:.0f} MiB'}")
         if parts:
-            reason = (f"{', '.join(parts)} at the traced peak ({result.peak_at.split(' (')[0]}); "
-                      f"the planner's peak is at {comparison.planned_phase}: see docs/planner-accuracy.md")
+            reason = (
+                f"{', '.join(parts)} at the traced peak ({result.peak_at.split(' (')[0]}); "
+                f"the planner's peak is at {comparison.planned_phase}: see docs/planner-accuracy.md"
+            )
             lines.append(f"    {index}: {reason!r},")
     return "\n".join(lines + ["}"])
 

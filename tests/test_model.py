@@ -83,7 +83,9 @@ def _family_specs():
     yield tiny_spec()
 
 
-@pytest.mark.parametrize("spec", list(_family_specs()), ids=lambda s: f"{s.name}@{s.resolution}-{s.latents}-{s.num_classes}")
+@pytest.mark.parametrize(
+    "spec", list(_family_specs()), ids=lambda s: f"{s.name}@{s.resolution}-{s.latents}-{s.num_classes}"
+)
 def test_trainable_params_equal_the_planner_for_the_family(spec):
     with torch.device("meta"):
         model = build_model(spec)
@@ -141,7 +143,9 @@ def test_dit_initialisation_is_adaln_zero():
     assert torch.equal(out, tokens)  # each block starts as the identity
     # ...but the layers that must learn are not zero
     assert model.transformer_blocks[0].attn1.to_q.weight.abs().sum() > 0
-    assert conditioning_embedder(model).class_embedder.embedding_table.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert conditioning_embedder(model).class_embedder.embedding_table.weight.std().item() == pytest.approx(
+        0.02, rel=0.1
+    )
 
 
 # --- the timestep shift rule ------------------------------------------------------------------------------
@@ -168,10 +172,14 @@ def test_shift_rule_both_directions():
     built = tiny_model()
     assert timestep_freq_shift(built) == 1
     # float32 angles up to 999 round by ~6e-5; the two rules differ by up to ~1 at t = 999
-    torch.testing.assert_close(conditioning_embedder(built).time_proj(t), diffusers_timestep_features(t), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        conditioning_embedder(built).time_proj(t), diffusers_timestep_features(t), atol=1e-4, rtol=0
+    )
     imported = tiny_model(shift=0)
     assert timestep_freq_shift(imported) == 0
-    torch.testing.assert_close(conditioning_embedder(imported).time_proj(t), original_timestep_features(t), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        conditioning_embedder(imported).time_proj(t), original_timestep_features(t), atol=1e-4, rtol=0
+    )
     assert (original_timestep_features(t) - diffusers_timestep_features(t)).abs().max() > 0.5
     # The difference is real: same weights, different outputs.
     x, tt, y = inputs()
@@ -247,8 +255,11 @@ def test_checkpointed_blocks_cast_weights_without_autocast_cache(dtype):
     block_params = {name for name, _ in model.named_parameters() if _block_of(name) is not None}
     assert {name for name in block_params if _block_of(name) == 2} <= alive  # the stored block: cached
     assert not {name for name in alive if _block_of(name) in (0, 1)}  # checkpointed blocks: uncached, gone
-    assert {"transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.weight", "pos_embed.proj.weight",
-            "proj_out_2.weight"} <= alive
+    assert {
+        "transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.weight",
+        "pos_embed.proj.weight",
+        "proj_out_2.weight",
+    } <= alive
     # each weight was cast once in the forward: the shared embedder's copy served all four calls (cached)
     assert all(len(copies) == 1 for copies in casts.copies.values())
 
@@ -292,7 +303,9 @@ def test_checkpointing_can_be_changed_and_is_validated():
             set_checkpointed_blocks(model, bad)
     x, t, y = inputs()
     with torch.no_grad():  # no recompute without grad, same outputs
-        torch.testing.assert_close(model(x, timestep=t, class_labels=y).sample, run(tiny_model(depth=3), x, t, y))
+        torch.testing.assert_close(
+            model(x, timestep=t, class_labels=y).sample, run(tiny_model(depth=3), x, t, y)
+        )
 
 
 # --- diffusers layout -------------------------------------------------------------------------------------
@@ -313,8 +326,16 @@ def test_save_model_loads_in_stock_diffusers_with_the_same_outputs(tmp_path):
 def test_stock_untied_folder_and_pipeline_folder_load_tied(tmp_path):
     spec = tiny_spec()
     torch.manual_seed(3)
-    stock = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
-                                  sample_size=8, patch_size=2, num_embeds_ada_norm=10).eval()
+    stock = DiTTransformer2DModel(
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=8,
+        num_layers=2,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    ).eval()
     stock.transformer_blocks[1].norm1.emb.load_state_dict(stock.transformer_blocks[0].norm1.emb.state_dict())
     stock.save_pretrained(tmp_path / "pipe" / "transformer")
     (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
@@ -330,7 +351,9 @@ def test_deduplicated_state_dict_loads(tmp_path):
     from dit_accel.model import load_diffusers_state_dict
 
     source, target = tiny_model(seed=0), tiny_model(seed=1)
-    state = {k: v for k, v in source.state_dict().items() if not k.startswith("transformer_blocks.0.norm1.emb.")}
+    state = {
+        k: v for k, v in source.state_dict().items() if not k.startswith("transformer_blocks.0.norm1.emb.")
+    }
     load_diffusers_state_dict(target, state)
     assert embedders_tied(target)
     x, t, y = inputs()
@@ -339,14 +362,24 @@ def test_deduplicated_state_dict_loads(tmp_path):
 
 def test_disagreeing_embedder_copies_are_refused_naming_the_block(tmp_path):
     torch.manual_seed(3)
-    stock = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=3,
-                                  sample_size=8, patch_size=2, num_embeds_ada_norm=10)
+    stock = DiTTransformer2DModel(
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=8,
+        num_layers=3,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    )
     for block in stock.transformer_blocks[1:]:
         block.norm1.emb.load_state_dict(stock.transformer_blocks[0].norm1.emb.state_dict())
     with torch.no_grad():
         stock.transformer_blocks[2].norm1.emb.timestep_embedder.linear_2.bias[0] += 1e-3
     stock.save_pretrained(tmp_path / "t")
-    with pytest.raises(UserError, match=r"block 2's embedder copy \(norm1.emb.timestep_embedder.linear_2.bias\)"):
+    with pytest.raises(
+        UserError, match=r"block 2's embedder copy \(norm1.emb.timestep_embedder.linear_2.bias\)"
+    ):
         load_model(tmp_path / "t")
 
 
@@ -372,7 +405,9 @@ def test_saving_refuses_to_overwrite_unless_asked(tmp_path):
         save_model(tiny_model(seed=1), tmp_path / "m")
     save_model(tiny_model(seed=1), tmp_path / "m", overwrite=True)
     x, t, y = inputs()
-    torch.testing.assert_close(run(load_model(tmp_path / "m").eval(), x, t, y), run(tiny_model(seed=1), x, t, y))
+    torch.testing.assert_close(
+        run(load_model(tmp_path / "m").eval(), x, t, y), run(tiny_model(seed=1), x, t, y)
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging folders left behind
 
 
@@ -382,8 +417,11 @@ def test_saved_model_folders_get_umask_permissions(tmp_path):
 
     folder = save_model(tiny_model(), tmp_path / "m")
     assert folder.stat().st_mode & 0o777 == permissions(0o777)
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors",
-                                                         "dit_accel.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "diffusion_pytorch_model.safetensors",
+        "dit_accel.json",
+    ]
     assert all(p.stat().st_mode & 0o777 == permissions(0o666) for p in folder.iterdir())
 
 
@@ -418,19 +456,26 @@ def sincos_table(dim: int, grid: int) -> torch.Tensor:
     return torch.from_numpy(table).float()[None]
 
 
-def original_state_dict(depth=2, hidden=64, in_channels=4, out_channels=8, patch=2, latent=8, num_classes=10, seed=0):
+def original_state_dict(
+    depth=2, hidden=64, in_channels=4, out_channels=8, patch=2, latent=8, num_classes=10, seed=0
+):
     """A random original-layout DiT state dict (no zero-init: every path carries signal)."""
     g = torch.Generator().manual_seed(seed)
 
     def lin(out_f, in_f, prefix):
-        return {f"{prefix}.weight": torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f),
-                f"{prefix}.bias": 0.1 * torch.randn(out_f, generator=g)}
+        return {
+            f"{prefix}.weight": torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f),
+            f"{prefix}.bias": 0.1 * torch.randn(out_f, generator=g),
+        }
 
     d = hidden
-    sd = {"pos_embed": sincos_table(d, latent // patch),
-          "x_embedder.proj.weight": torch.randn(d, in_channels, patch, patch, generator=g) / math.sqrt(in_channels * patch * patch),
-          "x_embedder.proj.bias": 0.1 * torch.randn(d, generator=g),
-          "y_embedder.embedding_table.weight": torch.randn(num_classes + 1, d, generator=g)}
+    sd = {
+        "pos_embed": sincos_table(d, latent // patch),
+        "x_embedder.proj.weight": torch.randn(d, in_channels, patch, patch, generator=g)
+        / math.sqrt(in_channels * patch * patch),
+        "x_embedder.proj.bias": 0.1 * torch.randn(d, generator=g),
+        "y_embedder.embedding_table.weight": torch.randn(num_classes + 1, d, generator=g),
+    }
     sd.update(lin(d, 256, "t_embedder.mlp.0"))
     sd.update(lin(d, d, "t_embedder.mlp.2"))
     for n in range(depth):
@@ -452,18 +497,32 @@ def reference_dit_forward(sd, x, t, y, heads):
     modulate = lambda h, shift, scale: h * (1 + scale[:, None]) + shift[:, None]  # noqa: E731
     d, _, p, _ = weight("x_embedder.proj").shape
     n, _, size, _ = x.shape
-    h = F.conv2d(x, weight("x_embedder.proj"), sd["x_embedder.proj.bias"], stride=p).flatten(2).transpose(1, 2)
+    h = (
+        F.conv2d(x, weight("x_embedder.proj"), sd["x_embedder.proj.bias"], stride=p)
+        .flatten(2)
+        .transpose(1, 2)
+    )
     h = h + sd["pos_embed"]
     c = linear(F.silu(linear(original_timestep_features(t), "t_embedder.mlp.0")), "t_embedder.mlp.2")
     c = c + sd["y_embedder.embedding_table.weight"][y]
     depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
     head_dim = d // heads
     for b in range(depth):
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = linear(F.silu(c), f"blocks.{b}.adaLN_modulation.1").chunk(6, dim=1)
-        q, k, v = linear(modulate(layer_norm(h), shift_msa, scale_msa), f"blocks.{b}.attn.qkv").reshape(n, -1, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = linear(
+            F.silu(c), f"blocks.{b}.adaLN_modulation.1"
+        ).chunk(6, dim=1)
+        q, k, v = (
+            linear(modulate(layer_norm(h), shift_msa, scale_msa), f"blocks.{b}.attn.qkv")
+            .reshape(n, -1, 3, heads, head_dim)
+            .permute(2, 0, 3, 1, 4)
+        )
         attention = torch.softmax(q @ k.transpose(-1, -2) * head_dim**-0.5, dim=-1) @ v
-        h = h + gate_msa[:, None] * linear(attention.transpose(1, 2).reshape(n, -1, d), f"blocks.{b}.attn.proj")
-        hidden = F.gelu(linear(modulate(layer_norm(h), shift_mlp, scale_mlp), f"blocks.{b}.mlp.fc1"), approximate="tanh")
+        h = h + gate_msa[:, None] * linear(
+            attention.transpose(1, 2).reshape(n, -1, d), f"blocks.{b}.attn.proj"
+        )
+        hidden = F.gelu(
+            linear(modulate(layer_norm(h), shift_mlp, scale_mlp), f"blocks.{b}.mlp.fc1"), approximate="tanh"
+        )
         h = h + gate_mlp[:, None] * linear(hidden, f"blocks.{b}.mlp.fc2")
     shift, scale = linear(F.silu(c), "final_layer.adaLN_modulation.1").chunk(2, dim=1)
     h = linear(modulate(layer_norm(h), shift, scale), "final_layer.linear")
@@ -478,8 +537,17 @@ def test_original_checkpoint_reproduces_the_reference_forward(channels):
     sd = original_state_dict(in_channels=in_channels, out_channels=out_channels)
     model = load_original_dit(sd, heads=4).eval()
     spec = spec_from_model(model)
-    assert (spec.depth, spec.hidden, spec.heads, spec.patch, spec.latent_size, spec.num_classes) == (2, 64, 4, 2, 8, 10)
-    assert spec.latents == ("pixel" if in_channels == 3 else "precomputed") and spec.out_channels == out_channels
+    assert (spec.depth, spec.hidden, spec.heads, spec.patch, spec.latent_size, spec.num_classes) == (
+        2,
+        64,
+        4,
+        2,
+        8,
+        10,
+    )
+    assert (
+        spec.latents == ("pixel" if in_channels == 3 else "precomputed") and spec.out_channels == out_channels
+    )
     assert timestep_freq_shift(model) == 0 and embedders_tied(model)
     x, t, y = inputs(channels=in_channels)
     expected = reference_dit_forward(sd, x, t, y, heads=4)
@@ -492,23 +560,37 @@ def test_original_training_checkpoint_forms(tmp_path):
     x, t, y = inputs()
     expected_ema, expected_raw = (reference_dit_forward(sd, x, t, y, heads=4) for sd in (ema, raw))
     wrapped = {"model": {f"module.{k}": v for k, v in raw.items()}, "ema": ema}
-    torch.testing.assert_close(run(load_original_dit(wrapped, heads=4), x, t, y), expected_ema, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(run(load_original_dit(wrapped, heads=4, prefer="model"), x, t, y), expected_raw, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        run(load_original_dit(wrapped, heads=4), x, t, y), expected_ema, rtol=1e-4, atol=1e-4
+    )
+    torch.testing.assert_close(
+        run(load_original_dit(wrapped, heads=4, prefer="model"), x, t, y), expected_raw, rtol=1e-4, atol=1e-4
+    )
     torch.save(ema, tmp_path / "plain.pt")
-    torch.testing.assert_close(run(load_original_dit(tmp_path / "plain.pt", heads=4), x, t, y), expected_ema, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        run(load_original_dit(tmp_path / "plain.pt", heads=4), x, t, y), expected_ema, rtol=1e-4, atol=1e-4
+    )
     torch.save({**wrapped, "args": argparse.Namespace(model="DiT-XL/2")}, tmp_path / "train.pt")
     with pytest.raises(UserError, match="trust-checkpoint"):
         load_original_dit(tmp_path / "train.pt", heads=4)
-    torch.testing.assert_close(run(load_original_dit(tmp_path / "train.pt", heads=4, trust_pickle=True), x, t, y),
-                               expected_ema, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        run(load_original_dit(tmp_path / "train.pt", heads=4, trust_pickle=True), x, t, y),
+        expected_ema,
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_original_import_survives_save_and_load(tmp_path):
     sd = original_state_dict()
     save_model(load_original_dit(sd, heads=4), tmp_path / "imported")
     x, t, y = inputs()
-    torch.testing.assert_close(run(load_model(tmp_path / "imported").eval(), x, t, y),
-                               reference_dit_forward(sd, x, t, y, heads=4), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        run(load_model(tmp_path / "imported").eval(), x, t, y),
+        reference_dit_forward(sd, x, t, y, heads=4),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_original_family_member_needs_no_heads():

@@ -47,6 +47,7 @@ def set_(dotted: str, value):
     def edit(data):
         node, leaf = _node(data, dotted)
         node[leaf] = value
+
     return edit
 
 
@@ -54,6 +55,7 @@ def drop(dotted: str):
     def edit(data):
         node, leaf = _node(data, dotted)
         del node[leaf]
+
     return edit
 
 
@@ -62,26 +64,40 @@ BAD_EDITS = {
     "negative micro_batch": (set_("decision.micro_batch", -8), ["decision.micro_batch is -8", "positive"]),
     "zero grad_accum": (set_("decision.grad_accum", 0), ["decision.grad_accum is 0", "positive"]),
     "float micro_batch": (set_("decision.micro_batch", 2.5), ["decision.micro_batch is 2.5", "whole number"]),
-    "string micro_batch": (set_("decision.micro_batch", "4"),
-                           ["decision.micro_batch is '4'", "whole number"]),
-    "bool micro_batch": (set_("decision.micro_batch", True),
-                         ["decision.micro_batch is True", "whole number"]),
-    "product, micro_batch": (set_("decision.micro_batch", 4),
-                             ["global_batch 16", "micro_batch x grad_accum x world_size", "(4 x 1 x 2)"]),
-    "product, global_batch": (set_("global_batch", 32),
-                              ["global_batch 32", "micro_batch x grad_accum x world_size", "(8 x 1 x 2)"]),
+    "string micro_batch": (
+        set_("decision.micro_batch", "4"),
+        ["decision.micro_batch is '4'", "whole number"],
+    ),
+    "bool micro_batch": (
+        set_("decision.micro_batch", True),
+        ["decision.micro_batch is True", "whole number"],
+    ),
+    "product, micro_batch": (
+        set_("decision.micro_batch", 4),
+        ["global_batch 16", "micro_batch x grad_accum x world_size", "(4 x 1 x 2)"],
+    ),
+    "product, global_batch": (
+        set_("global_batch", 32),
+        ["global_batch 32", "micro_batch x grad_accum x world_size", "(8 x 1 x 2)"],
+    ),
     "old schema": (set_("schema", "dit-plan/0"), ["schema 'dit-plan/0'", "dit-plan/1"]),
     "no schema": (drop("schema"), ["schema None", "dit-plan/1"]),
     "no decision": (drop("decision"), ["lacks decision"]),
     "no decision.precision": (drop("decision.precision"), ["lacks decision.precision"]),
     "no cluster.world_size": (drop("cluster.world_size"), ["lacks cluster.world_size"]),
     "no model": (drop("model"), ["lacks model"]),
-    "unknown precision": (set_("decision.precision", "fp8"),
-                          ["decision.precision is 'fp8'", "bf16, fp16, fp32"]),
-    "unknown sharding": (set_("decision.sharding", "zero1"),
-                         ["decision.sharding is 'zero1'", "ddp, zero2, zero3"]),
-    "checkpointed_blocks > depth": (set_("decision.checkpointed_blocks", 29),
-                                    ["decision.checkpointed_blocks 29", "28 blocks"]),
+    "unknown precision": (
+        set_("decision.precision", "fp8"),
+        ["decision.precision is 'fp8'", "bf16, fp16, fp32"],
+    ),
+    "unknown sharding": (
+        set_("decision.sharding", "zero1"),
+        ["decision.sharding is 'zero1'", "ddp, zero2, zero3"],
+    ),
+    "checkpointed_blocks > depth": (
+        set_("decision.checkpointed_blocks", 29),
+        ["decision.checkpointed_blocks 29", "28 blocks"],
+    ),
 }
 
 
@@ -123,11 +139,14 @@ def test_a_hand_edited_plan_is_refused_in_one_line_naming_the_key(made, tmp_path
     assert str(parsed.value) == message.replace(str(path), "hand-edited.json")
 
 
-@pytest.mark.parametrize("text, says", [
-    (None, ["is not valid JSON"]),  # None: the real plan cut in half, as an interrupted copy leaves it
-    ("", ["is not valid JSON", "line 1"]),
-    ("[1, 2]", ["is not a JSON object"]),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (None, ["is not valid JSON"]),  # None: the real plan cut in half, as an interrupted copy leaves it
+        ("", ["is not valid JSON", "line 1"]),
+        ("[1, 2]", ["is not a JSON object"]),
+    ],
+)
 def test_a_file_that_is_not_a_plan_object_is_refused_in_one_line(made, tmp_path, capsys, text, says):
     path = tmp_path / "plan.json"
     whole = made.read_text()
@@ -193,8 +212,17 @@ def test_the_trainer_refuses_a_bad_plan_in_one_line_before_writing_anything(made
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), PYTHONUNBUFFERED="1")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_FSDP"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "dit_accel.train", "--plan", str(path), "--output-dir", str(out),
-               "--latents", str(tmp_path / "latents")]
+    command = [
+        sys.executable,
+        "-m",
+        "dit_accel.train",
+        "--plan",
+        str(path),
+        "--output-dir",
+        str(out),
+        "--latents",
+        str(tmp_path / "latents"),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

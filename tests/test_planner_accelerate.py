@@ -21,12 +21,19 @@ CASES = {
     "ddp": dict(gpus=8, vram="80G", global_batch=256),
     "zero2": dict(gpus=8, vram="40G", global_batch=256, sharding="zero2"),
     "zero3": dict(gpus=8, vram="40G", global_batch=256, sharding="zero3"),
-    "multi-node": dict(gpus=8, nodes=2, vram="80G", global_batch=256, main_process_ip="10.1.2.3",
-                       main_process_port=29555),
+    "multi-node": dict(
+        gpus=8, nodes=2, vram="80G", global_batch=256, main_process_ip="10.1.2.3", main_process_port=29555
+    ),
     "multi-node-zero3": dict(gpus=4, nodes=4, vram="24G", global_batch=256, sharding="zero3", resolution=512),
 }
-EXPECTED_TYPE = {"single-gpu": "NO", "ddp": "MULTI_GPU", "zero2": "FSDP", "zero3": "FSDP", "multi-node": "MULTI_GPU",
-                 "multi-node-zero3": "FSDP"}
+EXPECTED_TYPE = {
+    "single-gpu": "NO",
+    "ddp": "MULTI_GPU",
+    "zero2": "FSDP",
+    "zero3": "FSDP",
+    "multi-node": "MULTI_GPU",
+    "multi-node-zero3": "FSDP",
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +48,9 @@ def plans(tmp_path_factory):
 
 
 def validated(config_path, *extra):
-    args = launch_command_parser().parse_args(["--config_file", str(config_path), *extra, "-m", "dit_accel.train",
-                                               "--plan", "plan.json"])
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(config_path), *extra, "-m", "dit_accel.train", "--plan", "plan.json"]
+    )
     args, defaults, _ = _validate_launch_command(args)
     return args, defaults
 
@@ -63,7 +71,9 @@ def test_yaml_loads_with_accelerates_loader_and_passes_launch_validation(plans, 
     assert args.use_fsdp == (EXPECTED_TYPE[name] == "FSDP")
 
 
-@pytest.mark.parametrize("name, reshard", [("zero2", "false"), ("zero3", "true"), ("multi-node-zero3", "true")])
+@pytest.mark.parametrize(
+    "name, reshard", [("zero2", "false"), ("zero3", "true"), ("multi-node-zero3", "true")]
+)
 def test_fsdp_sharding_reaches_the_processes(plans, name, reshard):
     """FSDP2; the launcher's default reshard_after_forward is true (zero3), so the YAML writes it explicitly."""
     plan, folder = plans[name]
@@ -111,18 +121,32 @@ def test_slurm_script_launches_one_accelerate_per_node_with_its_rank(plans, tmp_
     record.mkdir()
     # srun: run the task once per node with SLURM_NODEID set; scontrol: the allocation's host names;
     # accelerate: record its argv, one file per node.
-    _fake(bin_dir, "srun", """
+    _fake(
+        bin_dir,
+        "srun",
+        """
         while [[ "$1" == --* ]]; do
           case "$1" in --ntasks=*) n="${1#--ntasks=}";; esac; shift
         done
         for ((i = 0; i < n; i++)); do SLURM_NODEID=$i SLURM_PROCID=$i "$@" || exit 1; done
-    """)
+    """,
+    )
     _fake(bin_dir, "scontrol", 'for i in $(seq 0 20); do echo "gpu-node-$i"; done\n')
     _fake(bin_dir, "accelerate", 'printf "%s\\0" "$@" > "$RECORD/node_$SLURM_NODEID"\n')
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record), SLURM_SUBMIT_DIR=str(folder),
-               SLURM_JOB_NODELIST="gpu-node-[0-20]")
-    result = subprocess.run(["bash", str(script), "--data-path", "/data/train", "--output-dir", "runs/x"],
-                            env=env, capture_output=True, text=True, timeout=60)
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        RECORD=str(record),
+        SLURM_SUBMIT_DIR=str(folder),
+        SLURM_JOB_NODELIST="gpu-node-[0-20]",
+    )
+    result = subprocess.run(
+        ["bash", str(script), "--data-path", "/data/train", "--output-dir", "runs/x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     expected_ip = plan["cluster"]["main_process_ip"] or "gpu-node-0"
     for rank in range(nodes):
@@ -135,6 +159,12 @@ def test_slurm_script_launches_one_accelerate_per_node_with_its_rank(plans, tmp_
         assert args.main_process_port == plan["cluster"]["main_process_port"]
         assert Path(args.config_file) == folder / "accelerate_config.yaml"
         assert args.training_script == "dit_accel.train" and args.module
-        assert args.training_script_args == ["--plan", str(folder / "plan.json"), "--data-path", "/data/train",
-                                             "--output-dir", "runs/x"]
+        assert args.training_script_args == [
+            "--plan",
+            str(folder / "plan.json"),
+            "--data-path",
+            "/data/train",
+            "--output-dir",
+            "runs/x",
+        ]
     assert not (record / f"node_{nodes}").exists()

@@ -25,9 +25,14 @@ from planner.spec import custom_spec
 def tied_dit(spec):
     torch.manual_seed(0)
     model = DiTTransformer2DModel(
-        num_attention_heads=spec.heads, attention_head_dim=spec.head_dim, in_channels=spec.in_channels,
-        out_channels=spec.out_channels, num_layers=spec.depth, sample_size=spec.latent_size,
-        patch_size=spec.patch, num_embeds_ada_norm=spec.num_classes,
+        num_attention_heads=spec.heads,
+        attention_head_dim=spec.head_dim,
+        in_channels=spec.in_channels,
+        out_channels=spec.out_channels,
+        num_layers=spec.depth,
+        sample_size=spec.latent_size,
+        patch_size=spec.patch,
+        num_embeds_ada_norm=spec.num_classes,
     )
     shared = model.transformer_blocks[0].norm1.emb
     for block in model.transformer_blocks[1:]:
@@ -81,8 +86,10 @@ def trace_saved(model, spec, micro_batch, autocast, pure=False):
         x = x.to(torch.bfloat16)
     t = torch.randint(0, 1000, (micro_batch,))
     y = torch.randint(0, spec.num_classes, (micro_batch,))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+    ):
         out = model(x, t, y).sample
     assert out.requires_grad
     activations = sum(n for n, weight in seen.values() if not weight)
@@ -93,7 +100,9 @@ def trace_saved(model, spec, micro_batch, autocast, pure=False):
 SPECS = [
     custom_spec(depth=2, hidden=64, heads=4, patch=2, resolution=128, num_classes=10),  # 64 tokens
     custom_spec(depth=3, hidden=48, heads=3, patch=2, resolution=64, num_classes=4),  # 16 tokens
-    custom_spec(depth=2, hidden=32, heads=2, patch=4, resolution=64, latents="pixel", num_classes=4),  # 256 tokens
+    custom_spec(
+        depth=2, hidden=32, heads=2, patch=4, resolution=64, latents="pixel", num_classes=4
+    ),  # 256 tokens
 ]
 
 
@@ -144,7 +153,10 @@ def test_pure_bf16_of_a_sharded_plan_matches_a_real_trace(spec, checkpointed):
     assert saved_activation_bytes(spec, 3, pure, checkpointed_blocks=checkpointed) == traced
     assert weight_copies == 0  # the parameters are bf16 themselves: nothing is cast
     # the autocast figures the planner used for sharded plans before: fp32 conditioning (and on CUDA fp32 norms)
-    assert saved_activation_bytes(spec, 3, element_bytes("bf16", "cpu"), checkpointed_blocks=checkpointed) > traced
+    assert (
+        saved_activation_bytes(spec, 3, element_bytes("bf16", "cpu"), checkpointed_blocks=checkpointed)
+        > traced
+    )
 
 
 def test_saved_activations_scale_with_micro_batch_like_the_trace():
@@ -153,4 +165,6 @@ def test_saved_activations_scale_with_micro_batch_like_the_trace():
     one, _ = trace_saved(model, spec, 1, autocast=False)
     five, _ = trace_saved(model, spec, 5, autocast=False)
     eb = element_bytes("fp32")
-    assert five / one == pytest.approx(saved_activation_bytes(spec, 5, eb) / saved_activation_bytes(spec, 1, eb), rel=0.01)
+    assert five / one == pytest.approx(
+        saved_activation_bytes(spec, 5, eb) / saved_activation_bytes(spec, 1, eb), rel=0.01
+    )

@@ -31,7 +31,10 @@ def recorded_h200(tokens: int):
             raise cal.MeasureOOM(micro_batch)
         n = micro_batch * tokens
         step_seconds = micro_batch / (SATURATED_IMAGES_PER_S * n / (n + HALF_TOKENS))
-        return cal.Measurement(micro_batch, allocated, reserved, step_seconds, device_used_bytes=reserved + CONTEXT)
+        return cal.Measurement(
+            micro_batch, allocated, reserved, step_seconds, device_used_bytes=reserved + CONTEXT
+        )
+
     return measure
 
 
@@ -41,14 +44,38 @@ def calibration_file(tmp_path_factory):
     from dit_accel.atomic import write_json_atomically
 
     spec = model_spec("DiT-XL/2", 256)
-    plan = {"schema": "dit-plan/1", "model": {"name": "DiT-XL/2", "resolution": 256}, "cluster": {"world_size": 1},
-            "global_batch": 32, "decision": {"micro_batch": 32, "grad_accum": 1, "checkpointed_blocks": 0,
-                                             "precision": "bf16", "sharding": "ddp", "latents": "precomputed",
-                                             "ema": True}, "memory": {"peak_bytes": 20 * GiB}}
-    gpu = {"name": "NVIDIA H200", "total_bytes": H200_BYTES, "capability": "9.0", "preset": "h200",
-           "_preset": gpu_preset("h200")}
-    result = cal.calibrate(parse_plan(plan), [8, 16, 32], steps=3, max_micro_batch=None, measure=recorded_h200(spec.tokens),
-                           gpu=gpu, log=lambda line: None)
+    plan = {
+        "schema": "dit-plan/1",
+        "model": {"name": "DiT-XL/2", "resolution": 256},
+        "cluster": {"world_size": 1},
+        "global_batch": 32,
+        "decision": {
+            "micro_batch": 32,
+            "grad_accum": 1,
+            "checkpointed_blocks": 0,
+            "precision": "bf16",
+            "sharding": "ddp",
+            "latents": "precomputed",
+            "ema": True,
+        },
+        "memory": {"peak_bytes": 20 * GiB},
+    }
+    gpu = {
+        "name": "NVIDIA H200",
+        "total_bytes": H200_BYTES,
+        "capability": "9.0",
+        "preset": "h200",
+        "_preset": gpu_preset("h200"),
+    }
+    result = cal.calibrate(
+        parse_plan(plan),
+        [8, 16, 32],
+        steps=3,
+        max_micro_batch=None,
+        measure=recorded_h200(spec.tokens),
+        gpu=gpu,
+        log=lambda line: None,
+    )
     path = tmp_path_factory.mktemp("calibration") / "h200.json"
     write_json_atomically(path, result)
     return path
@@ -64,7 +91,9 @@ def plan_with(tmp_path, capsys, *flags, name="plan"):
 
 def test_measured_figures_replace_the_assumed_ones_and_are_recorded(tmp_path, capsys, calibration_file):
     written = json.loads(calibration_file.read_text())
-    code, plan, captured = plan_with(tmp_path, capsys, "--gpu", "h200", "--calibration", str(calibration_file))
+    code, plan, captured = plan_with(
+        tmp_path, capsys, "--gpu", "h200", "--calibration", str(calibration_file)
+    )
     assert code == 0
     assumed = plan["assumptions"]
     assert assumed["cuda_context_bytes"] == CONTEXT and assumed["cublas_workspace_bytes"] == 0
@@ -75,24 +104,37 @@ def test_measured_figures_replace_the_assumed_ones_and_are_recorded(tmp_path, ca
     # the overhead at the peak is the measured context + NCCL (assumed) + measured fragmentation
     memory = plan["memory"]
     allocated = memory["peak_bytes"] - memory["overhead"]
-    assert memory["overhead"] == pytest.approx(CONTEXT + Assumptions().nccl_buffer_bytes + (RESERVED_RATIO - 1) * allocated,
-                                               abs=2)
+    assert memory["overhead"] == pytest.approx(
+        CONTEXT + Assumptions().nccl_buffer_bytes + (RESERVED_RATIO - 1) * allocated, abs=2
+    )
     record = plan["calibration"]
     assert record["file"] == str(calibration_file) and record["gpu"] == "NVIDIA H200"
     assert record["created"] == written["created"] and record["not_applied"] == {}
     assert plan["inputs"]["calibration"] == str(calibration_file)
     assert f"calibrated with {calibration_file} (NVIDIA H200, {written['created']})" in captured.out
-    assert f"Measured figures: calibrated with {calibration_file}" in (tmp_path / "plan" / "plan.md").read_text()
+    assert (
+        f"Measured figures: calibrated with {calibration_file}" in (tmp_path / "plan" / "plan.md").read_text()
+    )
     uncalibrated = plan_with(tmp_path, capsys, "--gpu", "h200", name="plain")[1]
     assert uncalibrated["calibration"] is None
     assert uncalibrated["memory"]["overhead"] != memory["overhead"]
 
 
 def test_assume_still_overrides_a_calibrated_figure(tmp_path, capsys, calibration_file):
-    code, plan, _ = plan_with(tmp_path, capsys, "--gpu", "h200", "--calibration", str(calibration_file),
-                              "--assume", "fragmentation=0.2")
+    code, plan, _ = plan_with(
+        tmp_path,
+        capsys,
+        "--gpu",
+        "h200",
+        "--calibration",
+        str(calibration_file),
+        "--assume",
+        "fragmentation=0.2",
+    )
     assert code == 0
-    assert plan["assumptions"]["fragmentation"] == 0.2 and plan["assumptions"]["cuda_context_bytes"] == CONTEXT
+    assert (
+        plan["assumptions"]["fragmentation"] == 0.2 and plan["assumptions"]["cuda_context_bytes"] == CONTEXT
+    )
 
 
 def _rewritten(tmp_path, calibration_file, change) -> str:
@@ -103,16 +145,20 @@ def _rewritten(tmp_path, calibration_file, change) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("case, flags, fragment", [
-    ("schema", ["--gpu", "h200"], "schema 'dit-calibration/0'"),
-    ("gpu", ["--gpu", "a100-80g"], "measured on NVIDIA H200 (h200), but the plan is for --gpu a100-80g"),
-    ("figure", ["--gpu", "h200"], "fragmentation"),
-    ("unknown", ["--gpu", "h200"], "vae_params"),
-    ("missing", ["--gpu", "h200"], "cannot read it"),
-    ("not json", ["--gpu", "h200"], "is not JSON"),
-])
-def test_a_file_that_cannot_describe_the_plan_is_refused_in_one_line(tmp_path, capsys, calibration_file, case,
-                                                                     flags, fragment):
+@pytest.mark.parametrize(
+    "case, flags, fragment",
+    [
+        ("schema", ["--gpu", "h200"], "schema 'dit-calibration/0'"),
+        ("gpu", ["--gpu", "a100-80g"], "measured on NVIDIA H200 (h200), but the plan is for --gpu a100-80g"),
+        ("figure", ["--gpu", "h200"], "fragmentation"),
+        ("unknown", ["--gpu", "h200"], "vae_params"),
+        ("missing", ["--gpu", "h200"], "cannot read it"),
+        ("not json", ["--gpu", "h200"], "is not JSON"),
+    ],
+)
+def test_a_file_that_cannot_describe_the_plan_is_refused_in_one_line(
+    tmp_path, capsys, calibration_file, case, flags, fragment
+):
     edits = {
         "schema": lambda d: d.update(schema="dit-calibration/0"),
         "figure": lambda d: d["assumptions"].update(fragmentation=1.5),
@@ -135,8 +181,9 @@ def test_a_file_that_cannot_describe_the_plan_is_refused_in_one_line(tmp_path, c
 
 
 def test_another_model_uses_the_memory_figures_but_not_the_mfu(tmp_path, capsys, calibration_file):
-    code, plan, captured = plan_with(tmp_path, capsys, "--gpu", "h200", "--model", "DiT-L/2",
-                                     "--calibration", str(calibration_file))
+    code, plan, captured = plan_with(
+        tmp_path, capsys, "--gpu", "h200", "--model", "DiT-L/2", "--calibration", str(calibration_file)
+    )
     assert code == 0
     assert plan["assumptions"]["cuda_context_bytes"] == CONTEXT
     assert plan["assumptions"]["mfu_mixed"] == Assumptions().mfu_mixed
@@ -145,25 +192,61 @@ def test_another_model_uses_the_memory_figures_but_not_the_mfu(tmp_path, capsys,
     assert "not used: mfu_mixed, half_efficiency_tokens" in captured.out
 
 
-def test_vram_alone_or_another_precision_drop_the_throughput_figures_with_a_warning(tmp_path, capsys,
-                                                                                    calibration_file):
+def test_vram_alone_or_another_precision_drop_the_throughput_figures_with_a_warning(
+    tmp_path, capsys, calibration_file
+):
     code, plan, _ = plan_with(tmp_path, capsys, "--vram", "141GiB", "--calibration", str(calibration_file))
     assert code == 0 and plan["assumptions"]["mfu_mixed"] == Assumptions().mfu_mixed
     assert plan["assumptions"]["fragmentation"] == pytest.approx(RESERVED_RATIO - 1)
     assert any("without --gpu" in w and "--gpu h200" in w for w in plan["warnings"])
-    code, plan, _ = plan_with(tmp_path, capsys, "--gpu", "h200", "--precision", "fp32",
-                              "--calibration", str(calibration_file), name="fp32")
+    code, plan, _ = plan_with(
+        tmp_path,
+        capsys,
+        "--gpu",
+        "h200",
+        "--precision",
+        "fp32",
+        "--calibration",
+        str(calibration_file),
+        name="fp32",
+    )
     assert code == 0 and plan["assumptions"]["mfu_fp32"] == Assumptions().mfu_fp32
     assert plan["assumptions"]["half_efficiency_tokens"] == HALF_TOKENS
     assert any("measured bf16, the plan trains fp32" in w for w in plan["warnings"])
-    code, plan, _ = plan_with(tmp_path, capsys, "--gpu", "h200", "--precision", "fp16",
-                              "--calibration", str(calibration_file), name="fp16")
+    code, plan, _ = plan_with(
+        tmp_path,
+        capsys,
+        "--gpu",
+        "h200",
+        "--precision",
+        "fp16",
+        "--calibration",
+        str(calibration_file),
+        name="fp16",
+    )
     assert code == 0 and plan["assumptions"]["mfu_mixed"] != Assumptions().mfu_mixed  # same tensor-core rate
 
 
-def test_a_sweep_uses_the_calibration_for_every_row_and_refuses_a_bad_file_once(tmp_path, capsys, calibration_file):
-    assert dit_plan(["--gpus", "8,16", "--gpu", "h200", "--global-batch", "256", "--format", "json",
-                     "--calibration", str(calibration_file)]) == 0
+def test_a_sweep_uses_the_calibration_for_every_row_and_refuses_a_bad_file_once(
+    tmp_path, capsys, calibration_file
+):
+    assert (
+        dit_plan(
+            [
+                "--gpus",
+                "8,16",
+                "--gpu",
+                "h200",
+                "--global-batch",
+                "256",
+                "--format",
+                "json",
+                "--calibration",
+                str(calibration_file),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 and all("micro_batch" in row for row in rows)
     bad = _rewritten(tmp_path, calibration_file, lambda d: d.update(schema="other"))

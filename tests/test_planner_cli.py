@@ -36,27 +36,79 @@ def test_plan_json_contract(tmp_path, capsys):
     run(BASE + ["--out", str(tmp_path)], capsys)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["schema"] == "dit-plan/1"
-    assert {"schema", "inputs", "model", "cluster", "global_batch", "decision", "memory", "throughput", "host",
-            "alternatives", "warnings"} <= set(plan)
+    assert {
+        "schema",
+        "inputs",
+        "model",
+        "cluster",
+        "global_batch",
+        "decision",
+        "memory",
+        "throughput",
+        "host",
+        "alternatives",
+        "warnings",
+    } <= set(plan)
     spec = model_spec("DiT-XL/2", 256)
-    assert {k: plan["model"][k] for k in ("name", "resolution", "latent_size", "in_channels", "tokens",
-                                          "params_trainable", "fwd_flops_per_image")} == {
-        "name": "DiT-XL/2", "resolution": 256, "latent_size": 32, "in_channels": 4, "tokens": 256,
-        "params_trainable": spec.params_trainable, "fwd_flops_per_image": spec.fwd_flops_per_image}
+    assert {
+        k: plan["model"][k]
+        for k in (
+            "name",
+            "resolution",
+            "latent_size",
+            "in_channels",
+            "tokens",
+            "params_trainable",
+            "fwd_flops_per_image",
+        )
+    } == {
+        "name": "DiT-XL/2",
+        "resolution": 256,
+        "latent_size": 32,
+        "in_channels": 4,
+        "tokens": 256,
+        "params_trainable": spec.params_trainable,
+        "fwd_flops_per_image": spec.fwd_flops_per_image,
+    }
     c = plan["cluster"]
-    assert (c["nodes"], c["gpus_per_node"], c["world_size"], c["vram_bytes"], c["gpu"]) == (1, 8, 8, 40 * 10**9, None)
+    assert (c["nodes"], c["gpus_per_node"], c["world_size"], c["vram_bytes"], c["gpu"]) == (
+        1,
+        8,
+        8,
+        40 * 10**9,
+        None,
+    )
     d = plan["decision"]
     assert d["micro_batch"] * d["grad_accum"] * c["world_size"] == plan["global_batch"] == 256
     assert 0 <= d["checkpointed_blocks"] <= 28 and d["precision"] in ("bf16", "fp16", "fp32")
     assert d["sharding"] in ("ddp", "zero2", "zero3") and d["latents"] == "precomputed" and d["ema"] is True
     m = plan["memory"]
-    parts = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries", "overhead")
+    parts = (
+        "weights",
+        "grads",
+        "optimizer",
+        "ema",
+        "activations",
+        "autocast_cache",
+        "vae",
+        "temporaries",
+        "overhead",
+    )
     assert sum(m[k] for k in parts) == m["peak_bytes"] <= m["budget_bytes"] == 38 * 10**9  # 5% headroom
     assert {"step_flops", "est_images_per_s", "assumed_mfu"} <= set(plan["throughput"])
     assert plan["host"]["per_node_bytes"] == 8 * plan["host"]["per_rank_bytes"]
     for alternative in plan["alternatives"]:
-        assert {"micro_batch", "grad_accum", "checkpointed_blocks", "precision", "sharding", "latents", "ema",
-                "peak_bytes", "est_images_per_s"} <= set(alternative)
+        assert {
+            "micro_batch",
+            "grad_accum",
+            "checkpointed_blocks",
+            "precision",
+            "sharding",
+            "latents",
+            "ema",
+            "peak_bytes",
+            "est_images_per_s",
+        } <= set(alternative)
     assert isinstance(plan["warnings"], list)
     assert plan["inputs"]["vram"] == "40G" and plan["inputs"]["gpus"] == 8
 
@@ -64,27 +116,67 @@ def test_plan_json_contract(tmp_path, capsys):
 def test_plan_md_explains_its_arithmetic(tmp_path, capsys):
     run(BASE + ["--out", str(tmp_path)], capsys)
     text = (tmp_path / "plan.md").read_text()
-    for section in ("## Inputs", "## Decision", "## Memory per GPU", "### The arithmetic", "## Alternatives",
-                    "## Assumptions", "## Throughput estimate", "## How the decision was made"):
+    for section in (
+        "## Inputs",
+        "## Decision",
+        "## Memory per GPU",
+        "### The arithmetic",
+        "## Alternatives",
+        "## Assumptions",
+        "## Throughput estimate",
+        "## How the decision was made",
+    ):
         assert section in text
     assert "32 x 1 x 8 = 256" in text and "674,834,720" in text and "B per token x hidden" in text
 
 
 def test_tiny_custom_model_for_other_tests(tmp_path, capsys):
-    argv = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "64",
-            "--num-classes", "4", "--gpus", "2", "--vram", "8G", "--global-batch", "8", "--out", str(tmp_path)]
+    argv = [
+        "--model",
+        "DiT-S/2",
+        "--depth",
+        "2",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--resolution",
+        "64",
+        "--num-classes",
+        "4",
+        "--gpus",
+        "2",
+        "--vram",
+        "8G",
+        "--global-batch",
+        "8",
+        "--out",
+        str(tmp_path),
+    ]
     code, _, err = run(argv, capsys)
     assert code == 0, err
     plan = json.loads((tmp_path / "plan.json").read_text())
     m = plan["model"]
-    assert (m["depth"], m["hidden"], m["heads"], m["patch"], m["num_classes"], m["latent_size"]) == (2, 32, 2, 2, 4, 8)
-    assert m["params_trainable"] == model_spec("DiT-S/2", 64, depth=2, hidden=32, heads=2, num_classes=4).params_trainable
+    assert (m["depth"], m["hidden"], m["heads"], m["patch"], m["num_classes"], m["latent_size"]) == (
+        2,
+        32,
+        2,
+        2,
+        4,
+        8,
+    )
+    assert (
+        m["params_trainable"]
+        == model_spec("DiT-S/2", 64, depth=2, hidden=32, heads=2, num_classes=4).params_trainable
+    )
     d = plan["decision"]
     assert d["micro_batch"] * d["grad_accum"] * 2 == 8
 
 
-@pytest.mark.parametrize("fmt, marker", [("markdown", "|:--"), ("github", "|----"), ("latex", "\\begin{tabular}"),
-                                         ("table", "-----")])
+@pytest.mark.parametrize(
+    "fmt, marker",
+    [("markdown", "|:--"), ("github", "|----"), ("latex", "\\begin{tabular}"), ("table", "-----")],
+)
 def test_formats(tmp_path, capsys, fmt, marker):
     code, out, _ = run(BASE + ["--format", fmt, "--out", str(tmp_path)], capsys)
     assert code == 0 and marker in out
@@ -99,12 +191,16 @@ def test_json_format_prints_the_plan_only(tmp_path, capsys):
 
 def test_sweep_gives_one_row_per_combination_and_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, _ = run(["--gpu", "a100-40g,a100-80g,h100-80g", "--gpus", "8,16", "--global-batch", "256"], capsys)
+    code, out, _ = run(
+        ["--gpu", "a100-40g,a100-80g,h100-80g", "--gpus", "8,16", "--global-batch", "256"], capsys
+    )
     assert code == 0
     rows = [line for line in out.splitlines() if "DiT-XL/2" in line]
     assert len(rows) == 6
     assert list(tmp_path.iterdir()) == []
-    code, out, _ = run(["--vram", "24G,80G", "--gpus", "7,8", "--global-batch", "256", "--format", "json"], capsys)
+    code, out, _ = run(
+        ["--vram", "24G,80G", "--gpus", "7,8", "--global-batch", "256", "--format", "json"], capsys
+    )
     rows = json.loads(out)
     assert len(rows) == 4
     for row in rows:
@@ -133,7 +229,10 @@ BAD = [
     (["--gpus", "8", "--vram", "40G", "--main-process-ip", "10.0.0.1"], "only matters with --nodes"),
     (["--gpus", "8", "--vram", "40G", "--checkpointing", "29"], "outside 0..28"),
     (["--gpus", "8", "--vram", "40G", "--checkpointing", "some"], "--checkpointing must be"),
-    (["--gpus", "1", "--vram", "40G", "--sharding", "zero2", "--global-batch", "32"], "needs more than one GPU"),
+    (
+        ["--gpus", "1", "--vram", "40G", "--sharding", "zero2", "--global-batch", "32"],
+        "needs more than one GPU",
+    ),
     (["--gpus", "8", "--vram", "40G", "--headroom", "150%"], "--headroom"),
     (["--gpus", "8", "--vram", "40G", "--bogus"], "unrecognized arguments: --bogus"),
     (["--gpus", "8", "--vram", "40G", "--precision", "bf17"], "invalid choice: 'bf17'"),
@@ -206,8 +305,10 @@ def test_host_ram_warning_names_the_fix(tmp_path, capsys):
 
 
 def test_assumptions_override_and_list(tmp_path, capsys):
-    code, _, _ = run(BASE + ["--assume", "cuda_context_bytes=1GiB", "--assume", "mfu_mixed=0.5", "--out",
-                             str(tmp_path)], capsys)
+    code, _, _ = run(
+        BASE + ["--assume", "cuda_context_bytes=1GiB", "--assume", "mfu_mixed=0.5", "--out", str(tmp_path)],
+        capsys,
+    )
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert code == 0 and plan["assumptions"]["cuda_context_bytes"] == 2**30
     assert plan["throughput"]["assumed_mfu"] == 0.5
@@ -218,7 +319,9 @@ def test_assumptions_override_and_list(tmp_path, capsys):
 def test_console_script_is_installed():
     import shutil
 
-    assert shutil.which("dit-plan") or os.path.exists(os.path.join(os.path.dirname(os.sys.executable), "dit-plan"))
+    assert shutil.which("dit-plan") or os.path.exists(
+        os.path.join(os.path.dirname(os.sys.executable), "dit-plan")
+    )
 
 
 def test_the_planner_never_imports_torch():
@@ -227,10 +330,12 @@ def test_the_planner_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from planner.cli import main; import planner.plan, planner.report, planner.outputs;"
-            "plan = planner.plan.make_plan(gpus=8, vram='40G', global_batch=256); planner.report.render(plan);"
-            "planner.report.plan_markdown(plan); planner.outputs.render_files(plan);"
-            "heavy = {'torch', 'accelerate', 'diffusers', 'numpy'} & set(sys.modules); assert not heavy, heavy")
+    code = (
+        "import sys; from planner.cli import main; import planner.plan, planner.report, planner.outputs;"
+        "plan = planner.plan.make_plan(gpus=8, vram='40G', global_batch=256); planner.report.render(plan);"
+        "planner.report.plan_markdown(plan); planner.outputs.render_files(plan);"
+        "heavy = {'torch', 'accelerate', 'diffusers', 'numpy'} & set(sys.modules); assert not heavy, heavy"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
@@ -239,7 +344,9 @@ def test_communication_bound_plan_warns_why_and_how_to_fix_it(tmp_path, capsys):
     """2 x 8 H100 at global batch 256: micro-batch 16 per GPU, and the exposed inter-node gradient all-reduce
     outweighs its compute, so 2 nodes estimate fewer images/s than 1; the plan says why, in all three outputs."""
     two_nodes = ["--gpu", "h100-80g", "--gpus", "8", "--global-batch", "256"]
-    code, out, _ = run(two_nodes + ["--nodes", "2", "--main-process-ip", "10.0.0.1", "--out", str(tmp_path / "two")], capsys)
+    code, out, _ = run(
+        two_nodes + ["--nodes", "2", "--main-process-ip", "10.0.0.1", "--out", str(tmp_path / "two")], capsys
+    )
     assert code == 0
     plan = json.loads((tmp_path / "two" / "plan.json").read_text())
     t = plan["throughput"]
@@ -248,13 +355,29 @@ def test_communication_bound_plan_warns_why_and_how_to_fix_it(tmp_path, capsys):
     [warning] = [w for w in plan["warnings"] if w.startswith("exposed communication")]
     assert f"{share:.0%} of the estimated step time" in warning
     assert f"{t['comm_bytes_per_gpu'] / 1e9:.2f} GB" in warning and "25 GB/s inter-node" in warning
-    assert "--global-batch" in warning and "--assume inter_node_busbw_bytes_per_s=" in warning and "50e9" in warning
+    assert (
+        "--global-batch" in warning
+        and "--assume inter_node_busbw_bytes_per_s=" in warning
+        and "50e9" in warning
+    )
     assert f"! {warning}\n" in out  # the terminal
     assert warning in (tmp_path / "two" / "plan.md").read_text()
 
     # the warning's own fix: the real fabric's bandwidth halves the exposed share and raises the estimate
-    run(two_nodes + ["--nodes", "2", "--main-process-ip", "10.0.0.1", "--assume", "inter_node_busbw_bytes_per_s=50e9",
-                     "--out", str(tmp_path / "ndr")], capsys)
+    run(
+        two_nodes
+        + [
+            "--nodes",
+            "2",
+            "--main-process-ip",
+            "10.0.0.1",
+            "--assume",
+            "inter_node_busbw_bytes_per_s=50e9",
+            "--out",
+            str(tmp_path / "ndr"),
+        ],
+        capsys,
+    )
     ndr = json.loads((tmp_path / "ndr" / "plan.json").read_text())["throughput"]
     assert ndr["exposed_comm_time_s"] == pytest.approx(t["exposed_comm_time_s"] / 2)
     assert ndr["est_images_per_s"] > t["est_images_per_s"]
@@ -265,9 +388,13 @@ def test_communication_bound_plan_warns_why_and_how_to_fix_it(tmp_path, capsys):
 
 
 def test_one_node_of_a100_40g_has_no_communication_warning(tmp_path, capsys):
-    code, out, _ = run(["--gpu", "a100-40g", "--gpus", "8", "--global-batch", "256", "--out", str(tmp_path)], capsys)
+    code, out, _ = run(
+        ["--gpu", "a100-40g", "--gpus", "8", "--global-batch", "256", "--out", str(tmp_path)], capsys
+    )
     plan = json.loads((tmp_path / "plan.json").read_text())
     t = plan["throughput"]
     assert code == 0 and 0 < t["exposed_comm_time_s"] / t["step_time_s"] <= 0.25
-    assert "exposed communication" not in out and not any("exposed communication" in w for w in plan["warnings"])
+    assert "exposed communication" not in out and not any(
+        "exposed communication" in w for w in plan["warnings"]
+    )
     assert "exposed communication is" not in (tmp_path / "plan.md").read_text()

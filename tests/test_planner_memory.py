@@ -28,27 +28,50 @@ P = XL2.params_trainable
 
 
 def decision(**changes):
-    base = Decision(micro_batch=32, grad_accum=1, checkpointed_blocks=0, precision="bf16", sharding="ddp",
-                    latents="precomputed", ema=True, adamw="foreach", gradient_as_bucket_view=False)
+    base = Decision(
+        micro_batch=32,
+        grad_accum=1,
+        checkpointed_blocks=0,
+        precision="bf16",
+        sharding="ddp",
+        latents="precomputed",
+        ema=True,
+        adamw="foreach",
+        gradient_as_bucket_view=False,
+    )
     return dataclasses.replace(base, **changes)
 
 
 def memory(dec=None, cluster=None, assumptions=None, spec=XL2):
-    return step_memory(spec, dec or decision(), cluster or Cluster(1, 8, 80 * 10**9), assumptions or Assumptions())
+    return step_memory(
+        spec, dec or decision(), cluster or Cluster(1, 8, 80 * 10**9), assumptions or Assumptions()
+    )
 
 
 # --- units ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("40G", 40 * 10**9), ("40GB", 40 * 10**9), ("40gb", 40 * 10**9), ("40GiB", 40 * 2**30),
-    ("80000M", 80 * 10**9), ("81920MiB", 80 * 2**30), ("39.5GiB", int(39.5 * 2**30)), ("1T", 10**12),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("40G", 40 * 10**9),
+        ("40GB", 40 * 10**9),
+        ("40gb", 40 * 10**9),
+        ("40GiB", 40 * 2**30),
+        ("80000M", 80 * 10**9),
+        ("81920MiB", 80 * 2**30),
+        ("39.5GiB", int(39.5 * 2**30)),
+        ("1T", 10**12),
+    ],
+)
 def test_sizes_parse_with_si_and_iec_units(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text, fragment", [("40", "no unit"), ("40XB", "unknown unit"), ("forty", "not a size"),
-                                            ("0G", "positive")])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [("40", "no unit"), ("40XB", "unknown unit"), ("forty", "not a size"), ("0G", "positive")],
+)
 def test_bad_sizes_say_why(text, fragment):
     with pytest.raises(PlanError, match=fragment):
         parse_bytes(text)
@@ -64,6 +87,7 @@ def test_headroom_is_a_share_or_a_size():
 
 
 # --- presets -------------------------------------------------------------------------------------------
+
 
 def test_presets_carry_datasheet_rates_and_sources():
     presets = gpu_presets()
@@ -95,6 +119,7 @@ def test_assumptions_are_overridable_and_validated():
 
 # --- activations: the starting figures of docs/architecture.md -----------------------------------------
 
+
 def test_xl2_activation_figures_match_the_design_traces():
     """The starting traces of XL/2 @256, micro-batch 32 (docs/architecture.md): fp32 19.86 GiB; CPU bf16
     autocast 10.36 GiB + 0.83 GiB weight copies (that trace filed the adaLN weight copies under activations:
@@ -104,16 +129,28 @@ def test_xl2_activation_figures_match_the_design_traces():
     assert saved_activation_bytes(XL2, 32, fp32, 28) / GiB == pytest.approx(1.09, abs=0.01)
     assert saved_activation_bytes(XL2, 32, cpu_bf16, 28) / GiB == pytest.approx(0.55, abs=0.01)
     weight_copies = memory(decision()).phases["start_of_backward"]["autocast_cache"]
-    assert (saved_activation_bytes(XL2, 32, cpu_bf16) + weight_copies) / GiB == pytest.approx(10.36 + 0.83, abs=0.02)
+    assert (saved_activation_bytes(XL2, 32, cpu_bf16) + weight_copies) / GiB == pytest.approx(
+        10.36 + 0.83, abs=0.02
+    )
 
 
 def test_block_bytes_per_element_by_regime():
     """Per token x hidden of one block: 20 fp32 tensors (80 B); CPU bf16 the same 20 in 2 B; CUDA bf16 keeps
     layer_norm's fp32 copies (4 x 4 B) and casts the fp32 modulated input for q, k, v separately (3 x 2 B)."""
     spec = model_spec("DiT-XL/2", 256)
-    big = {name: v for name, v in block_saved_bytes(spec, 1, element_bytes("fp32")).items() if "embedder" not in name}
-    per = lambda eb: sum(v for k, v in block_saved_bytes(spec, 1, eb).items()
-                         if k not in ("embedder+adaLN", "1+scale (x2)")) / (spec.tokens * spec.hidden)
+    big = {
+        name: v
+        for name, v in block_saved_bytes(spec, 1, element_bytes("fp32")).items()
+        if "embedder" not in name
+    }
+    per = lambda eb: (
+        sum(
+            v
+            for k, v in block_saved_bytes(spec, 1, eb).items()
+            if k not in ("embedder+adaLN", "1+scale (x2)")
+        )
+        / (spec.tokens * spec.hidden)
+    )
     assert per(element_bytes("fp32")) == pytest.approx(80, abs=0.5)
     assert per(element_bytes("bf16", "cpu")) == pytest.approx(40, abs=0.5)
     assert per(element_bytes("bf16", "cuda")) == pytest.approx(52, abs=0.5)
@@ -129,6 +166,7 @@ def test_non_fused_attention_adds_the_softmax():
 
 
 # --- model states --------------------------------------------------------------------------------------
+
 
 def test_ddp_states_hand_checked():
     parts = memory(decision()).phases["optimizer_step"]
@@ -147,8 +185,10 @@ def test_single_gpu_has_no_buckets_nor_nccl():
     assert one["grads"] == 4 * P and eight["grads"] == 8 * P
     a = Assumptions()
     assert eight["overhead"] - one["overhead"] == pytest.approx(
-        a.nccl_buffer_bytes + a.fragmentation * (sum(eight.values()) - eight["overhead"]
-                                                 - sum(one.values()) + one["overhead"]), abs=2)
+        a.nccl_buffer_bytes
+        + a.fragmentation * (sum(eight.values()) - eight["overhead"] - sum(one.values()) + one["overhead"]),
+        abs=2,
+    )
 
 
 def test_bucket_view_fused_adamw_and_no_ema_each_save_four_bytes_per_param():
@@ -190,14 +230,24 @@ def test_autocast_cache_holds_the_weights_cast_outside_checkpointed_blocks_until
     c = 2
     for checkpointed in (0, 14, 28):
         at = memory(decision(checkpointed_blocks=checkpointed)).phases
-        assert at["end_of_forward"]["autocast_cache"] == c * (P - 1001 * XL2.hidden - checkpointed * XL2.block_params)
+        assert at["end_of_forward"]["autocast_cache"] == c * (
+            P - 1001 * XL2.hidden - checkpointed * XL2.block_params
+        )
         stored = XL2.depth - checkpointed
         held = 4 * 2 * 2 * XL2.hidden + XL2.hidden**2  # patch conv + the embedder's second timestep linear
-        expected = c * (stored * block_matrix_params(XL2) + held) if stored else c * (block_matrix_params(XL2) + held)
+        expected = (
+            c * (stored * block_matrix_params(XL2) + held)
+            if stored
+            else c * (block_matrix_params(XL2) + held)
+        )
         assert at["start_of_backward"]["autocast_cache"] == expected
-    every = memory(decision(checkpointed_blocks=28)).phases  # inside block 27: the patch conv and the embedder
+    every = memory(
+        decision(checkpointed_blocks=28)
+    ).phases  # inside block 27: the patch conv and the embedder
     timestep_mlp = XL2.embedder_params - 1001 * XL2.hidden
-    assert every["last_block_forward"]["autocast_cache"] == c * (XL2.param_breakdown()["patch_embed"] + timestep_mlp)
+    assert every["last_block_forward"]["autocast_cache"] == c * (
+        XL2.param_breakdown()["patch_embed"] + timestep_mlp
+    )
     assert memory(decision(precision="fp32")).phases["end_of_forward"]["autocast_cache"] == 0
 
 
@@ -205,7 +255,9 @@ def test_every_block_checkpointed_adds_the_last_blocks_forward_and_can_peak_at_b
     """With every block checkpointed the forward's last block holds every block's input plus its MLP working
     set, and block 0's backward holds nearly every gradient: at micro-batch 64 (fused AdamW) that is the peak,
     as the trace finds it."""
-    all_checkpointed = memory(decision(checkpointed_blocks=28, micro_batch=64, adamw="fused"), cluster=Cluster(1, 1, 80 * 10**9))
+    all_checkpointed = memory(
+        decision(checkpointed_blocks=28, micro_batch=64, adamw="fused"), cluster=Cluster(1, 1, 80 * 10**9)
+    )
     assert "last_block_forward" in all_checkpointed.phases
     assert all_checkpointed.peak_phase == "end_of_backward"
     assert "last_block_forward" not in memory(decision(checkpointed_blocks=27)).phases
@@ -248,24 +300,35 @@ def test_peak_is_the_larger_moment():
 
 def test_fragmentation_and_fixed_overheads_are_added():
     base = memory()
-    none = memory(assumptions=Assumptions(fragmentation=0.0, cuda_context_bytes=0, cublas_workspace_bytes=0,
-                                          nccl_buffer_bytes=0))
+    none = memory(
+        assumptions=Assumptions(
+            fragmentation=0.0, cuda_context_bytes=0, cublas_workspace_bytes=0, nccl_buffer_bytes=0
+        )
+    )
     assert none.components["overhead"] == 0
     allocated = base.peak_bytes - base.components["overhead"]
     a = Assumptions()
-    assert base.components["overhead"] == int(a.cuda_context_bytes + a.cublas_workspace_bytes + a.nccl_buffer_bytes
-                                              + a.fragmentation * allocated)
+    assert base.components["overhead"] == int(
+        a.cuda_context_bytes + a.cublas_workspace_bytes + a.nccl_buffer_bytes + a.fragmentation * allocated
+    )
 
 
 # --- the VAE -------------------------------------------------------------------------------------------
+
 
 def _sd_vae():
     from diffusers import AutoencoderKL
 
     with torch.device("meta"):
-        return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
-                             down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-                             block_out_channels=list(vae.ENCODER_CHANNELS))
+        return AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            layers_per_block=2,
+            down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4,
+            block_out_channels=list(vae.ENCODER_CHANNELS),
+        )
 
 
 def test_vae_sizes_match_diffusers_autoencoder():

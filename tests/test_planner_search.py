@@ -27,14 +27,25 @@ SHARDING_ORDER = {"zero3": 0, "zero2": 1, "ddp": 2}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(gpus=st.integers(1, 16), nodes=st.integers(1, 4), global_batch=st.integers(1, 1024),
-       vram_gb=st.integers(12, 160), model=st.sampled_from(["DiT-S/2", "DiT-B/4", "DiT-L/2", "DiT-XL/2"]),
-       round_batch=st.booleans())
+@given(
+    gpus=st.integers(1, 16),
+    nodes=st.integers(1, 4),
+    global_batch=st.integers(1, 1024),
+    vram_gb=st.integers(12, 160),
+    model=st.sampled_from(["DiT-S/2", "DiT-B/4", "DiT-L/2", "DiT-XL/2"]),
+    round_batch=st.booleans(),
+)
 def test_global_batch_is_exact_or_refused(gpus, nodes, global_batch, vram_gb, model, round_batch):
     world = gpus * nodes
     try:
-        plan = make_plan(gpus=gpus, nodes=nodes, global_batch=global_batch, vram=f"{vram_gb}G", model=model,
-                         round_global_batch=round_batch)
+        plan = make_plan(
+            gpus=gpus,
+            nodes=nodes,
+            global_batch=global_batch,
+            vram=f"{vram_gb}G",
+            model=model,
+            round_global_batch=round_batch,
+        )
     except PlanError as error:
         message = str(error)
         if global_batch % world and not round_batch:
@@ -58,7 +69,9 @@ def test_global_batch_is_exact_or_refused(gpus, nodes, global_batch, vram_gb, mo
 
 
 def test_non_divisible_global_batch_names_the_nearest_valid_ones():
-    with pytest.raises(PlanError, match=r"does not divide by the 7 GPUs.*use 252 or 259, or pass --round-global-batch"):
+    with pytest.raises(
+        PlanError, match=r"does not divide by the 7 GPUs.*use 252 or 259, or pass --round-global-batch"
+    ):
         make_plan(gpus=7, vram="80G", global_batch=256)
     plan = make_plan(gpus=7, vram="80G", global_batch=256, round_global_batch=True)
     assert plan["global_batch"] == 259 and any("rounded to 259" in w for w in plan["warnings"])
@@ -100,8 +113,14 @@ def test_more_gpus_never_more_memory_per_gpu_for_the_same_step():
     for sharding in ("ddp", "zero2", "zero3"):
         peaks = []
         for world in (2, 4, 8, 16, 32):
-            decision = Decision(micro_batch=8, grad_accum=2, checkpointed_blocks=10, precision="bf16",
-                                sharding=sharding, latents="precomputed")
+            decision = Decision(
+                micro_batch=8,
+                grad_accum=2,
+                checkpointed_blocks=10,
+                precision="bf16",
+                sharding=sharding,
+                latents="precomputed",
+            )
             peaks.append(step_memory(spec, decision, Cluster(1, world, 80 * GB), assumptions).peak_bytes)
         assert peaks == sorted(peaks, reverse=True), sharding
         assert (peaks[0] > peaks[-1]) == (sharding != "ddp")
@@ -110,8 +129,10 @@ def test_more_gpus_never_more_memory_per_gpu_for_the_same_step():
 def test_more_gpus_never_raise_the_least_memory_needed():
     spec, assumptions = model_spec("DiT-XL/2", 512), Assumptions()
     space = SearchSpace(global_batch=256, precision="bf16", latents="precomputed", ema=True)
-    needs = [leanest(spec, space, Cluster(1, world, 80 * GB), assumptions, 80 * GB).memory.peak_bytes
-             for world in (2, 4, 8, 16, 32, 64)]
+    needs = [
+        leanest(spec, space, Cluster(1, world, 80 * GB), assumptions, 80 * GB).memory.peak_bytes
+        for world in (2, 4, 8, 16, 32, 64)
+    ]
     assert needs == sorted(needs, reverse=True) and needs[0] > needs[-1]
     # and a plan that fits on 8 GPUs still fits on 16
     small = make_plan(gpus=8, vram="16G", global_batch=256, resolution=512)
@@ -124,7 +145,9 @@ def test_the_decision_is_the_furthest_fitting_point_of_a_budget_free_path():
     space = SearchSpace(global_batch=256, precision="bf16", latents="precomputed", ema=True)
     cluster = Cluster(1, 8, 40 * GB)
     path = search_path(spec, space, cluster, assumptions, 10 * GB)
-    assert [c.decision for c in path] == [c.decision for c in search_path(spec, space, cluster, assumptions, 30 * GB)]
+    assert [c.decision for c in path] == [
+        c.decision for c in search_path(spec, space, cluster, assumptions, 30 * GB)
+    ]
     assert path[0].decision.sharding == "zero3" and path[0].decision.micro_batch == 1
     assert path[0].decision.checkpointed_blocks == spec.depth
     assert path[-1].decision.sharding == "ddp" and path[-1].decision.checkpointed_blocks == 0
@@ -137,13 +160,24 @@ def test_the_decision_is_the_furthest_fitting_point_of_a_budget_free_path():
 
 
 def test_flags_pin_the_search():
-    plan = make_plan(gpus=8, vram="80G", global_batch=256, checkpointing=5, sharding="zero2", max_micro_batch=8)
+    plan = make_plan(
+        gpus=8, vram="80G", global_batch=256, checkpointing=5, sharding="zero2", max_micro_batch=8
+    )
     d = plan["decision"]
     assert d["checkpointed_blocks"] == 5 and d["sharding"] == "zero2" and d["micro_batch"] <= 8
-    assert make_plan(gpus=8, vram="80G", global_batch=256, checkpointing="all")["decision"]["checkpointed_blocks"] == 28
-    assert make_plan(gpus=8, vram="80G", global_batch=256, precision="fp32")["decision"]["precision"] == "fp32"
+    assert (
+        make_plan(gpus=8, vram="80G", global_batch=256, checkpointing="all")["decision"][
+            "checkpointed_blocks"
+        ]
+        == 28
+    )
+    assert (
+        make_plan(gpus=8, vram="80G", global_batch=256, precision="fp32")["decision"]["precision"] == "fp32"
+    )
     assert make_plan(gpus=1, vram="80G", global_batch=64)["decision"]["sharding"] == "ddp"
-    assert make_plan(gpus=8, gpu="v100-32g", global_batch=256)["decision"]["precision"] == "fp16"  # auto, no bf16
+    assert (
+        make_plan(gpus=8, gpu="v100-32g", global_batch=256)["decision"]["precision"] == "fp16"
+    )  # auto, no bf16
 
 
 def test_nothing_fits_says_the_minimum_and_what_would():
@@ -159,8 +193,14 @@ def test_nothing_fits_says_the_minimum_and_what_would():
 
 def test_throughput_model_follows_its_documented_rule():
     spec, assumptions = model_spec("DiT-XL/2", 256), Assumptions()
-    base = Decision(micro_batch=32, grad_accum=1, checkpointed_blocks=0, precision="bf16", sharding="ddp",
-                    latents="precomputed")
+    base = Decision(
+        micro_batch=32,
+        grad_accum=1,
+        checkpointed_blocks=0,
+        precision="bf16",
+        sharding="ddp",
+        latents="precomputed",
+    )
     assert image_step_flops(spec, base) == 3 * spec.fwd_flops_per_image
     every = dataclasses.replace(base, checkpointed_blocks=spec.depth)
     assert image_step_flops(spec, every) / image_step_flops(spec, base) == pytest.approx(4 / 3, rel=0.01)
@@ -168,7 +208,9 @@ def test_throughput_model_follows_its_documented_rule():
     cluster = Cluster(1, 1, 80 * GB)
     one = estimate_throughput(spec, base, cluster, assumptions)
     assert one.exposed_comm_time_s == 0
-    assert one.images_per_s == pytest.approx(312e12 * 0.33 * (8192 / 8704) / (3 * spec.fwd_flops_per_image), rel=1e-6)
+    assert one.images_per_s == pytest.approx(
+        312e12 * 0.33 * (8192 / 8704) / (3 * spec.fwd_flops_per_image), rel=1e-6
+    )
     # fast-DiT's README: 0.84 steps/s (107 img/s) on one A100 at batch 128, every block checkpointed, fp16
     fast = dataclasses.replace(every, micro_batch=128, precision="fp16")
     assert estimate_throughput(spec, fast, cluster, assumptions).images_per_s == pytest.approx(107, rel=0.05)

@@ -60,19 +60,82 @@ def run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sample_run")
     torch.manual_seed(0)
-    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-                  latent_channels=4, norm_num_groups=8, sample_size=RESOLUTION).save_pretrained(root / "vae")
+    AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=RESOLUTION,
+    ).save_pretrained(root / "vae")
     write_demo_data(root / "images", classes=CLASSES, per_class=4, resolution=RESOLUTION, seed=0)
-    extract_latents(ExtractConfig(data_path=str(root / "images"), vae=str(root / "vae"), resolution=RESOLUTION,
-                                  out=str(root / "latents"), batch_size=16, shard_size=64, num_workers=0))
-    assert dit_plan(["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution",
-                     str(RESOLUTION), "--num-classes", str(CLASSES), "--vram", "8G", "--precision", "fp32",
-                     "--gpus", "1", "--global-batch", "8", "--out", str(root / "plan")]) == 0
+    extract_latents(
+        ExtractConfig(
+            data_path=str(root / "images"),
+            vae=str(root / "vae"),
+            resolution=RESOLUTION,
+            out=str(root / "latents"),
+            batch_size=16,
+            shard_size=64,
+            num_workers=0,
+        )
+    )
+    assert (
+        dit_plan(
+            [
+                "--model",
+                "DiT-S/2",
+                "--depth",
+                "2",
+                "--hidden",
+                "32",
+                "--heads",
+                "2",
+                "--resolution",
+                str(RESOLUTION),
+                "--num-classes",
+                str(CLASSES),
+                "--vram",
+                "8G",
+                "--precision",
+                "fp32",
+                "--gpus",
+                "1",
+                "--global-batch",
+                "8",
+                "--out",
+                str(root / "plan"),
+            ]
+        )
+        == 0
+    )
     with fresh_accelerate_state():
-        assert train(["--plan", str(root / "plan" / "plan.json"), "--latents", str(root / "latents"),
-                      "--output-dir", str(root / "run"), "--max-steps", "6", "--checkpoint-every", "6",
-                      "--num-workers", "0", "--no-progress-bar", "--no-tensorboard", "--lr", "3e-3"]) == 0
+        assert (
+            train(
+                [
+                    "--plan",
+                    str(root / "plan" / "plan.json"),
+                    "--latents",
+                    str(root / "latents"),
+                    "--output-dir",
+                    str(root / "run"),
+                    "--max-steps",
+                    "6",
+                    "--checkpoint-every",
+                    "6",
+                    "--num-workers",
+                    "0",
+                    "--no-progress-bar",
+                    "--no-tensorboard",
+                    "--lr",
+                    "3e-3",
+                ]
+            )
+            == 0
+        )
     return root
 
 
@@ -111,7 +174,7 @@ def test_eval_batch_assembles_in_global_order_and_refuses_foreign_shards(tmp_pat
     for batch in (2, 0, 1):  # any order of completion
         indices = job.indices(batch)
         images = np.full((len(indices), 4, 4, 3), batch, dtype=np.uint8)
-        job.save_shard(batch, images, job.labels[indices.start:indices.stop])
+        job.save_shard(batch, images, job.labels[indices.start : indices.stop])
         assert job.shard_is_done(batch)
     made = np.concatenate([np.full((len(job.indices(b)), 4, 4, 3), b, np.uint8) for b in range(3)])
     (job.shard_dir / "batch_000009.npz.partial.tmp").write_bytes(b"half a file")  # a killed writer's leftover
@@ -137,13 +200,30 @@ def test_grid_tiles_images_row_by_row():
 
 
 def test_grid_and_singles_are_written_and_deterministic(run, tmp_path, capsys):
-    common = ["--checkpoint", run / "run", "--classes", "0,2,3", "--per-class", "2", "--steps", "6",
-              "--no-ema", "--batch-size", "4"]  # no --vae: the run's latent cache names it
+    common = [
+        "--checkpoint",
+        run / "run",
+        "--classes",
+        "0,2,3",
+        "--per-class",
+        "2",
+        "--steps",
+        "6",
+        "--no-ema",
+        "--batch-size",
+        "4",
+    ]  # no --vae: the run's latent cache names it
     assert sample_main([*common, "--seed", "1", "--out", tmp_path / "a" / "grid.png"]) == 0
     assert "ddpm 6 steps, cfg 4.0, model weights" in capsys.readouterr().out
     singles = sorted((tmp_path / "a" / "grid_images").iterdir())
-    assert [p.name for p in singles] == ["000000_class0.png", "000001_class0.png", "000002_class2.png",
-                                         "000003_class2.png", "000004_class3.png", "000005_class3.png"]
+    assert [p.name for p in singles] == [
+        "000000_class0.png",
+        "000001_class0.png",
+        "000002_class2.png",
+        "000003_class2.png",
+        "000004_class3.png",
+        "000005_class3.png",
+    ]
     images = np.stack([read_png(p) for p in singles])
     assert images.shape == (6, RESOLUTION, RESOLUTION, 3)
     grid = read_png(tmp_path / "a" / "grid.png")
@@ -171,8 +251,9 @@ def test_grid_and_singles_are_written_and_deterministic(run, tmp_path, capsys):
 def test_guidance_modes_and_samplers_differ_and_bad_input_is_one_line(run, tmp_path, capsys):
     source = sample.load_source(run / "run", use_ema=False)
     labels, indices = [1, 3], [0, 1]
-    run_with = lambda **kw: sample.sample_latents(source.model, source.spec, labels, indices,
-                                                  sample.SampleSettings(**{"steps": 5, **kw}))
+    run_with = lambda **kw: sample.sample_latents(
+        source.model, source.spec, labels, indices, sample.SampleSettings(**{"steps": 5, **kw})
+    )
     guided_all, guided_first3 = run_with(guidance="all"), run_with(guidance="first3")
     assert torch.equal(guided_all, run_with(guidance="all"))
     assert not torch.allclose(guided_all, guided_first3)
@@ -181,7 +262,10 @@ def test_guidance_modes_and_samplers_differ_and_bad_input_is_one_line(run, tmp_p
 
     for argv, message in [
         (["--out", tmp_path / "g.jpg"], "must name a .png file"),
-        (["--out", tmp_path / "g.png", "--classes", "1,9"], "--classes [9] out of range: this model has classes 0..3"),
+        (
+            ["--out", tmp_path / "g.png", "--classes", "1,9"],
+            "--classes [9] out of range: this model has classes 0..3",
+        ),
         (["--out", tmp_path / "g.png", "--npz", tmp_path / "s.npz"], "pass exactly one of --out"),
         (["--npz", tmp_path / "s.npz"], "--npz needs --num-samples"),
         (["--out", tmp_path / "g.png", "--vae", tmp_path / "missing"], "VAE folder"),
@@ -223,7 +307,9 @@ def test_npz_is_the_fid_evaluator_format_with_balanced_labels(run, reference_npz
     source = sample.load_source(run / "run", use_ema=False)
     decoder = sample.load_decoder(source.spec, sample.default_vae_path(source), "cpu")
     settings = sample.SampleSettings(cfg_scale=2.0, steps=4, seed=0)
-    again = sample.sample_images(source.model, source.spec, decoder, labels[7:10].tolist(), range(7, 10), settings)
+    again = sample.sample_images(
+        source.model, source.spec, decoder, labels[7:10].tolist(), range(7, 10), settings
+    )
     assert np.array_equal(again, images[7:10])
 
     # A finished batch is never overwritten.
@@ -234,8 +320,18 @@ def test_npz_is_the_fid_evaluator_format_with_balanced_labels(run, reference_npz
 def test_npz_resumes_after_sigkill_without_redoing_finished_batches(run, reference_npz, tmp_path):
     out = tmp_path / "samples.npz"
     parts = tmp_path / "samples.npz.parts"
-    argv = [sys.executable, "-m", "dit_accel.sample", "--checkpoint", str(run / "run"), *NPZ_ARGS,
-            "--batch-size", "1", "--npz", str(out)]  # 10 batches: time to kill it between two of them
+    argv = [
+        sys.executable,
+        "-m",
+        "dit_accel.sample",
+        "--checkpoint",
+        str(run / "run"),
+        *NPZ_ARGS,
+        "--batch-size",
+        "1",
+        "--npz",
+        str(out),
+    ]  # 10 batches: time to kill it between two of them
     process = subprocess.Popen(argv, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not list(parts.glob("batch_*.npz")) and process.poll() is None and time.monotonic() < deadline:
@@ -260,9 +356,23 @@ def test_npz_resumes_after_sigkill_without_redoing_finished_batches(run, referen
 @pytest.mark.launched
 def test_two_processes_make_the_same_array_as_one(run, reference_npz, tmp_path):
     out = tmp_path / "samples.npz"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--main_process_port", "0", "-m", "dit_accel.sample", "--checkpoint", str(run / "run"), *NPZ_ARGS,
-               "--npz", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "0",
+        "-m",
+        "dit_accel.sample",
+        "--checkpoint",
+        str(run / "run"),
+        *NPZ_ARGS,
+        "--npz",
+        str(out),
+    ]
     result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0: 2 batches made" in result.stdout and "rank 1: 2 batches made" in result.stdout

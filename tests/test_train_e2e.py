@@ -13,13 +13,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import has_true_gradient
 from safetensors.torch import load_file
 
 from dit_accel import checkpoint as ckpt
-from equivalence import has_true_gradient
 
-TINY_MODEL = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "64",
-              "--num-classes", "4", "--vram", "8G", "--precision", "fp32"]
+TINY_MODEL = [
+    "--model",
+    "DiT-S/2",
+    "--depth",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--resolution",
+    "64",
+    "--num-classes",
+    "4",
+    "--vram",
+    "8G",
+    "--precision",
+    "fp32",
+]
 STEPS = 24  # long enough for the loss to fall clearly at lr 3e-3; a checkpoint at 12 and at 24
 QUIET = ["--num-workers", "0", "--no-progress-bar", "--log-every", "1", "--lr", "3e-3"]
 WARMUP = ["--warmup-steps", "4"]
@@ -37,8 +53,26 @@ def _make_plan(out: Path, gpus: int, micro_batch: int, grad_accum: int, global_b
     """`dit-plan` writes plan.json and accelerate_config.yaml; --max-micro-batch pins the layout compared."""
     from planner.cli import main as dit_plan
 
-    assert dit_plan([*TINY_MODEL, "--gpus", str(gpus), "--global-batch", str(global_batch), "--sharding", "ddp",
-                     "--checkpointing", "1", "--max-micro-batch", str(micro_batch), "--out", str(out)]) == 0
+    assert (
+        dit_plan(
+            [
+                *TINY_MODEL,
+                "--gpus",
+                str(gpus),
+                "--global-batch",
+                str(global_batch),
+                "--sharding",
+                "ddp",
+                "--checkpointing",
+                "1",
+                "--max-micro-batch",
+                str(micro_batch),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = json.loads((out / "plan.json").read_text())
     assert (plan["decision"]["micro_batch"], plan["decision"]["grad_accum"]) == (micro_batch, grad_accum)
     assert plan["decision"]["checkpointed_blocks"] == 1 and plan["decision"]["precision"] == "fp32"
@@ -55,13 +89,30 @@ def workspace(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("train")
     torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
-                        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=64)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=64,
+    )
     vae.save_pretrained(root / "vae")
     write_demo_data(root / "images", classes=4, per_class=16, resolution=64, seed=0)
-    extract_latents(ExtractConfig(data_path=str(root / "images"), vae=str(root / "vae"), resolution=64,
-                                  out=str(root / "latents"), batch_size=16, shard_size=64, num_workers=0))
+    extract_latents(
+        ExtractConfig(
+            data_path=str(root / "images"),
+            vae=str(root / "vae"),
+            resolution=64,
+            out=str(root / "latents"),
+            batch_size=16,
+            shard_size=64,
+            num_workers=0,
+        )
+    )
     return {
         "root": root,
         "latents": root / "latents",
@@ -102,10 +153,27 @@ def run_in_process(argv: list[str], env: dict | None = None) -> int:
 
 def _launch(workspace, out: Path, *args, env=None, processes=2) -> subprocess.CompletedProcess:
     plan = workspace[f"plan{processes}"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(plan.parent / "accelerate_config.yaml"), "--num_processes", str(processes),
-               "--main_process_port", "0", "-m", "dit_accel.train", "--plan", str(plan),
-               "--latents", str(workspace["latents"]), "--output-dir", str(out), *QUIET, *map(str, args)]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(plan.parent / "accelerate_config.yaml"),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        "0",
+        "-m",
+        "dit_accel.train",
+        "--plan",
+        str(plan),
+        "--latents",
+        str(workspace["latents"]),
+        "--output-dir",
+        str(out),
+        *QUIET,
+        *map(str, args),
+    ]
     return subprocess.run(command, env=_env(**(env or {})), capture_output=True, text=True, timeout=300)
 
 
@@ -122,17 +190,22 @@ def _checksums(run_dir: Path, rank: int) -> dict[int, str]:
     return found
 
 
-def assert_same_state(a: Path, b: Path, exact: bool = True, atol: float = 0.0, layouts_differ: bool = False) -> None:
+def assert_same_state(
+    a: Path, b: Path, exact: bool = True, atol: float = 0.0, layouts_differ: bool = False
+) -> None:
     """Weights, EMA and AdamW moments of two checkpoints: bit-identical, or within atol. Parameters whose
     `layouts_differ`: the runs differ in process layout, so parameters without a true gradient
     (tests/equivalence.py) are left out of the weight and EMA comparison."""
+
     def same(x, y):
         return torch.equal(x, y) if exact else torch.allclose(x, y, atol=atol, rtol=0)
 
     for name in (ckpt.MODEL_WEIGHTS, ckpt.EMA_WEIGHTS):
         x, y = load_file(str(a / name)), load_file(str(b / name))
         assert x.keys() == y.keys()
-        differing = [key for key in x if (has_true_gradient(key) or not layouts_differ) and not same(x[key], y[key])]
+        differing = [
+            key for key in x if (has_true_gradient(key) or not layouts_differ) and not same(x[key], y[key])
+        ]
         assert not differing, f"{name}: {differing[:3]} differ"
     x, y = (torch.load(c / "optimizer.bin", weights_only=False)["state"] for c in (a, b))
     assert x.keys() == y.keys()
@@ -145,14 +218,29 @@ def assert_same_state(a: Path, b: Path, exact: bool = True, atol: float = 0.0, l
 
 
 def test_exact_resume_one_process_and_a_killed_checkpoint_is_never_loaded(workspace, tmp_path):
-    common = ["--plan", workspace["plan1"], "--latents", workspace["latents"], *QUIET, "--no-tensorboard",
-              "--max-steps", 4, "--checkpoint-every", 2]
+    common = [
+        "--plan",
+        workspace["plan1"],
+        "--latents",
+        workspace["latents"],
+        *QUIET,
+        "--no-tensorboard",
+        "--max-steps",
+        4,
+        "--checkpoint-every",
+        2,
+    ]
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     assert run_in_process([*common, "--output-dir", straight]) == 0
 
     # The same run, killed (os._exit) after writing step 4's files and before its COMPLETE marker.
-    killed = subprocess.run([sys.executable, "-m", "dit_accel.train", *map(str, common), "--output-dir", str(interrupted)],
-                            env=_env(DIT_ACCEL_CRASH_BEFORE_COMMIT="4"), capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-m", "dit_accel.train", *map(str, common), "--output-dir", str(interrupted)],
+        env=_env(DIT_ACCEL_CRASH_BEFORE_COMMIT="4"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == 137, killed.stderr[-2000:]
     partial = interrupted / "checkpoints" / "step_00000004.tmp"
     assert (partial / "model.safetensors").exists() and not (partial / ckpt.COMPLETE).exists()
@@ -161,7 +249,9 @@ def test_exact_resume_one_process_and_a_killed_checkpoint_is_never_loaded(worksp
     assert run_in_process([*common, "--output-dir", interrupted, "--resume", "auto"]) == 0
     log_text = (interrupted / "logs" / "rank0.log").read_text()
     assert "resumed from" in log_text and "step_00000002 at step 2" in log_text
-    assert_same_state(straight / "checkpoints" / "step_00000004", interrupted / "checkpoints" / "step_00000004")
+    assert_same_state(
+        straight / "checkpoints" / "step_00000004", interrupted / "checkpoints" / "step_00000004"
+    )
     assert not partial.exists()  # cleaned once a newer checkpoint was committed
     state = ckpt.read_train_state(interrupted / "checkpoints" / "step_00000004")
     assert (state["step"], state["applied_steps"], state["world_size"], state["global_batch"]) == (4, 4, 1, 8)
@@ -179,8 +269,18 @@ def test_exact_resume_one_process_and_a_killed_checkpoint_is_never_loaded(worksp
 
 
 def test_nan_aborts_naming_the_step_and_the_last_good_checkpoint(workspace, tmp_path, capsys):
-    common = ["--plan", workspace["plan1"], "--latents", workspace["latents"], *QUIET, "--no-tensorboard",
-              "--max-steps", 5, "--checkpoint-every", 2]
+    common = [
+        "--plan",
+        workspace["plan1"],
+        "--latents",
+        workspace["latents"],
+        *QUIET,
+        "--no-tensorboard",
+        "--max-steps",
+        5,
+        "--checkpoint-every",
+        2,
+    ]
     rc = run_in_process([*common, "--output-dir", tmp_path / "abort"], env={"DIT_ACCEL_INJECT_NAN": "3"})
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 3
@@ -188,8 +288,13 @@ def test_nan_aborts_naming_the_step_and_the_last_good_checkpoint(workspace, tmp_
     assert [p.name for p in (tmp_path / "abort" / "checkpoints").iterdir()] == ["step_00000002"]
 
     # skip: the step changes nothing (AdamW counted 3 updates in 4 steps), the run goes on; bounded.
-    assert run_in_process([*common, "--max-steps", 4, "--output-dir", tmp_path / "skip", "--nan-policy", "skip"],
-                          env={"DIT_ACCEL_INJECT_NAN": "3"}) == 0
+    assert (
+        run_in_process(
+            [*common, "--max-steps", 4, "--output-dir", tmp_path / "skip", "--nan-policy", "skip"],
+            env={"DIT_ACCEL_INJECT_NAN": "3"},
+        )
+        == 0
+    )
     final = tmp_path / "skip" / "checkpoints" / "step_00000004"
     state = ckpt.read_train_state(final)
     assert (state["step"], state["applied_steps"], state["skipped_steps"]) == (4, 3, 1)
@@ -197,8 +302,21 @@ def test_nan_aborts_naming_the_step_and_the_last_good_checkpoint(workspace, tmp_
     assert all(s["step"].item() == 3 for s in optimizer["state"].values())
     scheduler = torch.load(final / "custom_checkpoint_0.pkl", weights_only=False)
     assert scheduler["last_epoch"] == 3
-    assert run_in_process([*common, "--output-dir", tmp_path / "bounded", "--nan-policy", "skip",
-                           "--max-skipped-steps", "0"], env={"DIT_ACCEL_INJECT_NAN": "1"}) == 3
+    assert (
+        run_in_process(
+            [
+                *common,
+                "--output-dir",
+                tmp_path / "bounded",
+                "--nan-policy",
+                "skip",
+                "--max-skipped-steps",
+                "0",
+            ],
+            env={"DIT_ACCEL_INJECT_NAN": "1"},
+        )
+        == 3
+    )
     assert "more than --max-skipped-steps 0" in capsys.readouterr().err
 
 
@@ -211,8 +329,16 @@ def _one_line_error(capsys, argv, env=None) -> str:
 
 
 def test_plan_and_data_mismatches_are_one_line_errors(workspace, tmp_path, capsys):
-    base = ["--latents", workspace["latents"], "--output-dir", tmp_path / "run", *QUIET, "--no-tensorboard",
-            "--max-steps", 1]
+    base = [
+        "--latents",
+        workspace["latents"],
+        "--output-dir",
+        tmp_path / "run",
+        *QUIET,
+        "--no-tensorboard",
+        "--max-steps",
+        1,
+    ]
     plan = json.loads(workspace["plan1"].read_text())
 
     def variant(name, **changes):
@@ -228,16 +354,21 @@ def test_plan_and_data_mismatches_are_one_line_errors(workspace, tmp_path, capsy
     assert "schema 'dit-plan/99'" in err and "re-plan" in err
     err = _one_line_error(capsys, ["--plan", workspace["plan2"], *base])
     assert "planned for 2 processes but 1 were launched" in err and "dit-plan --gpus 1" in err
-    err = _one_line_error(capsys, ["--plan", workspace["plan1"], "--data-path", workspace["images"],
-                                   "--output-dir", tmp_path / "run"])
+    err = _one_line_error(
+        capsys,
+        ["--plan", workspace["plan1"], "--data-path", workspace["images"], "--output-dir", tmp_path / "run"],
+    )
     assert "precomputed latents; pass --latents" in err
     online = variant("online", **{"decision.latents": "online"})
-    err = _one_line_error(capsys, ["--plan", online, "--data-path", workspace["images"], "--output-dir", tmp_path / "r"])
+    err = _one_line_error(
+        capsys, ["--plan", online, "--data-path", workspace["images"], "--output-dir", tmp_path / "r"]
+    )
     assert "pass --vae DIR" in err
     err = _one_line_error(capsys, ["--plan", variant("res", **{"model.resolution": 128}), *base])
     assert "64 px" in err and "128 px" in err
-    err = _one_line_error(capsys, ["--plan", variant("classes", **{"inputs.num_classes": 2, "model.num_classes": 2}),
-                                   *base])
+    err = _one_line_error(
+        capsys, ["--plan", variant("classes", **{"inputs.num_classes": 2, "model.num_classes": 2}), *base]
+    )
     assert "4 classes" in err and "--num-classes 4" in err
 
     # Resuming a run with another model or global batch than its checkpoints were trained with.
@@ -267,8 +398,26 @@ def test_online_vae_and_pixel_modes_train(workspace, tmp_path):
             from dit_accel.data.demo import write_demo_data
 
             images = write_demo_data(tmp_path / "images8", classes=4, per_class=4, resolution=8, seed=1)
-        assert run_in_process(["--plan", path, "--data-path", images, "--output-dir", out, *QUIET,
-                               "--no-tensorboard", "--max-steps", 2, "--checkpoint-every", 2, *extra]) == 0
+        assert (
+            run_in_process(
+                [
+                    "--plan",
+                    path,
+                    "--data-path",
+                    images,
+                    "--output-dir",
+                    out,
+                    *QUIET,
+                    "--no-tensorboard",
+                    "--max-steps",
+                    2,
+                    "--checkpoint-every",
+                    2,
+                    *extra,
+                ]
+            )
+            == 0
+        )
         losses = _losses(out)
         assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
         state = ckpt.read_train_state(out / "checkpoints" / "step_00000002")
@@ -281,8 +430,16 @@ def test_online_vae_and_pixel_modes_train(workspace, tmp_path):
 @pytest.mark.launched
 def test_two_processes_train_in_step_resume_exactly_and_match_one_process(workspace, tmp_path):
     straight = tmp_path / "straight"
-    result = _launch(workspace, straight, "--max-steps", STEPS, "--checkpoint-every", STEPS // 2, "--debug-checksums",
-                     *WARMUP)
+    result = _launch(
+        workspace,
+        straight,
+        "--max-steps",
+        STEPS,
+        "--checkpoint-every",
+        STEPS // 2,
+        "--debug-checksums",
+        *WARMUP,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     # Identical parameters on both ranks after every optimizer step.
     rank0, rank1 = _checksums(straight, 0), _checksums(straight, 1)
@@ -302,22 +459,53 @@ def test_two_processes_train_in_step_resume_exactly_and_match_one_process(worksp
     (resumed / "checkpoints").mkdir(parents=True)
     half = f"step_{STEPS // 2:08d}"
     shutil.copytree(straight / "checkpoints" / half, resumed / "checkpoints" / half)
-    result = _launch(workspace, resumed, "--max-steps", STEPS, "--checkpoint-every", STEPS // 2, "--resume", "auto",
-                     *WARMUP)
+    result = _launch(
+        workspace,
+        resumed,
+        "--max-steps",
+        STEPS,
+        "--checkpoint-every",
+        STEPS // 2,
+        "--resume",
+        "auto",
+        *WARMUP,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     final = f"step_{STEPS:08d}"
     assert_same_state(straight / "checkpoints" / final, resumed / "checkpoints" / final)
 
     # 1 process x micro 8 x accum 1 sees the same samples, noise and timesteps: the same losses and update.
     single = tmp_path / "single"
-    assert run_in_process(["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", single,
-                           *QUIET, *WARMUP, "--no-tensorboard", "--max-steps", STEPS // 2,
-                           "--checkpoint-every", STEPS]) == 0
+    assert (
+        run_in_process(
+            [
+                "--plan",
+                workspace["plan1"],
+                "--latents",
+                workspace["latents"],
+                "--output-dir",
+                single,
+                *QUIET,
+                *WARMUP,
+                "--no-tensorboard",
+                "--max-steps",
+                STEPS // 2,
+                "--checkpoint-every",
+                STEPS,
+            ]
+        )
+        == 0
+    )
     assert _losses(single) == pytest.approx(losses[: STEPS // 2], rel=1e-5, abs=1e-6)
     # Same update for every parameter with a gradient; the key biases have none (tests/equivalence.py):
     # their first AdamW moment is rounding noise in both runs, many orders below any real gradient's.
-    assert_same_state(straight / "checkpoints" / half, single / "checkpoints" / half, exact=False, atol=1e-5,
-                      layouts_differ=True)
+    assert_same_state(
+        straight / "checkpoints" / half,
+        single / "checkpoints" / half,
+        exact=False,
+        atol=1e-5,
+        layouts_differ=True,
+    )
     from dit_accel.checkpoint import load_for_inference
 
     model, _spec, _info = load_for_inference(single, use_ema=False)
@@ -325,8 +513,11 @@ def test_two_processes_train_in_step_resume_exactly_and_match_one_process(worksp
     for run in (straight, single):
         moments = torch.load(run / "checkpoints" / half / "optimizer.bin", weights_only=False)["state"]
         assert len(moments) == len(order)
-        noise = max(moments[i]["exp_avg"].abs().max().item() for i, name in enumerate(order)
-                    if not has_true_gradient(name))
+        noise = max(
+            moments[i]["exp_avg"].abs().max().item()
+            for i, name in enumerate(order)
+            if not has_true_gradient(name)
+        )
         signal = max(moment["exp_avg"].abs().max().item() for moment in moments.values())
         assert noise < 1e-6 * signal, (noise, signal)
 
@@ -334,8 +525,16 @@ def test_two_processes_train_in_step_resume_exactly_and_match_one_process(worksp
 @pytest.mark.launched
 def test_two_processes_agree_on_a_nan_seen_by_one_rank(workspace, tmp_path):
     run = tmp_path / "nan"
-    result = _launch(workspace, run, "--max-steps", 4, "--checkpoint-every", 2, "--debug-checksums",
-                     env={"DIT_ACCEL_INJECT_NAN": "3:1"})  # only rank 1's loss is poisoned
+    result = _launch(
+        workspace,
+        run,
+        "--max-steps",
+        4,
+        "--checkpoint-every",
+        2,
+        "--debug-checksums",
+        env={"DIT_ACCEL_INJECT_NAN": "3:1"},
+    )  # only rank 1's loss is poisoned
     assert result.returncode != 0
     assert result.stderr.count("non-finite loss or gradient at step 3") == 1  # said once, by rank 0
     assert "step_00000002" in result.stderr
@@ -359,8 +558,19 @@ def _imported_original(tmp_path: Path) -> Path:
     from dit_accel.export import import_main
 
     torch.save(original_state_dict(num_classes=4, seed=3), tmp_path / "DiT-tiny.pt")
-    assert import_main(["--checkpoint", str(tmp_path / "DiT-tiny.pt"), "--out", str(tmp_path / "imported"),
-                        "--heads", str(HEADS)]) == 0
+    assert (
+        import_main(
+            [
+                "--checkpoint",
+                str(tmp_path / "DiT-tiny.pt"),
+                "--out",
+                str(tmp_path / "imported"),
+                "--heads",
+                str(HEADS),
+            ]
+        )
+        == 0
+    )
     return tmp_path / "imported"
 
 
@@ -368,8 +578,8 @@ def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
     from dit_accel.model import build_model, read_sidecar, save_model, timestep_freq_shift
     from dit_accel.resume import read_init_weights
     from dit_accel.step import build_components
-    from planner.planfile import read_plan, spec_from_plan
     from dit_accel.train_config import TrainConfig
+    from planner.planfile import read_plan, spec_from_plan
 
     imported = _imported_original(tmp_path)
     original = load_file(str(imported / "checkpoints" / "step_00000000" / ckpt.MODEL_WEIGHTS))
@@ -378,20 +588,38 @@ def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
     plan = read_plan(workspace["plan1"])
     init = read_init_weights(str(imported), spec_from_plan(plan))
     assert init.timestep_freq_shift == 0
-    config = TrainConfig(plan=str(workspace["plan1"]), output_dir=str(tmp_path / "unused"),
-                         latents=str(workspace["latents"]), init_from=str(imported))
+    config = TrainConfig(
+        plan=str(workspace["plan1"]),
+        output_dir=str(tmp_path / "unused"),
+        latents=str(workspace["latents"]),
+        init_from=str(imported),
+    )
     components = build_components(plan, config, device="cpu", init=init)
     assert timestep_freq_shift(components.raw_model) == 0 and not components.optimizer.state
     for name, param in components.raw_model.named_parameters():
-        assert torch.equal(param, original[name]) and torch.equal(components.ema.shadow[name], original[name]), name
+        assert torch.equal(param, original[name]) and torch.equal(
+            components.ema.shadow[name], original[name]
+        ), name
     # A diffusers folder is a source too (stock diffusers' shift, 1, unless its dit_accel.json says otherwise).
     saved = save_model(build_model(spec_from_plan(plan)), tmp_path / "diffusers")
     assert read_init_weights(str(saved), spec_from_plan(plan)).timestep_freq_shift == 1
 
     # Train 2 steps from the import: every checkpoint carries shift 0 and names where the run began.
     run = tmp_path / "finetune"
-    common = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", run, *QUIET,
-              "--no-tensorboard", "--checkpoint-every", 1, "--init-from", imported]
+    common = [
+        "--plan",
+        workspace["plan1"],
+        "--latents",
+        workspace["latents"],
+        "--output-dir",
+        run,
+        *QUIET,
+        "--no-tensorboard",
+        "--checkpoint-every",
+        1,
+        "--init-from",
+        imported,
+    ]
     assert run_in_process([*common, "--max-steps", 2]) == 0
     assert "initialized from" in (run / "logs" / "rank0.log").read_text()
     classes = json.loads((workspace["latents"] / "manifest.json").read_text())["classes"]
@@ -411,7 +639,11 @@ def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
     # load_for_inference gives the fine-tuned network with the original's shift: the same outputs as those
     # weights under shift 0, and not those of shift 1.
     tuned, _, _ = ckpt.load_for_inference(run, use_ema=False)
-    x, t, y = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 900]), torch.tensor([0, 2])
+    x, t, y = (
+        torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)),
+        torch.tensor([3, 900]),
+        torch.tensor([0, 2]),
+    )
     outputs = []
     for shift in (0, 1):
         reference = build_model(spec, timestep_freq_shift=shift, init="torch").eval()
@@ -433,9 +665,21 @@ def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
     wide = json.loads(workspace["plan1"].read_text())
     wide["inputs"]["hidden"] = wide["model"]["hidden"] = 64
     (tmp_path / "wide.json").write_text(json.dumps(wide))
-    base = ["--latents", workspace["latents"], *QUIET, "--no-tensorboard", "--max-steps", 1, "--init-from", imported]
-    err = _one_line_error(capsys, ["--plan", tmp_path / "wide.json", "--output-dir", tmp_path / "wide", *base])
+    base = [
+        "--latents",
+        workspace["latents"],
+        *QUIET,
+        "--no-tensorboard",
+        "--max-steps",
+        1,
+        "--init-from",
+        imported,
+    ]
+    err = _one_line_error(
+        capsys, ["--plan", tmp_path / "wide.json", "--output-dir", tmp_path / "wide", *base]
+    )
     assert "hidden 32 (wanted 64)" in err and "--init-from" in err
-    err = _one_line_error(capsys, ["--plan", workspace["plan1"], "--output-dir", tmp_path / "x", *base,
-                                   "--resume", run])
+    err = _one_line_error(
+        capsys, ["--plan", workspace["plan1"], "--output-dir", tmp_path / "x", *base, "--resume", run]
+    )
     assert "--init-from" in err and "--resume" in err

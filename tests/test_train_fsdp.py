@@ -15,17 +15,51 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence import has_true_gradient
 from safetensors.torch import load_file
 
 from dit_accel import checkpoint as ckpt
 from dit_accel.errors import UserError
-from equivalence import has_true_gradient
 
-TINY = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "32",
-        "--latents", "pixel", "--num-classes", "4", "--gpus", "2", "--vram", "8G", "--global-batch", "8"]
+TINY = [
+    "--model",
+    "DiT-S/2",
+    "--depth",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--resolution",
+    "32",
+    "--latents",
+    "pixel",
+    "--num-classes",
+    "4",
+    "--gpus",
+    "2",
+    "--vram",
+    "8G",
+    "--global-batch",
+    "8",
+]
 STEPS = 4
-QUIET = ["--num-workers", "0", "--no-progress-bar", "--log-every", "1", "--lr", "3e-3", "--no-tensorboard",
-         "--max-steps", str(STEPS), "--checkpoint-every", "2", "--keep-last", "2"]
+QUIET = [
+    "--num-workers",
+    "0",
+    "--no-progress-bar",
+    "--log-every",
+    "1",
+    "--lr",
+    "3e-3",
+    "--no-tensorboard",
+    "--max-steps",
+    str(STEPS),
+    "--checkpoint-every",
+    "2",
+    "--keep-last",
+    "2",
+]
 
 
 def _plan(out: Path, *args: str) -> Path:
@@ -102,13 +136,32 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def _start(plan_dir: Path, images: Path, out: Path, *args, program: tuple = ("-m", "dit_accel.train")
-           ) -> tuple[Path, subprocess.Popen]:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(plan_dir / "accelerate_config.yaml"), "--num_processes", "2", "--main_process_port", "0",
-               *program, "--plan", str(plan_dir / "plan.json"), "--data-path", str(images),
-               "--output-dir", str(out), *QUIET, *map(str, args)]
-    return out, subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _start(
+    plan_dir: Path, images: Path, out: Path, *args, program: tuple = ("-m", "dit_accel.train")
+) -> tuple[Path, subprocess.Popen]:
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(plan_dir / "accelerate_config.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "0",
+        *program,
+        "--plan",
+        str(plan_dir / "plan.json"),
+        "--data-path",
+        str(images),
+        "--output-dir",
+        str(out),
+        *QUIET,
+        *map(str, args),
+    ]
+    return out, subprocess.Popen(
+        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _finish(started: tuple[Path, subprocess.Popen]) -> Path:
@@ -140,6 +193,7 @@ def _dcp(folder: Path) -> dict:
         if isinstance(value, dict):
             return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
         return {prefix[:-1]: value}
+
     return flatten(nested)
 
 
@@ -153,8 +207,11 @@ def _assert_close(a: dict, b: dict, atol: float, what: str, layouts_differ: bool
     """Within atol; where the runs' layouts differ, over the parameters with a true gradient only
     (tests/equivalence.py: the key biases' updates follow rounding noise)."""
     assert a.keys() == b.keys(), what
-    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a
-                if has_true_gradient(k) or not layouts_differ)
+    worst = max(
+        (a[k].float() - b[k].float()).abs().max().item()
+        for k in a
+        if has_true_gradient(k) or not layouts_differ
+    )
     assert worst <= atol, f"{what}: max difference {worst}"
 
 
@@ -170,26 +227,53 @@ def runs(tmp_path_factory):
     plans = {
         "ddp": _plan(root / "plan_ddp", "--sharding", "ddp", *fp32),
         # zero3 with accumulation (micro 2 x accum 2) and one checkpointed block inside the FSDP units
-        "zero3": _plan(root / "plan_zero3", "--sharding", "zero3", "--max-micro-batch", "2", "--checkpointing", "1", *fp32),
+        "zero3": _plan(
+            root / "plan_zero3",
+            "--sharding",
+            "zero3",
+            "--max-micro-batch",
+            "2",
+            "--checkpointing",
+            "1",
+            *fp32,
+        ),
         "zero2": _plan(root / "plan_zero2", "--sharding", "zero2", *fp32),
-        "zero2_bf16": _plan(root / "plan_zero2_bf16", "--sharding", "zero2"),  # the planner's own precision: bf16
+        "zero2_bf16": _plan(
+            root / "plan_zero2_bf16", "--sharding", "zero2"
+        ),  # the planner's own precision: bf16
     }
     # The four independent runs start together: most of a launch is interpreter start-up and imports, which
     # overlap well; each run is still two real processes of its own.
     probe = root / "dtype_probe.py"
     probe.write_text(DTYPE_PROBE)
-    started = {name: _start(plan, images, root / f"run_{name}",
-                            **({"program": (str(probe),)} if name == "zero2_bf16" else {}))
-               for name, plan in plans.items()}
+    started = {
+        name: _start(
+            plan, images, root / f"run_{name}", **({"program": (str(probe),)} if name == "zero2_bf16" else {})
+        )
+        for name, plan in plans.items()
+    }
     out = {name: _finish(run) for name, run in started.items()}
     # zero3 again from its own step-2 checkpoint, in another folder; beside it a 2-step zero3 run fine-tuned
     # from the DDP run's final weights (--init-from), recording its step-0 weights through INIT_PROBE
     init_probe = root / "init_probe.py"
     init_probe.write_text(INIT_PROBE)
-    resumed = _start(plans["zero3"], images, root / "run_zero3_resumed",
-                     "--resume", out["zero3"] / "checkpoints" / "step_00000002")
-    from_ddp = _start(plans["zero3"], images, root / "run_zero3_init", "--max-steps", 2,
-                      "--init-from", out["ddp"] / "checkpoints" / "step_00000004", program=(str(init_probe),))
+    resumed = _start(
+        plans["zero3"],
+        images,
+        root / "run_zero3_resumed",
+        "--resume",
+        out["zero3"] / "checkpoints" / "step_00000002",
+    )
+    from_ddp = _start(
+        plans["zero3"],
+        images,
+        root / "run_zero3_init",
+        "--max-steps",
+        2,
+        "--init-from",
+        out["ddp"] / "checkpoints" / "step_00000004",
+        program=(str(init_probe),),
+    )
     out["zero3_resumed"], out["zero3_init"] = _finish(resumed), _finish(from_ddp)
     out["plans"], out["root"] = plans, root
     return out
@@ -206,21 +290,34 @@ def test_a_zero2_bf16_block_computes_in_pure_bf16_without_autocast(runs):
         linears = [r for r in records if r["where"] == "attn1.to_q"]
         assert len(blocks) >= 2 and len(linears) >= 2, records  # both blocks of the first step, at least
         assert all(r["input"] == "torch.bfloat16" and r["autocast"] is False for r in blocks), blocks
-        assert all(r["weight"] == r["input"] == "torch.bfloat16" and r["autocast"] is False for r in linears), linears
+        assert all(
+            r["weight"] == r["input"] == "torch.bfloat16" and r["autocast"] is False for r in linears
+        ), linears
         assert all(r["weight_type"] != "DTensor" for r in linears)  # the gathered, unsharded parameter
 
 
 @pytest.mark.launched
 def test_plans_are_what_the_runs_claim(runs):
-    decisions = {name: json.loads((plan / "plan.json").read_text())["decision"] for name, plan in runs["plans"].items()}
+    decisions = {
+        name: json.loads((plan / "plan.json").read_text())["decision"] for name, plan in runs["plans"].items()
+    }
     assert decisions["zero3"]["sharding"] == "zero3" and decisions["zero2"]["sharding"] == "zero2"
-    assert (decisions["zero3"]["micro_batch"], decisions["zero3"]["grad_accum"], decisions["zero3"]["checkpointed_blocks"]) == (2, 2, 1)
+    assert (
+        decisions["zero3"]["micro_batch"],
+        decisions["zero3"]["grad_accum"],
+        decisions["zero3"]["checkpointed_blocks"],
+    ) == (2, 2, 1)
     assert (decisions["ddp"]["micro_batch"], decisions["ddp"]["grad_accum"]) == (4, 1)
     assert decisions["zero2_bf16"]["precision"] == "bf16"
     first_line = (runs["zero3"] / "logs" / "rank0.log").read_text().splitlines()[0]
-    assert "sharded zero3 (FSDP2, reshard after forward: True)" in first_line and "TF32 n/a on CPU" in first_line
+    assert (
+        "sharded zero3 (FSDP2, reshard after forward: True)" in first_line and "TF32 n/a on CPU" in first_line
+    )
     assert "checkpointed blocks 1/2" in first_line and "accumulation 2" in first_line
-    assert "sharded zero2 (FSDP2, reshard after forward: False)" in (runs["zero2"] / "logs" / "rank1.log").read_text()
+    assert (
+        "sharded zero2 (FSDP2, reshard after forward: False)"
+        in (runs["zero2"] / "logs" / "rank1.log").read_text()
+    )
 
 
 @pytest.mark.launched
@@ -231,11 +328,18 @@ def test_sharded_run_trains_and_equals_the_ddp_update(runs, sharding):
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.03
     assert losses == pytest.approx(_losses(ddp), abs=1e-5)  # the same samples, noise and timesteps
     final = "checkpoints/step_00000004"
-    _assert_close(_weights(sharded / final), _weights(ddp / final), 1e-6, f"{sharding} weights", layouts_differ=True)
-    ema, ddp_ema = load_file(str(sharded / final / ckpt.EMA_WEIGHTS)), load_file(str(ddp / final / ckpt.EMA_WEIGHTS))
+    _assert_close(
+        _weights(sharded / final), _weights(ddp / final), 1e-6, f"{sharding} weights", layouts_differ=True
+    )
+    ema, ddp_ema = (
+        load_file(str(sharded / final / ckpt.EMA_WEIGHTS)),
+        load_file(str(ddp / final / ckpt.EMA_WEIGHTS)),
+    )
     assert all(t.dtype == torch.float32 for t in ema.values())
     _assert_close(ema, ddp_ema, 1e-6, f"{sharding} EMA", layouts_differ=True)
-    assert (sharded / final / ckpt.SHARDED_MODEL).is_dir() and not (sharded / final / ckpt.MODEL_WEIGHTS).exists()
+    assert (sharded / final / ckpt.SHARDED_MODEL).is_dir() and not (
+        sharded / final / ckpt.MODEL_WEIGHTS
+    ).exists()
 
 
 @pytest.mark.launched
@@ -255,8 +359,12 @@ def test_sharded_resume_is_bit_identical(runs):
     assert "resumed from" in (runs["zero3_resumed"] / "logs" / "rank0.log").read_text()
     for folder in (ckpt.SHARDED_MODEL, "optimizer_0"):
         a, b = _dcp(straight / folder), _dcp(resumed / folder)
-        assert a.keys() == b.keys() and any(".exp_avg_sq" in key for key in (a if folder == "optimizer_0" else {"x.exp_avg_sq": 0}))
-        differing = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+        assert a.keys() == b.keys() and any(
+            ".exp_avg_sq" in key for key in (a if folder == "optimizer_0" else {"x.exp_avg_sq": 0})
+        )
+        differing = [
+            k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
+        ]
         assert not differing, f"{folder}: {differing[:3]}"
     a, b = load_file(str(straight / ckpt.EMA_WEIGHTS)), load_file(str(resumed / ckpt.EMA_WEIGHTS))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -278,9 +386,13 @@ def test_init_from_a_ddp_checkpoint_under_a_sharded_plan(runs):
     assert "initialized from" in (run / "logs" / "rank0.log").read_text()
     losses = _losses(run)
     assert len(losses) == 2 and all(map(math.isfinite, losses))
-    assert losses[0] < _losses(runs["ddp"])[0] - 0.03  # trained weights on the same first batch as random ones
+    assert (
+        losses[0] < _losses(runs["ddp"])[0] - 0.03
+    )  # trained weights on the same first batch as random ones
     final = run / "checkpoints" / "step_00000002"
-    assert ckpt.read_train_state(final)["init_from"].startswith(str(runs["ddp"] / "checkpoints" / "step_00000004"))
+    assert ckpt.read_train_state(final)["init_from"].startswith(
+        str(runs["ddp"] / "checkpoints" / "step_00000004")
+    )
     trained = _weights(final)
     assert max((trained[k] - source[k]).abs().max().item() for k in source) > 1e-4  # it moved off the source
 
@@ -297,8 +409,11 @@ def test_load_for_inference_reads_a_sharded_checkpoint(runs):
     raw = _weights(runs["zero3"] / "checkpoints" / "step_00000004")
     assert not torch.equal(raw["proj_out_2.weight"], model.proj_out_2.weight)  # the EMA lags the weights
     with torch.no_grad():  # a normal full model: it runs
-        out = model(torch.randn(2, spec.in_channels, 32, 32), timestep=torch.tensor([1, 500]),
-                    class_labels=torch.tensor([0, 3])).sample
+        out = model(
+            torch.randn(2, spec.in_channels, 32, 32),
+            timestep=torch.tensor([1, 500]),
+            class_labels=torch.tensor([0, 3]),
+        ).sample
     assert out.shape == (2, spec.out_channels, 32, 32) and torch.isfinite(out).all()
 
 
@@ -306,12 +421,13 @@ def test_load_for_inference_reads_a_sharded_checkpoint(runs):
 
 
 def test_block_units_leave_the_shared_embedder_to_the_root():
+    from dit_accel.distributed import _children_without
+    from dit_accel.model import build_model, conditioning_embedder
     from planner.spec import custom_spec
 
-    from dit_accel.model import build_model, conditioning_embedder
-    from dit_accel.distributed import _children_without
-
-    model = build_model(custom_spec(depth=3, hidden=32, heads=2, patch=2, resolution=32, latents="pixel", num_classes=4))
+    model = build_model(
+        custom_spec(depth=3, hidden=32, heads=2, patch=2, resolution=32, latents="pixel", num_classes=4)
+    )
     embedder_params = {id(p) for p in conditioning_embedder(model).parameters()}
     seen = []
     for block in model.transformer_blocks:
@@ -329,8 +445,16 @@ def _fsdp_env(monkeypatch, plan_dir: Path) -> None:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(plan_dir / "accelerate_config.yaml"),
-                                               "--main_process_port", "0", "-m", "dit_accel.train"])
+    args = launch_command_parser().parse_args(
+        [
+            "--config_file",
+            str(plan_dir / "accelerate_config.yaml"),
+            "--main_process_port",
+            "0",
+            "-m",
+            "dit_accel.train",
+        ]
+    )
     args, _, _ = _validate_launch_command(args)
     for name, value in prepare_multi_gpu_env(args).items():
         if name.startswith(("FSDP_", "ACCELERATE_USE_FSDP")):
@@ -345,21 +469,33 @@ def test_launch_env_from_the_yaml_gives_the_planned_fsdp2_plugin(tmp_path, monke
     plan_dir = _plan(tmp_path / sharding, "--sharding", sharding)
     plan = read_plan(plan_dir / "plan.json")
     _fsdp_env(monkeypatch, plan_dir)
-    assert os.environ["FSDP_VERSION"] == "2" and os.environ["FSDP_RESHARD_AFTER_FORWARD"] == str(reshard).lower()
+    assert (
+        os.environ["FSDP_VERSION"] == "2" and os.environ["FSDP_RESHARD_AFTER_FORWARD"] == str(reshard).lower()
+    )
     plugin = fsdp_plugin_for(plan, "plan.json")
-    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is reshard and plugin.auto_wrap_policy is None
+    assert (
+        plugin.fsdp_version == 2
+        and plugin.reshard_after_forward is reshard
+        and plugin.auto_wrap_policy is None
+    )
 
     # the other level's config, an FSDP1 config, a DDP launch: each refused with the fix
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", str(not reshard).lower())
-    with pytest.raises(UserError, match=f"fsdp_reshard_after_forward is {str(not reshard).lower()}, the plan's "
-                                        f"{sharding} needs {str(reshard).lower()}"):
+    with pytest.raises(
+        UserError,
+        match=f"fsdp_reshard_after_forward is {str(not reshard).lower()}, the plan's "
+        f"{sharding} needs {str(reshard).lower()}",
+    ):
         fsdp_plugin_for(plan, "plan.json")
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(UserError, match="fsdp_version is 1, dit-accel shards with FSDP2"):
         fsdp_plugin_for(plan, "plan.json")
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
-    with pytest.raises(UserError, match=f"distributed_type is NO, the plan's {sharding} needs FSDP; launch with the "
-                                        f"accelerate_config.yaml"):
+    with pytest.raises(
+        UserError,
+        match=f"distributed_type is NO, the plan's {sharding} needs FSDP; launch with the "
+        f"accelerate_config.yaml",
+    ):
         fsdp_plugin_for(plan, "plan.json")
 
 

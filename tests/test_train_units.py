@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from dit_accel.data.order import KeyedSamples, SampleNoise, SampleOrder, seeded_global_rngs
 from dit_accel.ema import EMA
 from dit_accel.errors import UserError
 from dit_accel.optim import build_optimizer, build_scheduler, effective_lr
-from dit_accel.data.order import KeyedSamples, SampleNoise, SampleOrder, seeded_global_rngs
 from dit_accel.train_config import TrainConfig, parse_config
 
 
@@ -57,7 +57,9 @@ def test_too_small_dataset_is_refused():
 
 
 def test_sample_randomness_depends_only_on_the_sample_number():
-    noise = SampleNoise(seed=3, num_timesteps=1000, noise_shape=(4, 2, 2), class_dropout=0.5, posterior_shape=(4, 2, 2))
+    noise = SampleNoise(
+        seed=3, num_timesteps=1000, noise_shape=(4, 2, 2), class_dropout=0.5, posterior_shape=(4, 2, 2)
+    )
     together = noise([10, 11, 12, 13])
     apart = [noise([n]) for n in (12, 10, 13, 11)]
     for position, number in enumerate([10, 11, 12, 13]):
@@ -109,17 +111,48 @@ def test_seeded_global_rngs_restores_the_states():
 
 
 def test_config_flags_and_one_line_errors():
-    config = parse_config(["--plan", "p.json", "--data_path", "imgs", "--output-dir", "runs/a", "--max-steps", "7",
-                           "--betas", "0.8", "0.9", "--grad-clip", "1.5", "--no-tensorboard", "--scale-lr"])
-    assert (config.data_path, config.max_steps, config.betas, config.grad_clip) == ("imgs", 7, (0.8, 0.9), 1.5)
+    config = parse_config(
+        [
+            "--plan",
+            "p.json",
+            "--data_path",
+            "imgs",
+            "--output-dir",
+            "runs/a",
+            "--max-steps",
+            "7",
+            "--betas",
+            "0.8",
+            "0.9",
+            "--grad-clip",
+            "1.5",
+            "--no-tensorboard",
+            "--scale-lr",
+        ]
+    )
+    assert (config.data_path, config.max_steps, config.betas, config.grad_clip) == (
+        "imgs",
+        7,
+        (0.8, 0.9),
+        1.5,
+    )
     assert config.tensorboard is False and config.scale_lr is True
     defaults = TrainConfig()
-    assert (defaults.lr, defaults.betas, defaults.weight_decay, defaults.ema_decay, defaults.class_dropout,
-            defaults.nan_policy) == (1e-4, (0.9, 0.999), 0.0, 0.9999, 0.1, "abort")
+    assert (
+        defaults.lr,
+        defaults.betas,
+        defaults.weight_decay,
+        defaults.ema_decay,
+        defaults.class_dropout,
+        defaults.nan_policy,
+    ) == (1e-4, (0.9, 0.999), 0.0, 0.9999, 0.1, "abort")
     assert TrainConfig.from_json(config.to_json()) == config
     for argv, message in [
         (["--plan", "p", "--output-dir", "o"], "exactly one of --data-path"),
-        (["--plan", "p", "--output-dir", "o", "--latents", "l", "--data-path", "d"], "exactly one of --data-path"),
+        (
+            ["--plan", "p", "--output-dir", "o", "--latents", "l", "--data-path", "d"],
+            "exactly one of --data-path",
+        ),
         (["--output-dir", "o", "--latents", "l"], "--plan is required"),
         (["--plan", "p", "--output-dir", "o", "--latents", "l", "--nan-policy", "retry"], "abort, skip"),
         (["--plan", "p", "--output-dir", "o", "--latents", "l", "--max-steps", "x"], "invalid int"),
@@ -172,13 +205,45 @@ def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):
     with pytest.raises(UserError, match="accelerate_config.yaml not found"):
         launch_command(["--plan", str(plan), "--latents", "c"])
     (plan.parent / "accelerate_config.yaml").write_text("num_processes: 2\n")
-    command = launch_command(["--plan", str(plan), "--latents", "c", "--num-processes", "2", "--machine-rank", "1",
-                              "--output-dir", "runs/a", "--max-steps", "5"])
-    launcher, trainer = command[: command.index("-m", 3)], command[command.index("-m", 3):]
-    assert launcher[1:] == ["-m", "accelerate.commands.launch", "--config_file", str(plan.parent / "accelerate_config.yaml"),
-                            "--num_processes", "2", "--machine_rank", "1"]
-    assert trainer == ["-m", "dit_accel.train", "--plan", str(plan), "--latents", "c", "--output-dir", "runs/a",
-                       "--max-steps", "5"]
+    command = launch_command(
+        [
+            "--plan",
+            str(plan),
+            "--latents",
+            "c",
+            "--num-processes",
+            "2",
+            "--machine-rank",
+            "1",
+            "--output-dir",
+            "runs/a",
+            "--max-steps",
+            "5",
+        ]
+    )
+    launcher, trainer = command[: command.index("-m", 3)], command[command.index("-m", 3) :]
+    assert launcher[1:] == [
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(plan.parent / "accelerate_config.yaml"),
+        "--num_processes",
+        "2",
+        "--machine_rank",
+        "1",
+    ]
+    assert trainer == [
+        "-m",
+        "dit_accel.train",
+        "--plan",
+        str(plan),
+        "--latents",
+        "c",
+        "--output-dir",
+        "runs/a",
+        "--max-steps",
+        "5",
+    ]
     assert main(["--plan", str(plan), "--latents", "c", "--print-command"]) == 0
     assert capsys.readouterr().out.startswith("accelerate launch --config_file ")
     assert main(["--latents", "c"]) == 2
@@ -187,8 +252,13 @@ def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):
 def test_loader_workers_default_is_capped_by_the_nodes_cpus_and_an_explicit_count_is_obeyed():
     from dit_accel.data.loader import loader_workers
 
-    assert parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l"]).num_workers is None  # not given
-    assert parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l", "--num-workers", "4"]).num_workers == 4
+    assert (
+        parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l"]).num_workers is None
+    )  # not given
+    assert (
+        parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l", "--num-workers", "4"]).num_workers
+        == 4
+    )
     assert loader_workers(None, ranks_per_node=8, cpus=96) == 4  # plenty: the default
     assert loader_workers(None, ranks_per_node=1, cpus=2) == 1  # one CPU for the rank, one for a worker
     assert loader_workers(None, ranks_per_node=8, cpus=16) == 1
@@ -205,26 +275,60 @@ def test_optimizer_step_applies_a_finite_step_and_leaves_everything_as_it_was_on
     from dit_accel.step import build_components, optimizer_step, train_micro_step
     from planner.planfile import parse_plan
 
-    plan = parse_plan({
-        "schema": "dit-plan/1", "inputs": {}, "cluster": {"world_size": 1}, "global_batch": 2,
-        "model": {"name": "DiT-custom", "resolution": 32, "latent_size": 4, "in_channels": 4, "depth": 1,
-                  "hidden": 32, "heads": 2, "patch": 2, "num_classes": 4},
-        "decision": {"micro_batch": 2, "grad_accum": 1, "checkpointed_blocks": 0, "precision": "fp32",
-                     "sharding": "ddp", "latents": "precomputed", "ema": True}})
+    plan = parse_plan(
+        {
+            "schema": "dit-plan/1",
+            "inputs": {},
+            "cluster": {"world_size": 1},
+            "global_batch": 2,
+            "model": {
+                "name": "DiT-custom",
+                "resolution": 32,
+                "latent_size": 4,
+                "in_channels": 4,
+                "depth": 1,
+                "hidden": 32,
+                "heads": 2,
+                "patch": 2,
+                "num_classes": 4,
+            },
+            "decision": {
+                "micro_batch": 2,
+                "grad_accum": 1,
+                "checkpointed_blocks": 0,
+                "precision": "fp32",
+                "sharding": "ddp",
+                "latents": "precomputed",
+                "ema": True,
+            },
+        }
+    )
     components = build_components(plan, TrainConfig(plan="p", output_dir="o", latents="l", warmup_steps=3))
     Faults(nan_step=2).install(components.raw_model, start_step=0, grad_accum=1)  # step 2's output is NaN
     generator = torch.Generator().manual_seed(0)
-    batch = {"x": torch.randn(2, 4, 4, 4, generator=generator), "y": torch.tensor([0, 3]), "t": torch.tensor([5, 900]),
-             "noise": torch.randn(2, 4, 4, 4, generator=generator), "drop": torch.tensor([False, True])}
+    batch = {
+        "x": torch.randn(2, 4, 4, 4, generator=generator),
+        "y": torch.tensor([0, 3]),
+        "t": torch.tensor([5, 900]),
+        "noise": torch.randn(2, 4, 4, 4, generator=generator),
+        "drop": torch.tensor([False, True]),
+    }
 
     def snapshot():
-        return ([p.detach().clone() for p in components.model.parameters()],
-                [t.clone() for t in components.ema.shadow.values()],
-                [t.clone() for s in components.optimizer.state.values() for t in s.values()],
-                components.scheduler.last_epoch)
+        return (
+            [p.detach().clone() for p in components.model.parameters()],
+            [t.clone() for t in components.ema.shadow.values()],
+            [t.clone() for s in components.optimizer.state.values() for t in s.values()],
+            components.scheduler.last_epoch,
+        )
 
     result = optimizer_step(components, train_micro_step(components, batch))
-    assert result.applied and math.isfinite(result.loss) and result.grad_norm > 0 and result.lr == pytest.approx(1e-4 / 3)
+    assert (
+        result.applied
+        and math.isfinite(result.loss)
+        and result.grad_norm > 0
+        and result.lr == pytest.approx(1e-4 / 3)
+    )
     before = snapshot()
     skipped = optimizer_step(components, train_micro_step(components, batch))
     assert not skipped.applied and math.isnan(skipped.loss)

@@ -9,10 +9,26 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "folder": ["FolderListing", "FolderSummary", "ImageFolderData", "center_crop_adm", "list_image_folder",
-               "read_classes_json", "validate_image_folder", "write_classes_json"],
-    "latents": ["ExtractConfig", "LatentCache", "check_cache_matches", "extract_latents", "load_vae",
-                "read_manifest", "vae_identity", "verify_cache"],
+    "folder": [
+        "FolderListing",
+        "FolderSummary",
+        "ImageFolderData",
+        "center_crop_adm",
+        "list_image_folder",
+        "read_classes_json",
+        "validate_image_folder",
+        "write_classes_json",
+    ],
+    "latents": [
+        "ExtractConfig",
+        "LatentCache",
+        "check_cache_matches",
+        "extract_latents",
+        "load_vae",
+        "read_manifest",
+        "vae_identity",
+        "verify_cache",
+    ],
     "demo": ["write_demo_data"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -21,8 +21,12 @@ from dit_accel.errors import UserError, exits_cleanly
 
 SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
 COLOURS = {
-    "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220),
-    "yellow": (230, 200, 30), "magenta": (200, 40, 200), "cyan": (30, 200, 210),
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 200, 30),
+    "magenta": (200, 40, 200),
+    "cyan": (30, 200, 210),
 }
 MAX_CLASSES = len(SHAPES) * len(COLOURS)
 SUPERSAMPLE = 4  # draw at 4x and shrink with a box filter: anti-aliased edges without extra deps
@@ -37,15 +41,21 @@ def class_name(index: int) -> str:
     return f"{index:02d}_{colour}_{shape}"
 
 
-def _polygon(shape: str, center: tuple[float, float], radius: float, angle: float) -> list[tuple[float, float]]:
+def _polygon(
+    shape: str, center: tuple[float, float], radius: float, angle: float
+) -> list[tuple[float, float]]:
     corners = {"square": 4, "triangle": 3, "diamond": 4}[shape]
     start = angle + (math.pi / 4 if shape == "square" else 0.0)
     stretch = (0.65, 1.0) if shape == "diamond" else (1.0, 1.0)
     points = []
     for k in range(corners):
         theta = start + 2 * math.pi * k / corners
-        points.append((center[0] + stretch[0] * radius * math.cos(theta),
-                       center[1] + stretch[1] * radius * math.sin(theta)))
+        points.append(
+            (
+                center[0] + stretch[0] * radius * math.cos(theta),
+                center[1] + stretch[1] * radius * math.sin(theta),
+            )
+        )
     return points
 
 
@@ -61,7 +71,9 @@ def draw_example(class_index: int, resolution: int, rng: np.random.Generator) ->
     margin = radius * 1.05
     center = (rng.uniform(margin, size - margin), rng.uniform(margin, size - margin))
     angle = rng.uniform(0, 2 * math.pi)
-    fill = tuple(int(v) for v in np.clip(np.array(COLOURS[colour_name]) + rng.integers(-25, 26, size=3), 0, 255))
+    fill = tuple(
+        int(v) for v in np.clip(np.array(COLOURS[colour_name]) + rng.integers(-25, 26, size=3), 0, 255)
+    )
     x, y = center
     if shape == "circle":
         draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=fill)
@@ -76,8 +88,15 @@ def draw_example(class_index: int, resolution: int, rng: np.random.Generator) ->
     return image.resize((resolution, resolution), resample=Image.BOX)
 
 
-def write_demo_data(out: str | os.PathLike, *, classes: int = 4, per_class: int = 64, resolution: int = 64,
-                    seed: int = 0, force: bool = False) -> Path:
+def write_demo_data(
+    out: str | os.PathLike,
+    *,
+    classes: int = 4,
+    per_class: int = 64,
+    resolution: int = 64,
+    seed: int = 0,
+    force: bool = False,
+) -> Path:
     """Write the demo folder and return its path. Refuses a non-empty `out` unless `force`."""
     if not 1 <= classes <= MAX_CLASSES:
         raise UserError(f"--classes must be between 1 and {MAX_CLASSES}, not {classes}")
@@ -89,7 +108,9 @@ def write_demo_data(out: str | os.PathLike, *, classes: int = 4, per_class: int 
     if target.exists() and not target.is_dir():
         raise UserError(f"{target} exists and is a file", "pick another folder for the demo data")
     if target.is_dir() and any(target.iterdir()) and not force:
-        raise UserError(f"{target} already exists and is not empty", "pick a new folder or pass --force to replace it")
+        raise UserError(
+            f"{target} already exists and is not empty", "pick a new folder or pass --force to replace it"
+        )
     with staged_folder(target, overwrite=True) as staging:  # refused above unless empty or --force
         for class_index in range(classes):
             folder = staging / class_name(class_index)
@@ -103,9 +124,17 @@ def write_demo_data(out: str | os.PathLike, *, classes: int = 4, per_class: int 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dit-accel demo-data", description=__doc__.splitlines()[0])
     parser.add_argument("out", metavar="DIR", help="folder to create (DIR/<class>/<image>.png)")
-    parser.add_argument("--classes", type=int, default=4, help=f"number of classes, 1..{MAX_CLASSES} (default 4)")
-    parser.add_argument("--per-class", "--per_class", dest="per_class", type=int, default=64,
-                        help="images per class (default 64)")
+    parser.add_argument(
+        "--classes", type=int, default=4, help=f"number of classes, 1..{MAX_CLASSES} (default 4)"
+    )
+    parser.add_argument(
+        "--per-class",
+        "--per_class",
+        dest="per_class",
+        type=int,
+        default=64,
+        help="images per class (default 64)",
+    )
     parser.add_argument("--resolution", type=int, default=64, help="image side in pixels (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same images (default 0)")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
@@ -115,10 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
 @exits_cleanly("dit-accel demo-data")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    target = write_demo_data(args.out, classes=args.classes, per_class=args.per_class,
-                             resolution=args.resolution, seed=args.seed, force=args.force)
-    print(f"wrote {args.classes * args.per_class} images ({args.classes} classes x {args.per_class}, "
-          f"{args.resolution}x{args.resolution} px) to {target}")
+    target = write_demo_data(
+        args.out,
+        classes=args.classes,
+        per_class=args.per_class,
+        resolution=args.resolution,
+        seed=args.seed,
+        force=args.force,
+    )
+    print(
+        f"wrote {args.classes * args.per_class} images ({args.classes} classes x {args.per_class}, "
+        f"{args.resolution}x{args.resolution} px) to {target}"
+    )
     return 0
 
 

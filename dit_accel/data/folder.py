@@ -55,9 +55,11 @@ class FolderListing:
     def __len__(self) -> int:
         return len(self.paths)
 
-    def without(self, bad_paths: set[str]) -> "FolderListing":
+    def without(self, bad_paths: set[str]) -> FolderListing:
         keep = [i for i, rel in enumerate(self.paths) if rel not in bad_paths]
-        return FolderListing(self.root, self.classes, [self.paths[i] for i in keep], [self.labels[i] for i in keep])
+        return FolderListing(
+            self.root, self.classes, [self.paths[i] for i in keep], [self.labels[i] for i in keep]
+        )
 
 
 @dataclass
@@ -81,8 +83,10 @@ class FolderSummary:
 
     def describe(self) -> str:
         counts = list(self.images_per_class.values())
-        line = (f"{self.root}: {self.num_images} images in {self.num_classes} classes "
-                f"({min(counts)}-{max(counts)} per class), {self.images_decoded} decoded")
+        line = (
+            f"{self.root}: {self.num_images} images in {self.num_classes} classes "
+            f"({min(counts)}-{max(counts)} per class), {self.images_decoded} decoded"
+        )
         if self.bad_images:
             line += f", {len(self.bad_images)} undecodable skipped"
         if self.ignored_files:
@@ -96,25 +100,35 @@ def list_image_folder(path: str | os.PathLike) -> tuple[FolderListing, int]:
     Returns the listing and the number of ignored files. Raises a one-line UserError otherwise."""
     root = Path(path).expanduser()
     if not root.exists():
-        raise UserError(f"data path {root} does not exist", "pass the folder that holds one sub-folder "
-                        f"per class ({LAYOUT_HINT})")
+        raise UserError(
+            f"data path {root} does not exist",
+            f"pass the folder that holds one sub-folder per class ({LAYOUT_HINT})",
+        )
     if not root.is_dir():
-        raise UserError(f"data path {root} is a file, not a directory", "pass the folder that holds one "
-                        f"sub-folder per class ({LAYOUT_HINT})")
+        raise UserError(
+            f"data path {root} is a file, not a directory",
+            f"pass the folder that holds one sub-folder per class ({LAYOUT_HINT})",
+        )
     try:
         entries = sorted(os.scandir(root), key=lambda entry: entry.name)
     except PermissionError as error:
-        raise UserError(f"data path {root} is not readable ({error.strerror})", "fix its permissions "
-                        f"(e.g. chmod -R u+rX {root}) or run as a user who can read it") from None
+        raise UserError(
+            f"data path {root} is not readable ({error.strerror})",
+            f"fix its permissions (e.g. chmod -R u+rX {root}) or run as a user who can read it",
+        ) from None
 
     class_dirs = [e for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=True)]
     root_images = [e.name for e in entries if e.is_file() and _is_image(e.name)]
     if not class_dirs:
         if root_images:
-            raise UserError(f"{root} holds {len(root_images)} images directly but no class sub-folders",
-                            f"move them into one sub-folder per class: {root}/<class>/<image>.jpg")
-        raise UserError(f"{root} has no class sub-folders", "expected one sub-folder per class: "
-                        f"{root}/<class>/<image>.jpg")
+            raise UserError(
+                f"{root} holds {len(root_images)} images directly but no class sub-folders",
+                f"move them into one sub-folder per class: {root}/<class>/<image>.jpg",
+            )
+        raise UserError(
+            f"{root} has no class sub-folders",
+            f"expected one sub-folder per class: {root}/<class>/<image>.jpg",
+        )
 
     classes = [e.name for e in class_dirs]
     paths: list[str] = []
@@ -130,11 +144,16 @@ def list_image_folder(path: str | os.PathLike) -> tuple[FolderListing, int]:
         labels += [label] * len(found)
 
     if not paths:
-        raise UserError(f"no images in {root}: all {len(classes)} class folders are empty (looked for "
-                        f"{', '.join(IMAGE_EXTENSIONS)})", f"expected {root}/<class>/<image>.jpg")
+        raise UserError(
+            f"no images in {root}: all {len(classes)} class folders are empty (looked for "
+            f"{', '.join(IMAGE_EXTENSIONS)})",
+            f"expected {root}/<class>/<image>.jpg",
+        )
     if empty:
-        raise UserError(f"{len(empty)} class folder(s) in {root} hold no images: {_short_list(empty)}",
-                        f"add images to them or remove them (looked for {', '.join(IMAGE_EXTENSIONS)})")
+        raise UserError(
+            f"{len(empty)} class folder(s) in {root} hold no images: {_short_list(empty)}",
+            f"add images to them or remove them (looked for {', '.join(IMAGE_EXTENSIONS)})",
+        )
     return FolderListing(root, classes, paths, labels), ignored
 
 
@@ -145,8 +164,10 @@ def _images_under(root: Path, class_name: str) -> tuple[list[str], int]:
     ignored = 0
 
     def unreadable(error: OSError):
-        raise UserError(f"class folder {error.filename} is not readable ({error.strerror})", "fix its "
-                        f"permissions (e.g. chmod -R u+rX {root})")
+        raise UserError(
+            f"class folder {error.filename} is not readable ({error.strerror})",
+            f"fix its permissions (e.g. chmod -R u+rX {root})",
+        )
 
     for folder, subfolders, files in os.walk(root / class_name, onerror=unreadable, followlinks=True):
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
@@ -165,12 +186,20 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
         with Image.open(path) as image:
             return image.convert("RGB")  # convert() decodes every pixel, so truncation surfaces here
     except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
-        raise UserError(f"cannot decode image {path}: {error}", "replace or delete it, or pass "
-                        f"--skip-bad-images to skip such files") from None
+        raise UserError(
+            f"cannot decode image {path}: {error}",
+            "replace or delete it, or pass --skip-bad-images to skip such files",
+        ) from None
 
 
-def validate_image_folder(path: str | os.PathLike, *, sample: bool = False, full: bool = False,
-                          skip_bad_images: bool = False, decode_threads: int = 8) -> FolderSummary:
+def validate_image_folder(
+    path: str | os.PathLike,
+    *,
+    sample: bool = False,
+    full: bool = False,
+    skip_bad_images: bool = False,
+    decode_threads: int = 8,
+) -> FolderSummary:
     """Check an image folder before training or extraction starts.
 
     Always: the listing checks of `list_image_folder`. `sample=True` also decodes the first image of
@@ -201,21 +230,28 @@ def validate_image_folder(path: str | os.PathLike, *, sample: bool = False, full
     chunk = 4096  # bounded: a million pending futures would cost a gigabyte
     with ThreadPoolExecutor(max_workers=max(1, decode_threads)) as pool:
         for start in range(0, len(to_decode), chunk):
-            paths = to_decode[start:start + chunk]
+            paths = to_decode[start : start + chunk]
             # map() re-raises the first bad image in listing order when skipping is off
             bad += [rel for rel, problem in zip(paths, pool.map(decodes, paths)) if problem is not None]
     if bad:
         listing = listing.without(set(bad))
         if not listing.paths:
-            raise UserError(f"none of the images in {listing.root} decode ({len(bad)} tried, e.g. {bad[0]})",
-                            f"check that the files are images")
+            raise UserError(
+                f"none of the images in {listing.root} decode ({len(bad)} tried, e.g. {bad[0]})",
+                "check that the files are images",
+            )
 
     counts = np.bincount(np.asarray(listing.labels, dtype=np.int64), minlength=len(listing.classes))
     return FolderSummary(
-        root=str(listing.root), classes=listing.classes,
+        root=str(listing.root),
+        classes=listing.classes,
         images_per_class={name: int(n) for name, n in zip(listing.classes, counts)},
-        num_images=len(listing.paths), images_decoded=len(to_decode), bad_images=bad,
-        ignored_files=ignored, listing=listing)
+        num_images=len(listing.paths),
+        images_decoded=len(to_decode),
+        bad_images=bad,
+        ignored_files=ignored,
+        listing=listing,
+    )
 
 
 def write_classes_json(folder: str | os.PathLike, classes: list[str]) -> Path:
@@ -287,15 +323,25 @@ class ImageFolderData(torch.utils.data.Dataset):
     (per process: each DataLoader worker keeps its own count).
     """
 
-    def __init__(self, path: str | os.PathLike, resolution: int, *, flip: bool = True, seed: int | None = None,
-                 skip_bad_images: bool = False, check: str = "sample", summary: FolderSummary | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        resolution: int,
+        *,
+        flip: bool = True,
+        seed: int | None = None,
+        skip_bad_images: bool = False,
+        check: str = "sample",
+        summary: FolderSummary | None = None,
+    ):
         import datasets  # imported here: the validation functions above should not pay for it
 
         if check not in ("none", "sample", "full"):
             raise ValueError(f"check must be 'none', 'sample' or 'full', not {check!r}")
         if summary is None:
-            summary = validate_image_folder(path, sample=check == "sample", full=check == "full",
-                                            skip_bad_images=skip_bad_images)
+            summary = validate_image_folder(
+                path, sample=check == "sample", full=check == "full", skip_bad_images=skip_bad_images
+            )
         self.summary = summary
         self.root = summary.listing.root
         self.classes = summary.classes
@@ -306,7 +352,8 @@ class ImageFolderData(torch.utils.data.Dataset):
         self.epoch = 0
         self.bad_images_seen = 0
         self.records = datasets.Dataset.from_dict(
-            {"path": summary.listing.paths, "label": summary.listing.labels})
+            {"path": summary.listing.paths, "label": summary.listing.labels}
+        )
 
     def __len__(self) -> int:
         return len(self.records)

@@ -35,8 +35,13 @@ from safetensors import safe_open
 
 from dit_accel.atomic import write_bytes_atomically, write_json_atomically
 from dit_accel.data.folder import (
-    FolderListing, center_crop_adm, image_to_uint8, load_rgb, uint8_to_unit_range,
-    validate_image_folder, write_classes_json,
+    FolderListing,
+    center_crop_adm,
+    image_to_uint8,
+    load_rgb,
+    uint8_to_unit_range,
+    validate_image_folder,
+    write_classes_json,
 )
 from dit_accel.errors import UserError, exits_cleanly
 
@@ -75,17 +80,28 @@ def load_vae(source: str):
     looks_local = path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
     if looks_local:
         if not path.is_dir():
-            raise UserError(f"VAE folder {path} does not exist", "pass a folder written by "
-                            f"AutoencoderKL.save_pretrained (config.json + weights)")
-        subfolder = "vae" if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file() else None
+            raise UserError(
+                f"VAE folder {path} does not exist",
+                "pass a folder written by AutoencoderKL.save_pretrained (config.json + weights)",
+            )
+        subfolder = (
+            "vae"
+            if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file()
+            else None
+        )
         if subfolder is None and not (path / "config.json").is_file():
-            raise UserError(f"VAE folder {path} has no config.json", "pass a folder written by "
-                            f"AutoencoderKL.save_pretrained, or a pipeline folder with a vae/ sub-folder")
+            raise UserError(
+                f"VAE folder {path} has no config.json",
+                "pass a folder written by "
+                "AutoencoderKL.save_pretrained, or a pipeline folder with a vae/ sub-folder",
+            )
         try:
             vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder, local_files_only=True)
         except (OSError, ValueError, KeyError) as error:
-            raise UserError(f"cannot load the VAE from {path}: {str(error).splitlines()[0]}",
-                            f"re-save it with AutoencoderKL.save_pretrained") from None
+            raise UserError(
+                f"cannot load the VAE from {path}: {str(error).splitlines()[0]}",
+                "re-save it with AutoencoderKL.save_pretrained",
+            ) from None
         source = str(path.absolute())
     else:
         try:
@@ -93,15 +109,19 @@ def load_vae(source: str):
             vae = AutoencoderKL.from_pretrained(source, local_files_only=_hub_offline())
         except Exception as error:  # noqa: BLE001 - hub failures come as many types; all mean the same here
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise UserError(f"cannot load the VAE {source!r} from the Hugging Face hub ({reason})", "without "
-                            f"network access pass a local folder written by AutoencoderKL.save_pretrained") from None
+            raise UserError(
+                f"cannot load the VAE {source!r} from the Hugging Face hub ({reason})",
+                "without network access pass a local folder written by AutoencoderKL.save_pretrained",
+            ) from None
     vae.eval().requires_grad_(False)
     return vae, vae_identity(vae, source)
 
 
 def _hub_offline() -> bool:
-    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
-               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def vae_identity(vae, source: str) -> dict:
@@ -229,8 +249,11 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     vae, identity = load_vae(config.vae)
     downsample = 2 ** (len(vae.config.block_out_channels) - 1)
     if config.resolution < downsample or config.resolution % downsample:
-        raise UserError(f"--resolution {config.resolution} is not a multiple of the VAE's downsampling "
-                        f"factor {downsample}", f"pick e.g. {config.resolution // downsample * downsample or downsample}")
+        raise UserError(
+            f"--resolution {config.resolution} is not a multiple of the VAE's downsampling "
+            f"factor {downsample}",
+            f"pick e.g. {config.resolution // downsample * downsample or downsample}",
+        )
     out = Path(config.out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file", "pass a folder for the latent cache")
@@ -239,14 +262,25 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     out.mkdir(parents=True, exist_ok=True)
     vae.to(state.device)
     layout = _Layout(
-        out=out, listing=listing, shard_size=config.shard_size, views=2 if config.flip else 1,
+        out=out,
+        listing=listing,
+        shard_size=config.shard_size,
+        views=2 if config.flip else 1,
         latent_shape=[int(vae.config.latent_channels)] + [config.resolution // downsample] * 2,
-        dtype=STORAGE_DTYPES[config.dtype], rank=state.process_index, world_size=state.num_processes,
-        run_key=_sha256_json({
-            "format": FORMAT, "vae": [identity["config_sha256"], identity["weights_sha256"]],
-            "resolution": config.resolution, "flip": config.flip, "dtype": config.dtype,
-            "shard_size": config.shard_size,
-        }))
+        dtype=STORAGE_DTYPES[config.dtype],
+        rank=state.process_index,
+        world_size=state.num_processes,
+        run_key=_sha256_json(
+            {
+                "format": FORMAT,
+                "vae": [identity["config_sha256"], identity["weights_sha256"]],
+                "resolution": config.resolution,
+                "flip": config.flip,
+                "dtype": config.dtype,
+                "shard_size": config.shard_size,
+            }
+        ),
+    )
 
     # Rank 0 marks the cache incomplete and clears temporary files of a killed run before anyone writes,
     # and tells everyone which shard files exist (one view of a shared filesystem for all nodes).
@@ -262,8 +296,8 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     # Ranks share out what remains to do, so a resumed run stays balanced.
     missing = sorted(set(range(layout.num_shards)) - set(present[0]))
     result = ExtractResult(out=out, count=0, is_main_process=state.is_main_process)
-    records, to_encode = [], missing[layout.rank::layout.world_size]
-    for shard in present[0][layout.rank::layout.world_size]:
+    records, to_encode = [], missing[layout.rank :: layout.world_size]
+    for shard in present[0][layout.rank :: layout.world_size]:
         record = _reuse_shard(layout, shard)
         if record is None:
             to_encode.append(shard)
@@ -272,16 +306,27 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
             result.shards_reused.append(shard)
     to_encode.sort()
 
-    batches = [list(bounds[i:i + config.batch_size])
-               for bounds in map(layout.bounds, to_encode) for i in range(0, len(bounds), config.batch_size)]
+    batches = [
+        list(bounds[i : i + config.batch_size])
+        for bounds in map(layout.bounds, to_encode)
+        for i in range(0, len(bounds), config.batch_size)
+    ]
     num_workers = config.num_workers
     if num_workers is None:
         num_workers = min(4, max(0, (os.cpu_count() or 1) // state.num_processes - 1))
     loader = torch.utils.data.DataLoader(
-        _ImagesToEncode(listing, config.resolution), batch_sampler=batches, num_workers=num_workers,
-        collate_fn=_collate, pin_memory=state.device.type == "cuda")
-    progress = tqdm(total=sum(map(len, batches)), unit="img", disable=not state.is_main_process,
-                    desc=f"encoding (rank 0 of {layout.world_size})")
+        _ImagesToEncode(listing, config.resolution),
+        batch_sampler=batches,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        pin_memory=state.device.type == "cuda",
+    )
+    progress = tqdm(
+        total=sum(map(len, batches)),
+        unit="img",
+        disable=not state.is_main_process,
+        desc=f"encoding (rank 0 of {layout.world_size})",
+    )
     try:
         for record in _encode_shards(layout, loader, vae, config.skip_bad_images, progress):
             records.append(record)
@@ -294,8 +339,9 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
 
     all_records = gather_object(records)
     if state.is_main_process:
-        manifest = _write_manifest(layout, sorted(all_records, key=lambda r: r["shard"]), summary, identity,
-                                   config, vae.config)
+        manifest = _write_manifest(
+            layout, sorted(all_records, key=lambda r: r["shard"]), summary, identity, config, vae.config
+        )
         result.count, result.skipped = manifest["count"], manifest["skipped"]
     state.wait_for_everyone()  # no rank exits before the manifest exists
     return result
@@ -338,9 +384,12 @@ def _reuse_shard(layout: _Layout, shard: int) -> dict | None:
         tensors = safetensors.torch.load(payload)
     except (OSError, ValueError, RuntimeError, safetensors.SafetensorError):
         return None
-    if (metadata.get("format") != FORMAT or metadata.get("run_key") != layout.run_key
-            or metadata.get("sources_sha256") != layout.sources_sha256(shard)
-            or metadata.get("content_sha256") != _sha256_tensors(tensors)):
+    if (
+        metadata.get("format") != FORMAT
+        or metadata.get("run_key") != layout.run_key
+        or metadata.get("sources_sha256") != layout.sources_sha256(shard)
+        or metadata.get("content_sha256") != _sha256_tensors(tensors)
+    ):
         return None
     return _shard_record(shard, payload, metadata)
 
@@ -352,7 +401,9 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
     for batch in loader:
         first = batch["indices"][0].item() if len(batch["indices"]) else batch["bad"][0][0]
         shard = first // layout.shard_size
-        parts = pending.setdefault(shard, {"mean": [], "std": [], "label": [], "source_index": [], "skipped": []})
+        parts = pending.setdefault(
+            shard, {"mean": [], "std": [], "label": [], "source_index": [], "skipped": []}
+        )
         for index, problem in batch["bad"]:
             if not skip_bad_images:
                 raise UserError(problem)
@@ -364,7 +415,9 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
             mean, std = encode_posterior(vae, pixels)
             # [views * b, C, h, w] -> [b, views, C, h, w]: row i holds image i, then its mirror image
             for name, value in (("mean", mean), ("std", std)):
-                parts[name].append(value.unflatten(0, (layout.views, -1)).transpose(0, 1).to("cpu", layout.dtype))
+                parts[name].append(
+                    value.unflatten(0, (layout.views, -1)).transpose(0, 1).to("cpu", layout.dtype)
+                )
             parts["label"].append(batch["labels"])
             parts["source_index"].append(batch["indices"])
         progress.update(len(batch["indices"]) + len(batch["bad"]))
@@ -372,29 +425,43 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
         bounds = layout.bounds(shard)
         if sum(map(len, parts["label"])) + len(parts["skipped"]) == len(bounds):
             del pending[shard]
-            no_rows = {"mean": (layout.views, *layout.latent_shape), "std": (layout.views, *layout.latent_shape),
-                       "label": (), "source_index": ()}  # a shard whose images were all skipped
-            tensors = {name: torch.cat(parts[name]) if parts[name] else
-                       torch.empty(0, *shape, dtype=layout.dtype if shape else torch.int64)
-                       for name, shape in no_rows.items()}
+            no_rows = {
+                "mean": (layout.views, *layout.latent_shape),
+                "std": (layout.views, *layout.latent_shape),
+                "label": (),
+                "source_index": (),
+            }  # a shard whose images were all skipped
+            tensors = {
+                name: torch.cat(parts[name])
+                if parts[name]
+                else torch.empty(0, *shape, dtype=layout.dtype if shape else torch.int64)
+                for name, shape in no_rows.items()
+            }
             metadata = {
-                "format": FORMAT, "run_key": layout.run_key, "sources_sha256": layout.sources_sha256(shard),
-                "shard": str(shard), "first_index": str(bounds.start), "planned": str(len(bounds)),
-                "count": str(len(tensors["label"])), "rank": str(layout.rank),
-                "world_size": str(layout.world_size), "skipped": json.dumps(parts["skipped"]),
+                "format": FORMAT,
+                "run_key": layout.run_key,
+                "sources_sha256": layout.sources_sha256(shard),
+                "shard": str(shard),
+                "first_index": str(bounds.start),
+                "planned": str(len(bounds)),
+                "count": str(len(tensors["label"])),
+                "rank": str(layout.rank),
+                "world_size": str(layout.world_size),
+                "skipped": json.dumps(parts["skipped"]),
             }
             yield _write_shard(layout.out, shard, tensors, metadata)
 
 
-def _write_manifest(layout: _Layout, records: list[dict], summary, identity: dict, config: ExtractConfig,
-                    vae_config) -> dict:
+def _write_manifest(
+    layout: _Layout, records: list[dict], summary, identity: dict, config: ExtractConfig, vae_config
+) -> dict:
     """Rank 0, after every rank is done: the manifest is what makes the cache complete."""
     if [record["shard"] for record in records] != list(range(layout.num_shards)):
         lost = sorted(set(range(layout.num_shards)) - {record["shard"] for record in records})
         raise RuntimeError(f"shards {lost} were not written; the manifest is not written")
     skipped = summary.bad_images + [rel for record in records for rel in record.pop("skipped")]
     images_per_class = dict(summary.images_per_class)
-    for rel in skipped[len(summary.bad_images):]:  # validation already left its own out of the counts
+    for rel in skipped[len(summary.bad_images) :]:  # validation already left its own out of the counts
         images_per_class[rel.split("/", 1)[0]] -= 1
     for stale in layout.out.glob("shard-*.safetensors"):  # from an earlier run over more images
         if stale.name not in {record["file"] for record in records}:
@@ -429,25 +496,65 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dit-accel extract-latents",
         description="Encode every image (and its mirror image) of an ImageNet-layout folder with a diffusers "
-                    "AutoencoderKL into a sharded, memory-mapped latent cache. Run it under `accelerate launch "
-                    "-m dit_accel.data.latents` to use every GPU; rerun the same command to resume.")
-    parser.add_argument("--data-path", "--data_path", dest="data_path", required=True,
-                        help="image folder: DIR/<class>/<image>.jpg")
-    parser.add_argument("--vae", required=True, help="AutoencoderKL folder (or a hub id where the network allows)")
+        "AutoencoderKL into a sharded, memory-mapped latent cache. Run it under `accelerate launch "
+        "-m dit_accel.data.latents` to use every GPU; rerun the same command to resume.",
+    )
+    parser.add_argument(
+        "--data-path",
+        "--data_path",
+        dest="data_path",
+        required=True,
+        help="image folder: DIR/<class>/<image>.jpg",
+    )
+    parser.add_argument(
+        "--vae", required=True, help="AutoencoderKL folder (or a hub id where the network allows)"
+    )
     parser.add_argument("--resolution", type=int, default=256, help="image side in pixels (default 256)")
     parser.add_argument("--out", required=True, help="cache folder to write (created)")
-    parser.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=32,
-                        help="images per VAE call per process (default 32)")
-    parser.add_argument("--shard-size", "--shard_size", dest="shard_size", type=int, default=2048,
-                        help="images per shard file (default 2048: 64 MiB at 256 px in float16)")
-    parser.add_argument("--dtype", choices=sorted(STORAGE_DTYPES), default="float16",
-                        help="storage type of mean and std (default float16: half the disk and read bandwidth)")
-    parser.add_argument("--num-workers", "--num_workers", dest="num_workers", type=int, default=None,
-                        help="image-decoding DataLoader workers per process (default: up to 4)")
-    parser.add_argument("--skip-bad-images", "--skip_bad_images", dest="skip_bad_images", action="store_true",
-                        help="skip and count images that do not decode instead of stopping")
-    parser.add_argument("--no-flip", "--no_flip", dest="flip", action="store_false",
-                        help="do not store the mirror image of each image")
+    parser.add_argument(
+        "--batch-size",
+        "--batch_size",
+        dest="batch_size",
+        type=int,
+        default=32,
+        help="images per VAE call per process (default 32)",
+    )
+    parser.add_argument(
+        "--shard-size",
+        "--shard_size",
+        dest="shard_size",
+        type=int,
+        default=2048,
+        help="images per shard file (default 2048: 64 MiB at 256 px in float16)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(STORAGE_DTYPES),
+        default="float16",
+        help="storage type of mean and std (default float16: half the disk and read bandwidth)",
+    )
+    parser.add_argument(
+        "--num-workers",
+        "--num_workers",
+        dest="num_workers",
+        type=int,
+        default=None,
+        help="image-decoding DataLoader workers per process (default: up to 4)",
+    )
+    parser.add_argument(
+        "--skip-bad-images",
+        "--skip_bad_images",
+        dest="skip_bad_images",
+        action="store_true",
+        help="skip and count images that do not decode instead of stopping",
+    )
+    parser.add_argument(
+        "--no-flip",
+        "--no_flip",
+        dest="flip",
+        action="store_false",
+        help="do not store the mirror image of each image",
+    )
     return parser
 
 
@@ -458,8 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     result = extract_latents(config)
     if result.is_main_process:
         skipped = f", {len(result.skipped)} undecodable images skipped" if result.skipped else ""
-        print(f"latent cache {result.out}: {result.count} images x {2 if config.flip else 1} views{skipped}; "
-              f"manifest {result.out / MANIFEST_NAME}")
+        print(
+            f"latent cache {result.out}: {result.count} images x {2 if config.flip else 1} views{skipped}; "
+            f"manifest {result.out / MANIFEST_NAME}"
+        )
     return 0
 
 
@@ -473,27 +582,37 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
     A missing manifest means the extraction did not finish: the message says to re-run it."""
     cache = Path(cache_dir).expanduser()
     if not cache.is_dir():
-        raise UserError(f"latent cache {cache} does not exist", "create it with "
-                        f"`dit-accel extract-latents --data-path DIR --vae PATH --out {cache}`")
+        raise UserError(
+            f"latent cache {cache} does not exist",
+            f"create it with `dit-accel extract-latents --data-path DIR --vae PATH --out {cache}`",
+        )
     manifest_path = cache / MANIFEST_NAME
     if not manifest_path.is_file():
-        raise UserError(f"latent cache {cache} is incomplete (no {MANIFEST_NAME}: the extraction was interrupted "
-                        "or is still running)", f"re-run the same `dit-accel extract-latents ... --out {cache}` "
-                        f"command to finish it")
+        raise UserError(
+            f"latent cache {cache} is incomplete (no {MANIFEST_NAME}: the extraction was interrupted "
+            "or is still running)",
+            f"re-run the same `dit-accel extract-latents ... --out {cache}` command to finish it",
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"cannot read {manifest_path} ({error})", "re-run extract-latents to rewrite it") from None
+        raise UserError(
+            f"cannot read {manifest_path} ({error})", "re-run extract-latents to rewrite it"
+        ) from None
     if manifest.get("format") != FORMAT:
-        raise UserError(f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads "
-                        f"{FORMAT!r}", "re-run extract-latents into a new folder")
+        raise UserError(
+            f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads {FORMAT!r}",
+            "re-run extract-latents into a new folder",
+        )
     for record in manifest["shards"]:
         path = cache / record["file"]
         size = path.stat().st_size if path.is_file() else None
         if size != record["bytes"]:
             found = "is missing" if size is None else f"has {size} bytes, the manifest says {record['bytes']}"
-            raise UserError(f"latent cache {cache} is damaged: {record['file']} {found}", "re-run the same "
-                            f"extract-latents command to rewrite it")
+            raise UserError(
+                f"latent cache {cache} is damaged: {record['file']} {found}",
+                "re-run the same extract-latents command to rewrite it",
+            )
     return manifest
 
 
@@ -509,8 +628,10 @@ def verify_cache(cache_dir: str | os.PathLike) -> int:
                 digest.update(block)
                 checked += len(block)
         if digest.hexdigest() != record["sha256"]:
-            raise UserError(f"latent cache {cache} is damaged: {record['file']} does not match its checksum",
-                            f"delete that file and re-run the same extract-latents command")
+            raise UserError(
+                f"latent cache {cache} is damaged: {record['file']} does not match its checksum",
+                "delete that file and re-run the same extract-latents command",
+            )
     return checked
 
 
@@ -525,9 +646,12 @@ def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | No
         manifest = read_manifest(manifest)
     where = manifest.get("data_path", "?")
     if manifest["resolution"] != resolution:
-        raise UserError(f"the latent cache (of {where}) was made at {manifest['resolution']} px but the run asks "
-                        f"for {resolution} px", f"extract latents again with --resolution {resolution} into a new "
-                        f"--out folder, or train at {manifest['resolution']} px")
+        raise UserError(
+            f"the latent cache (of {where}) was made at {manifest['resolution']} px but the run asks "
+            f"for {resolution} px",
+            f"extract latents again with --resolution {resolution} into a new "
+            f"--out folder, or train at {manifest['resolution']} px",
+        )
     if vae_identity is None:
         return
     if isinstance(vae_identity, (str, os.PathLike)):
@@ -536,10 +660,12 @@ def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | No
     for key in ("weights_sha256", "config_sha256"):
         if cached[key] != vae_identity[key]:
             what = "weights" if key.startswith("weights") else "config"
-            raise UserError(f"the latent cache was encoded with another VAE ({cached['source']}, {what} sha256 "
-                            f"{cached[key][:12]}) than the run uses ({vae_identity['source']}, "
-                            f"{vae_identity[key][:12]})", "extract latents again with this VAE, or pass the VAE "
-                            f"the cache was made with")
+            raise UserError(
+                f"the latent cache was encoded with another VAE ({cached['source']}, {what} sha256 "
+                f"{cached[key][:12]}) than the run uses ({vae_identity['source']}, "
+                f"{vae_identity[key][:12]})",
+                "extract latents again with this VAE, or pass the VAE the cache was made with",
+            )
 
 
 class LatentCache(torch.utils.data.Dataset):
@@ -575,8 +701,14 @@ class LatentCache(torch.utils.data.Dataset):
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         _allow_open_files(len(self._files) + 64)  # each memory map holds a file descriptor
         self._maps: dict[int, dict[str, np.ndarray]] = {}
-        self.labels = torch.cat([torch.from_numpy(np.array(self._shard(k)["label"])) if count else
-                                 torch.empty(0, dtype=torch.int64) for k, count in enumerate(counts)])
+        self.labels = torch.cat(
+            [
+                torch.from_numpy(np.array(self._shard(k)["label"]))
+                if count
+                else torch.empty(0, dtype=torch.int64)
+                for k, count in enumerate(counts)
+            ]
+        )
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -608,8 +740,10 @@ class LatentCache(torch.utils.data.Dataset):
         """The stored (mean, std) of entry `index`, view 0 (the image) or 1 (its mirror), as float32."""
         (shard,), (row,) = self._locate([index])
         arrays = self._shard(int(shard))
-        return (torch.from_numpy(np.array(arrays["mean"][row, view], dtype=np.float32)),
-                torch.from_numpy(np.array(arrays["std"][row, view], dtype=np.float32)))
+        return (
+            torch.from_numpy(np.array(arrays["mean"][row, view], dtype=np.float32)),
+            torch.from_numpy(np.array(arrays["std"][row, view], dtype=np.float32)),
+        )
 
     def _generator(self, index: int) -> torch.Generator:
         """A generator that is a pure function of (seed, epoch, index): workers need not agree on anything."""
@@ -639,8 +773,9 @@ class LatentCache(torch.utils.data.Dataset):
             arrays = self._shard(int(shard))
             means[picked] = arrays["mean"][rows[picked], views[picked]]
             stds[picked] = arrays["std"][rows[picked], views[picked]]
-        latents = (torch.from_numpy(means).float() + torch.from_numpy(stds).float() * noise
-                   - self.shift_factor) * self.scale_factor
+        latents = (
+            torch.from_numpy(means).float() + torch.from_numpy(stds).float() * noise - self.shift_factor
+        ) * self.scale_factor
         labels = self.labels[torch.from_numpy(self._starts[shards] + rows)]
         return list(zip(latents.unbind(0), labels.unbind(0)))
 
@@ -661,11 +796,17 @@ def map_shard(path: Path) -> dict[str, np.ndarray]:
         header = json.loads(stream.read(header_bytes))
     header.pop("__metadata__", None)
     if all(entry["data_offsets"][1] == 0 for entry in header.values()):  # an empty shard: nothing to map
-        return {name: np.empty(entry["shape"], _SAFETENSORS_DTYPES[entry["dtype"]]) for name, entry in header.items()}
+        return {
+            name: np.empty(entry["shape"], _SAFETENSORS_DTYPES[entry["dtype"]])
+            for name, entry in header.items()
+        }
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_bytes)
-    return {name: data[entry["data_offsets"][0]:entry["data_offsets"][1]]
-            .view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-            for name, entry in header.items()}
+    return {
+        name: data[entry["data_offsets"][0] : entry["data_offsets"][1]]
+        .view(_SAFETENSORS_DTYPES[entry["dtype"]])
+        .reshape(entry["shape"])
+        for name, entry in header.items()
+    }
 
 
 def _allow_open_files(needed: int) -> None:

@@ -20,19 +20,27 @@ def check_data_mode(plan: Plan, config: TrainConfig) -> None:
     """The data the user passed must be what the plan's latent mode expects."""
     mode = plan.decision.latents
     if mode == "precomputed" and not config.latents:
-        raise UserError("the plan trains on precomputed latents",
-                        "pass --latents DIR (from `dit-accel extract-latents`), or re-plan with `dit-plan --latents "
-                        "online` / `--latents pixel` for an image folder")
+        raise UserError(
+            "the plan trains on precomputed latents",
+            "pass --latents DIR (from `dit-accel extract-latents`), or re-plan with `dit-plan --latents "
+            "online` / `--latents pixel` for an image folder",
+        )
     if mode in ("online", "pixel") and not config.data_path:
-        raise UserError(f"the plan trains on {'images encoded online' if mode == 'online' else 'pixels'}",
-                        "pass --data-path DIR, or re-plan with `dit-plan --latents precomputed` to train on --latents")
+        raise UserError(
+            f"the plan trains on {'images encoded online' if mode == 'online' else 'pixels'}",
+            "pass --data-path DIR, or re-plan with `dit-plan --latents precomputed` to train on --latents",
+        )
     if mode == "online" and not config.vae:
-        raise UserError("the plan encodes images online with a VAE",
-                        "pass --vae DIR (a diffusers AutoencoderKL folder), or precompute latents with `dit-accel "
-                        "extract-latents` and re-plan with --latents precomputed")
+        raise UserError(
+            "the plan encodes images online with a VAE",
+            "pass --vae DIR (a diffusers AutoencoderKL folder), or precompute latents with `dit-accel "
+            "extract-latents` and re-plan with --latents precomputed",
+        )
     if mode != "online" and config.vae:
-        raise UserError(f"--vae is only used when the plan encodes online, but this plan's latents are {mode!r}",
-                        "drop --vae")
+        raise UserError(
+            f"--vae is only used when the plan encodes online, but this plan's latents are {mode!r}",
+            "drop --vae",
+        )
 
 
 def build_dataset(plan: Plan, config: TrainConfig, spec):
@@ -49,8 +57,10 @@ def build_dataset(plan: Plan, config: TrainConfig, spec):
         dataset = ImageFolderData(config.data_path, spec.resolution, flip=True, seed=None)
         classes = len(dataset.classes)
         if classes > spec.num_classes:
-            raise UserError(f"{config.data_path} has {classes} classes but the plan's model has {spec.num_classes}",
-                            f"re-plan with `dit-plan --num-classes {classes}`")
+            raise UserError(
+                f"{config.data_path} has {classes} classes but the plan's model has {spec.num_classes}",
+                f"re-plan with `dit-plan --num-classes {classes}`",
+            )
     return dataset
 
 
@@ -61,12 +71,17 @@ def check_latent_cache(cache, spec, path: str) -> None:
     check_cache_matches(cache.manifest, spec.resolution)  # resolution; its message says how to fix it
     expected = (spec.in_channels, spec.latent_size, spec.latent_size)
     if tuple(cache.latent_shape) != expected:
-        raise UserError(f"latent cache {path} holds latents of shape {tuple(cache.latent_shape)} but the plan's "
-                        f"model takes {expected}",
-                        "re-plan for this cache, or extract latents with a matching VAE")
+        raise UserError(
+            f"latent cache {path} holds latents of shape {tuple(cache.latent_shape)} but the plan's "
+            f"model takes {expected}",
+            "re-plan for this cache, or extract latents with a matching VAE",
+        )
     if len(cache.classes) > spec.num_classes:
-        raise UserError(f"latent cache {path} has {len(cache.classes)} classes but the plan's model has "
-                        f"{spec.num_classes}", f"re-plan with `dit-plan --num-classes {len(cache.classes)}`")
+        raise UserError(
+            f"latent cache {path} has {len(cache.classes)} classes but the plan's model has "
+            f"{spec.num_classes}",
+            f"re-plan with `dit-plan --num-classes {len(cache.classes)}`",
+        )
 
 
 def usable_cpus() -> int:
@@ -83,15 +98,28 @@ def loader_workers(requested: int | None, ranks_per_node: int, cpus: int) -> int
     return max(0, min(DEFAULT_NUM_WORKERS, cpus // max(ranks_per_node, 1) - 1))
 
 
-def make_loader(dataset, order: SampleOrder, noise: SampleNoise, config: TrainConfig, start_step: int, rank: int,
-                device: torch.device) -> torch.utils.data.DataLoader:
+def make_loader(
+    dataset,
+    order: SampleOrder,
+    noise: SampleNoise,
+    config: TrainConfig,
+    start_step: int,
+    rank: int,
+    device: torch.device,
+) -> torch.utils.data.DataLoader:
     """This rank's micro-batches from `start_step` on, forever, each with its samples' own randomness."""
     ranks_per_node, cpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cpus()
     workers = loader_workers(config.num_workers, ranks_per_node, cpus)
     if config.num_workers is None and workers < DEFAULT_NUM_WORKERS:
-        log.info(f"{workers} DataLoader worker(s) per rank instead of {DEFAULT_NUM_WORKERS}: {cpus} CPU(s) for "
-                 f"{ranks_per_node} rank(s) on this node (--num-workers N to choose)")
+        log.info(
+            f"{workers} DataLoader worker(s) per rank instead of {DEFAULT_NUM_WORKERS}: {cpus} CPU(s) for "
+            f"{ranks_per_node} rank(s) on this node (--num-workers N to choose)"
+        )
     return torch.utils.data.DataLoader(
-        KeyedSamples(dataset, config.seed), batch_sampler=OrderedBatches(order, start_step, rank),
-        collate_fn=Collate(noise), num_workers=workers, pin_memory=device.type == "cuda",
-        persistent_workers=workers > 0)
+        KeyedSamples(dataset, config.seed),
+        batch_sampler=OrderedBatches(order, start_step, rank),
+        collate_fn=Collate(noise),
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,
+    )

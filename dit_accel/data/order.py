@@ -42,8 +42,11 @@ class SampleOrder:
         if self.micro_batch * self.grad_accum * self.world_size != self.global_batch:
             raise ValueError("global_batch must equal micro_batch * grad_accum * world_size")
         if self.dataset_size < self.global_batch:
-            raise UserError(f"the dataset has {self.dataset_size} samples, fewer than one global batch of "
-                            f"{self.global_batch}", "add data or re-plan with a smaller --global-batch")
+            raise UserError(
+                f"the dataset has {self.dataset_size} samples, fewer than one global batch of "
+                f"{self.global_batch}",
+                "add data or re-plan with a smaller --global-batch",
+            )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -57,9 +60,17 @@ class SampleOrder:
     def position(self, step: int) -> dict:
         """Where the data stands after `step` optimizer steps, as a checkpoint records it (train_state.json)."""
         epoch, offset = self.epoch_and_offset(step)
-        return {"epoch": epoch, "samples_into_epoch": offset, "world_size": self.world_size,
-                "global_batch": self.global_batch, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
-                "dataset_size": self.dataset_size, "seed": self.seed, "samples_seen": step * self.global_batch}
+        return {
+            "epoch": epoch,
+            "samples_into_epoch": offset,
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "dataset_size": self.dataset_size,
+            "seed": self.seed,
+            "samples_seen": step * self.global_batch,
+        }
 
     def permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
@@ -70,8 +81,10 @@ class SampleOrder:
         epoch, offset = self.epoch_and_offset(step)
         permutation = self.permutation(epoch) if permutation is None else permutation
         first = (rank * self.grad_accum + micro_step) * self.micro_batch
-        return [(int(permutation[offset + position]), step * self.global_batch + position)
-                for position in range(first, first + self.micro_batch)]
+        return [
+            (int(permutation[offset + position]), step * self.global_batch + position)
+            for position in range(first, first + self.micro_batch)
+        ]
 
     def batches(self, start_step: int, rank: int):
         """Every micro-batch of this rank from `start_step` on, forever, in order."""
@@ -165,8 +178,11 @@ class Collate:
             xs.append(torch.as_tensor(x))
             labels.append(int(label))
             numbers.append(number)
-        batch = {"x": torch.stack(xs), "y": torch.tensor(labels, dtype=torch.long),
-                 "sample_number": torch.tensor(numbers, dtype=torch.long)}
+        batch = {
+            "x": torch.stack(xs),
+            "y": torch.tensor(labels, dtype=torch.long),
+            "sample_number": torch.tensor(numbers, dtype=torch.long),
+        }
         batch.update(self.noise(numbers))
         return batch
 

@@ -42,7 +42,9 @@ def respaced(diffusion: Diffusion, num_steps: int, spacing: str = "even") -> Dif
     return diffusion.respace(spaced_timesteps(diffusion.num_timesteps, num_steps, spacing))
 
 
-def classifier_free_guidance(model_fn: ModelFn, guidance_scale: float, null_class: int, channels: str = "all") -> ModelFn:
+def classifier_free_guidance(
+    model_fn: ModelFn, guidance_scale: float, null_class: int, channels: str = "all"
+) -> ModelFn:
     """Wrap `model_fn` so one call runs the conditional and the null-class batch together (doubled batch) and
     returns, for the N inputs, eps = uncond + scale * (cond - uncond).
 
@@ -56,7 +58,9 @@ def classifier_free_guidance(model_fn: ModelFn, guidance_scale: float, null_clas
         return model_fn
 
     def guided(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        output = model_fn(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, torch.full_like(y, null_class)]))
+        output = model_fn(
+            torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, torch.full_like(y, null_class)])
+        )
         cond, uncond = output.chunk(2, dim=0)
         guided_channels = x.shape[1] if channels == "all" else min(3, x.shape[1])
         cond_eps, uncond_eps = cond[:, :guided_channels], uncond[:, :guided_channels]
@@ -74,7 +78,9 @@ def _start(shape: Sequence[int], noise: torch.Tensor | None, generator, device, 
     return randn_tensor(tuple(shape), generator=generator, device=torch.device(device), dtype=dtype)
 
 
-def _predict(model_fn: ModelFn, chain: Diffusion, x: torch.Tensor, k: int, y: torch.Tensor, clip_denoised: bool):
+def _predict(
+    model_fn: ModelFn, chain: Diffusion, x: torch.Tensor, k: int, y: torch.Tensor, clip_denoised: bool
+):
     """The model's reverse-step prediction at step k of `chain` (called with the original timestep)."""
     t = torch.full((x.shape[0],), k, device=x.device, dtype=torch.long)
     output = model_fn(x, chain.model_timesteps(t), y)
@@ -91,10 +97,21 @@ def _steps(chain: Diffusion, progress: bool):
 
 
 @torch.no_grad()
-def ddpm_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y: torch.Tensor, *, num_steps: int = 250,
-                spacing: str = "even", generator: torch.Generator | list[torch.Generator] | None = None, noise: torch.Tensor | None = None,
-                clip_denoised: bool = False, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
-                progress: bool = False) -> torch.Tensor:
+def ddpm_sample(
+    model_fn: ModelFn,
+    diffusion: Diffusion,
+    shape: Sequence[int],
+    y: torch.Tensor,
+    *,
+    num_steps: int = 250,
+    spacing: str = "even",
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    noise: torch.Tensor | None = None,
+    clip_denoised: bool = False,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> torch.Tensor:
     """Ancestral sampling x_T -> x_0 with the model's learned variance on a `num_steps` respaced chain.
 
     x_{k-1} = mean + exp(log_variance / 2) * z, no noise at the last step. `clip_denoised` clamps the
@@ -106,17 +123,31 @@ def ddpm_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y
     for k in _steps(chain, progress):
         _, step = _predict(model_fn, chain, x, k, y, clip_denoised)
         if k > 0:
-            x = step["mean"] + torch.exp(0.5 * step["log_variance"]) * randn_tensor(x.shape, generator=generator, device=x.device, dtype=dtype)
+            x = step["mean"] + torch.exp(0.5 * step["log_variance"]) * randn_tensor(
+                x.shape, generator=generator, device=x.device, dtype=dtype
+            )
         else:
             x = step["mean"]
     return x
 
 
 @torch.no_grad()
-def ddim_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y: torch.Tensor, *, num_steps: int = 50,
-                eta: float = 0.0, spacing: str = "even", generator: torch.Generator | list[torch.Generator] | None = None,
-                noise: torch.Tensor | None = None, clip_denoised: bool = False, device: torch.device | str | None = None,
-                dtype: torch.dtype = torch.float32, progress: bool = False) -> torch.Tensor:
+def ddim_sample(
+    model_fn: ModelFn,
+    diffusion: Diffusion,
+    shape: Sequence[int],
+    y: torch.Tensor,
+    *,
+    num_steps: int = 50,
+    eta: float = 0.0,
+    spacing: str = "even",
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    noise: torch.Tensor | None = None,
+    clip_denoised: bool = False,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> torch.Tensor:
     """DDIM (Song et al.): deterministic for eta = 0; eta = 1 has DDPM's fixed-small variance. The learned
     variance channels, if any, are ignored.
 
@@ -128,8 +159,13 @@ def ddim_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y
     x = _start(shape, noise, generator, device, dtype)
     for k in _steps(chain, progress):
         t, step = _predict(model_fn, chain, x, k, y, clip_denoised)
-        alpha_bar, alpha_bar_prev = chain.coef("alphas_cumprod", t, x), chain.coef("alphas_cumprod_prev", t, x)
-        sigma = eta * ((1 - alpha_bar_prev) / (1 - alpha_bar)).sqrt() * (1 - alpha_bar / alpha_bar_prev).sqrt()
+        alpha_bar, alpha_bar_prev = (
+            chain.coef("alphas_cumprod", t, x),
+            chain.coef("alphas_cumprod_prev", t, x),
+        )
+        sigma = (
+            eta * ((1 - alpha_bar_prev) / (1 - alpha_bar)).sqrt() * (1 - alpha_bar / alpha_bar_prev).sqrt()
+        )
         x = alpha_bar_prev.sqrt() * step["pred_x0"] + (1 - alpha_bar_prev - sigma**2).sqrt() * step["eps"]
         if eta > 0 and k > 0:
             x = x + sigma * randn_tensor(x.shape, generator=generator, device=x.device, dtype=dtype)
@@ -137,10 +173,21 @@ def ddim_sample(model_fn: ModelFn, diffusion: Diffusion, shape: Sequence[int], y
 
 
 @torch.no_grad()
-def sample_with_scheduler(model_fn: ModelFn, scheduler, y: torch.Tensor, *, latent_channels: int, latent_size: int,
-                          num_inference_steps: int = 50, guidance_scale: float = 4.0, null_class: int = 1000,
-                          generator: torch.Generator | list[torch.Generator] | None = None, device: torch.device | str | None = None,
-                          dtype: torch.dtype = torch.float32, progress: bool = False) -> torch.Tensor:
+def sample_with_scheduler(
+    model_fn: ModelFn,
+    scheduler,
+    y: torch.Tensor,
+    *,
+    latent_channels: int,
+    latent_size: int,
+    num_inference_steps: int = 50,
+    guidance_scale: float = 4.0,
+    null_class: int = 1000,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> torch.Tensor:
     """The latents diffusers' DiTPipeline produces (before `1 / scaling_factor` and the VAE), for the same
     generator, scheduler, step count and guidance scale.
 
@@ -151,7 +198,12 @@ def sample_with_scheduler(model_fn: ModelFn, scheduler, y: torch.Tensor, *, late
     class is always 1000.
     """
     device = torch.device(device or y.device)
-    x = randn_tensor((y.shape[0], latent_channels, latent_size, latent_size), generator=generator, device=device, dtype=dtype)
+    x = randn_tensor(
+        (y.shape[0], latent_channels, latent_size, latent_size),
+        generator=generator,
+        device=device,
+        dtype=dtype,
+    )
     guided = guidance_scale > 1
     fn = classifier_free_guidance(model_fn, guidance_scale, null_class, "all") if guided else model_fn
     scheduler.set_timesteps(num_inference_steps)
@@ -162,7 +214,11 @@ def sample_with_scheduler(model_fn: ModelFn, scheduler, y: torch.Tensor, *, late
         timesteps = tqdm(timesteps, desc="sampling", leave=False)
     for t in timesteps:
         x = scheduler.scale_model_input(x, t)
-        t_batch = t[None].to(device).expand(x.shape[0]) if torch.is_tensor(t) else torch.full((x.shape[0],), t, device=device)
+        t_batch = (
+            t[None].to(device).expand(x.shape[0])
+            if torch.is_tensor(t)
+            else torch.full((x.shape[0],), t, device=device)
+        )
         eps = fn(x, t_batch, y)[:, :latent_channels]
         x = scheduler.step(eps, t, x).prev_sample
     return x

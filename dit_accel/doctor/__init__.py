@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from dit_accel.doctor.checks import Check, exit_code, warned
 from dit_accel.doctor.data import check_data
@@ -51,26 +51,65 @@ def build_parser() -> argparse.ArgumentParser:
     from dit_accel.train_config import TrainConfig
 
     defaults = TrainConfig()
-    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                     epilog="Exit codes: 0 ready (warnings allowed), 1 warnings with --strict, 2 a failure or bad input. "
-                            "With --log: 0 no failure found, 2 a failure explained, 1 with --strict when unrecognised.")
+    parser = _Parser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 ready (warnings allowed), 1 warnings with --strict, 2 a failure or bad input. "
+        "With --log: 0 no failure found, 2 a failure explained, 1 with --strict when unrecognised.",
+    )
     parser.add_argument("--plan", help="plan.json written by dit-plan (required, except with --log)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--data-path", "--data_path", dest="data_path", type=Path, help="image folder (DIR/<class>/<image>)")
+    source.add_argument(
+        "--data-path", "--data_path", dest="data_path", type=Path, help="image folder (DIR/<class>/<image>)"
+    )
     source.add_argument("--latents", type=Path, help="latent cache written by `dit-accel extract-latents`")
-    parser.add_argument("--vae", help="the run's --vae (checked against the latent cache and the plan's latent mode)")
-    parser.add_argument("--output-dir", "--output_dir", dest="output_dir", type=Path, help="the run folder, e.g. runs/xl2")
-    parser.add_argument("--accelerate-config", "--accelerate_config", dest="accelerate_config", type=Path,
-                        help="the Accelerate YAML of the launch (default: accelerate_config.yaml next to the plan)")
-    parser.add_argument("--num-workers", "--num_workers", dest="num_workers", type=int, default=defaults.num_workers,
-                        help=f"the run's data-loader workers per rank (the trainer's default: {defaults.num_workers})")
-    parser.add_argument("--keep-last", "--keep_last", dest="keep_last", type=int, default=defaults.keep_last,
-                        help=f"the run's checkpoints kept (the trainer's default: {defaults.keep_last})")
-    parser.add_argument("--main-process-ip", "--main_process_ip", dest="main_process_ip",
-                        help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's)")
-    parser.add_argument("--main-process-port", "--main_process_port", dest="main_process_port", type=int,
-                        help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's, else 29500)")
-    parser.add_argument("--full", action="store_true", help="decode every image (not one per class); with --latents, check every shard's sha256")
+    parser.add_argument(
+        "--vae", help="the run's --vae (checked against the latent cache and the plan's latent mode)"
+    )
+    parser.add_argument(
+        "--output-dir", "--output_dir", dest="output_dir", type=Path, help="the run folder, e.g. runs/xl2"
+    )
+    parser.add_argument(
+        "--accelerate-config",
+        "--accelerate_config",
+        dest="accelerate_config",
+        type=Path,
+        help="the Accelerate YAML of the launch (default: accelerate_config.yaml next to the plan)",
+    )
+    parser.add_argument(
+        "--num-workers",
+        "--num_workers",
+        dest="num_workers",
+        type=int,
+        default=defaults.num_workers,
+        help=f"the run's data-loader workers per rank (the trainer's default: {defaults.num_workers})",
+    )
+    parser.add_argument(
+        "--keep-last",
+        "--keep_last",
+        dest="keep_last",
+        type=int,
+        default=defaults.keep_last,
+        help=f"the run's checkpoints kept (the trainer's default: {defaults.keep_last})",
+    )
+    parser.add_argument(
+        "--main-process-ip",
+        "--main_process_ip",
+        dest="main_process_ip",
+        help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's)",
+    )
+    parser.add_argument(
+        "--main-process-port",
+        "--main_process_port",
+        dest="main_process_port",
+        type=int,
+        help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's, else 29500)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="decode every image (not one per class); with --latents, check every shard's sha256",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument("--log", type=Path, help="read a failed run's log instead of checking this node")
@@ -83,8 +122,14 @@ def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list
     checks += check_host(plan, probes.host(), loader_facts(plan, args.num_workers))
     checks += check_data(plan, args.data_path, args.latents, args.vae, args.full)
     if args.output_dir is None:
-        checks.append(warned("output", "output folder", "not checked: no --output-dir given",
-                             "pass --output-dir runs/NAME to check disk space and write permission"))
+        checks.append(
+            warned(
+                "output",
+                "output folder",
+                "not checked: no --output-dir given",
+                "pass --output-dir runs/NAME to check disk space and write permission",
+            )
+        )
     else:
         checks += check_output(plan, args.output_dir, args.keep_last, probes.disk_usage)
     rendezvous = read_rendezvous(config_path, plan, args.main_process_ip, args.main_process_port)
@@ -100,7 +145,10 @@ def read_log(args: argparse.Namespace) -> list[Check]:
     try:
         text = args.log.read_text(errors="replace")
     except OSError as error:
-        raise UserError(f"cannot read log {args.log}: {error.strerror or error}", "pass the file the launcher's output went to")
+        raise UserError(
+            f"cannot read log {args.log}: {error.strerror or error}",
+            "pass the file the launcher's output went to",
+        ) from None
     rank_logs = sorted((args.output_dir / "logs").glob("rank*.log")) if args.output_dir else []
     tails = []
     for path in rank_logs:
@@ -124,9 +172,14 @@ def run(argv: list[str] | None = None, probes: Probes | None = None) -> int:
         checks = read_log(args)
     else:
         if not args.plan:
-            raise UserError("--plan is required: pass the plan.json written by `dit-plan --out DIR` (or --log FILE to read a failed run's log)")
+            raise UserError(
+                "--plan is required: pass the plan.json written by `dit-plan --out DIR` "
+                "(or --log FILE to read a failed run's log)"
+            )
         if args.data_path is None and args.latents is None:
-            raise UserError("pass --data-path DIR (an image folder) or --latents DIR (a latent cache): the data to check")
+            raise UserError(
+                "pass --data-path DIR (an image folder) or --latents DIR (a latent cache): the data to check"
+            )
         checks = preflight(load_plan(args.plan), args, probes or Probes())
     print(render(checks, args.format, args.strict, mode="log" if args.log is not None else "preflight"))
     return exit_code(checks, args.strict)

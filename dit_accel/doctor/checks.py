@@ -27,8 +27,13 @@ class Check:
     fix: str = ""
 
     def to_dict(self) -> dict:
-        return {"group": self.group, "name": self.name, "status": self.status.value,
-                "reason": self.reason, "fix": self.fix}
+        return {
+            "group": self.group,
+            "name": self.name,
+            "status": self.status.value,
+            "reason": self.reason,
+            "fix": self.fix,
+        }
 
 
 def passed(group: str, name: str, reason: str) -> Check:

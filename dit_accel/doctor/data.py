@@ -28,8 +28,13 @@ def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | Non
     from dit_accel.train_config import TrainConfig
 
     # with a latent cache, --vae names the VAE to compare the cache with, not one the trainer loads
-    config = TrainConfig(plan=str(plan.path), output_dir="-", data_path=str(data_path) if data_path else None,
-                         latents=str(latents) if latents else None, vae=vae if data_path else None)
+    config = TrainConfig(
+        plan=str(plan.path),
+        output_dir="-",
+        data_path=str(data_path) if data_path else None,
+        latents=str(latents) if latents else None,
+        vae=vae if data_path else None,
+    )
     try:
         trainer_check(plan.plan, config)
     except UserError as error:
@@ -47,15 +52,32 @@ def _class_check(plan: PlanFacts, images_per_class: dict[str, int], num_images: 
     """Labels must fit the model's class table; an epoch must hold at least one global batch."""
     smallest, largest = min(images_per_class.values()), max(images_per_class.values())
     if len(images_per_class) > plan.num_classes:
-        return failed(GROUP, "classes", f"{_class_counts(images_per_class)}, but the model has {plan.num_classes} class labels",
-                      f"re-plan with --num-classes {len(images_per_class)}, or remove the extra classes")
+        return failed(
+            GROUP,
+            "classes",
+            f"{_class_counts(images_per_class)}, but the model has {plan.num_classes} class labels",
+            f"re-plan with --num-classes {len(images_per_class)}, or remove the extra classes",
+        )
     if num_images < plan.global_batch:
-        return failed(GROUP, "classes", f"{num_images} images, fewer than one global batch of {plan.global_batch}: "
-                      "an epoch would hold no full step", "add images, or re-plan with a smaller --global-batch")
+        return failed(
+            GROUP,
+            "classes",
+            f"{num_images} images, fewer than one global batch of {plan.global_batch}: "
+            "an epoch would hold no full step",
+            "add images, or re-plan with a smaller --global-batch",
+        )
     if largest > IMBALANCE_RATIO * smallest:
-        return warned(GROUP, "classes", f"{_class_counts(images_per_class)}: sampling follows images, so the largest "
-                      "classes dominate", "balance the classes if every class should be learnt equally")
-    return passed(GROUP, "classes", f"{_class_counts(images_per_class)}; {num_images // plan.global_batch} steps per epoch")
+        return warned(
+            GROUP,
+            "classes",
+            f"{_class_counts(images_per_class)}: sampling follows images, so the largest classes dominate",
+            "balance the classes if every class should be learnt equally",
+        )
+    return passed(
+        GROUP,
+        "classes",
+        f"{_class_counts(images_per_class)}; {num_images // plan.global_batch} steps per epoch",
+    )
 
 
 def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Check]:
@@ -72,9 +94,15 @@ def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Che
     decoded = "every image" if full else "the first image of every class"
     if summary.bad_images:
         shown = ", ".join(summary.bad_images[:3])
-        checks.append(failed(GROUP, "decoding", f"{len(summary.bad_images)} of {summary.images_decoded} images tried "
-                             f"({decoded}) do not decode: {shown}",
-                             "replace or delete them, or train with --skip-bad-images"))
+        checks.append(
+            failed(
+                GROUP,
+                "decoding",
+                f"{len(summary.bad_images)} of {summary.images_decoded} images tried "
+                f"({decoded}) do not decode: {shown}",
+                "replace or delete them, or train with --skip-bad-images",
+            )
+        )
     else:
         more = "" if full else " (--full decodes all)"
         checks.append(passed(GROUP, "decoding", f"{summary.images_decoded} images decoded ({decoded}){more}"))
@@ -93,16 +121,30 @@ def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Che
         if min(width, height) < plan.resolution:
             small.append(f"{relative} ({width}x{height})")
     if sides and small:
-        checks.append(warned(GROUP, "image sizes", f"{len(small)} of {len(sides)} sampled images are smaller than the plan's "
-                             f"{plan.resolution} px and will be upscaled (blurry targets): {', '.join(small[:3])}",
-                             f"use images of at least {plan.resolution} px, or re-plan with --resolution {min(sides) // 8 * 8 or 8}"))
+        checks.append(
+            warned(
+                GROUP,
+                "image sizes",
+                f"{len(small)} of {len(sides)} sampled images are smaller than the plan's "
+                f"{plan.resolution} px and will be upscaled (blurry targets): {', '.join(small[:3])}",
+                f"use images of at least {plan.resolution} px, or re-plan with --resolution {min(sides) // 8 * 8 or 8}",
+            )
+        )
     elif sides:
-        checks.append(passed(GROUP, "image sizes", f"{len(sides)} sampled: shortest side {min(sides)}-{max(sides)} px, "
-                             f">= the plan's {plan.resolution} px"))
+        checks.append(
+            passed(
+                GROUP,
+                "image sizes",
+                f"{len(sides)} sampled: shortest side {min(sides)}-{max(sides)} px, "
+                f">= the plan's {plan.resolution} px",
+            )
+        )
     return checks
 
 
-def check_data(plan: PlanFacts, data_path: Path | None, latents: Path | None, vae: str | None, full: bool) -> list[Check]:
+def check_data(
+    plan: PlanFacts, data_path: Path | None, latents: Path | None, vae: str | None, full: bool
+) -> list[Check]:
     checks = [check_data_mode(plan, data_path, latents, vae)]
     if data_path is not None:
         checks += check_image_folder(plan, data_path, full)
@@ -121,35 +163,66 @@ def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None, full: bo
     except UserError as error:
         return [from_user_error("latent cache", error)]
     count = int(manifest.get("count", 0))
-    checks = [passed(GROUP, "latent cache", f"{latents}: {count} images of {manifest.get('data_path', '?')}, "
-                     f"latents {manifest.get('latent_shape')} ({manifest.get('dtype')}), {len(manifest['shards'])} shard(s)")]
+    checks = [
+        passed(
+            GROUP,
+            "latent cache",
+            f"{latents}: {count} images of {manifest.get('data_path', '?')}, "
+            f"latents {manifest.get('latent_shape')} ({manifest.get('dtype')}), {len(manifest['shards'])} shard(s)",
+        )
+    ]
     try:  # the trainer's own check: resolution, latent shape, classes against the plan's model
         from dit_accel.data.latents import LatentCache
         from dit_accel.data.loader import check_latent_cache as trainer_check
 
         trainer_check(LatentCache(latents), plan.plan.spec(), str(latents))
-        checks.append(passed(GROUP, "latent resolution", f"{manifest['resolution']} px, latents "
-                             f"{manifest.get('latent_shape')}, {len(manifest.get('classes', []))} classes, as planned"))
+        checks.append(
+            passed(
+                GROUP,
+                "latent resolution",
+                f"{manifest['resolution']} px, latents "
+                f"{manifest.get('latent_shape')}, {len(manifest.get('classes', []))} classes, as planned",
+            )
+        )
     except UserError as error:
         checks.append(from_user_error("latent resolution", error))
     cached_vae = manifest.get("vae") or {}
     if vae:
         try:
             check_cache_matches(manifest, plan.resolution, vae)
-            checks.append(passed(GROUP, "latent VAE", f"encoded with {vae} (config and weights hashes match)"))
+            checks.append(
+                passed(GROUP, "latent VAE", f"encoded with {vae} (config and weights hashes match)")
+            )
         except UserError as error:
             checks.append(from_user_error("latent VAE", error))
     elif plan.vae and cached_vae.get("source") and plan.vae != cached_vae.get("source"):
-        checks.append(warned(GROUP, "latent VAE", f"the plan names the VAE {plan.vae}, the cache was encoded with "
-                             f"{cached_vae.get('source')}", "pass --vae PATH to compare their weights, or re-extract with the plan's VAE"))
+        checks.append(
+            warned(
+                GROUP,
+                "latent VAE",
+                f"the plan names the VAE {plan.vae}, the cache was encoded with {cached_vae.get('source')}",
+                "pass --vae PATH to compare their weights, or re-extract with the plan's VAE",
+            )
+        )
     else:
-        checks.append(passed(GROUP, "latent VAE", f"encoded with {cached_vae.get('source', '?')} "
-                             "(pass --vae PATH to compare weights)"))
+        checks.append(
+            passed(
+                GROUP,
+                "latent VAE",
+                f"encoded with {cached_vae.get('source', '?')} (pass --vae PATH to compare weights)",
+            )
+        )
     checks.append(_class_check(plan, manifest.get("images_per_class") or {"all": count}, count))
     if full:
         try:
             checked = verify_cache(latents)
-            checks.append(passed(GROUP, "latent checksums", f"every shard matches its sha256 ({checked / 2**20:.1f} MiB read)"))
+            checks.append(
+                passed(
+                    GROUP,
+                    "latent checksums",
+                    f"every shard matches its sha256 ({checked / 2**20:.1f} MiB read)",
+                )
+            )
         except UserError as error:
             checks.append(from_user_error("latent checksums", error))
     return checks

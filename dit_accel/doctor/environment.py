@@ -67,6 +67,7 @@ class EnvironmentFacts:
 
 # --- reading the real machine --------------------------------------------------------------------------
 
+
 def _nvidia_smi(args: list[str]) -> str | None:
     """stdout of nvidia-smi, or None when it is missing or fails (no driver, no GPU, a container without it)."""
     if shutil.which("nvidia-smi") is None:
@@ -89,9 +90,18 @@ def parse_compute_apps(text: str) -> tuple[ComputeApp, ...]:
     for row in _parse_csv(text):
         if len(row) < 4:
             continue
-        pid, name, used, uuid = row[0], ", ".join(row[1:-2]), row[-2], row[-1]  # a process name may hold commas
+        pid, name, used, uuid = (
+            row[0],
+            ", ".join(row[1:-2]),
+            row[-2],
+            row[-1],
+        )  # a process name may hold commas
         try:
-            apps.append(ComputeApp(pid=int(pid), process_name=name, used_bytes=int(float(used) * 2**20), gpu_uuid=uuid))
+            apps.append(
+                ComputeApp(
+                    pid=int(pid), process_name=name, used_bytes=int(float(used) * 2**20), gpu_uuid=uuid
+                )
+            )
         except ValueError:
             continue
     return tuple(apps)
@@ -138,10 +148,20 @@ def probe_environment() -> EnvironmentFacts:
                 free_bytes, total_bytes = torch.cuda.mem_get_info(index)
             except RuntimeError as failure:  # a GPU so full that no context fits, or in a bad state
                 free_bytes, total_bytes, error = 0, properties.total_memory, str(failure).splitlines()[0]
-            gpus.append(GpuFacts(index=index, name=properties.name, total_bytes=total_bytes, free_bytes=free_bytes,
-                                 capability=(properties.major, properties.minor),
-                                 uuid=f"GPU-{properties.uuid}" if getattr(properties, "uuid", None) else "", error=error))
-    app_rows = _nvidia_smi(["--query-compute-apps=pid,process_name,used_memory,gpu_uuid", "--format=csv,noheader,nounits"])
+            gpus.append(
+                GpuFacts(
+                    index=index,
+                    name=properties.name,
+                    total_bytes=total_bytes,
+                    free_bytes=free_bytes,
+                    capability=(properties.major, properties.minor),
+                    uuid=f"GPU-{properties.uuid}" if getattr(properties, "uuid", None) else "",
+                    error=error,
+                )
+            )
+    app_rows = _nvidia_smi(
+        ["--query-compute-apps=pid,process_name,used_memory,gpu_uuid", "--format=csv,noheader,nounits"]
+    )
     apps = None if app_rows is None else parse_compute_apps(app_rows)
     return EnvironmentFacts(
         python=platform.python_version(),
@@ -156,12 +176,16 @@ def probe_environment() -> EnvironmentFacts:
         tf32_matmul=torch.get_float32_matmul_precision() != "highest",
         tf32_cudnn=bool(torch.backends.cudnn.allow_tf32),
         compute_apps=apps,
-        env={key: os.environ[key] for key in ("CUDA_VISIBLE_DEVICES", "NVIDIA_TF32_OVERRIDE", "ACCELERATE_USE_CPU")
-             if key in os.environ},
+        env={
+            key: os.environ[key]
+            for key in ("CUDA_VISIBLE_DEVICES", "NVIDIA_TF32_OVERRIDE", "ACCELERATE_USE_CPU")
+            if key in os.environ
+        },
     )
 
 
 # --- checks --------------------------------------------------------------------------------------------
+
 
 def _major_minor(version: str) -> tuple[int, int]:
     parts = (version.split(".") + ["0"])[:2]
@@ -175,53 +199,100 @@ def cpu_requested(facts: EnvironmentFacts) -> bool:
 
 
 def check_versions(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
-    cudnn = f"{facts.cudnn // 10000}.{facts.cudnn // 100 % 100}.{facts.cudnn % 100}" if facts.cudnn and facts.cudnn >= 10000 else facts.cudnn
+    cudnn = (
+        f"{facts.cudnn // 10000}.{facts.cudnn // 100 % 100}.{facts.cudnn % 100}"
+        if facts.cudnn and facts.cudnn >= 10000
+        else facts.cudnn
+    )
     driver = f"driver {facts.driver_version or '?'} (supports CUDA {facts.driver_cuda or '?'})"
-    summary = (f"python {facts.python}, torch {facts.torch}, CUDA {facts.cuda_build or 'none (CPU build)'}, "
-               f"cuDNN {cudnn or 'none'}, NCCL {facts.nccl or 'none'}, {driver}")
+    summary = (
+        f"python {facts.python}, torch {facts.torch}, CUDA {facts.cuda_build or 'none (CPU build)'}, "
+        f"cuDNN {cudnn or 'none'}, NCCL {facts.nccl or 'none'}, {driver}"
+    )
     if cpu_requested(facts):
         return passed(GROUP, "versions", summary + "; ACCELERATE_USE_CPU=1: CUDA not needed")
     if facts.cuda_build is None:
-        return failed(GROUP, "versions", summary + f"; the plan needs {plan.gpus_per_node} GPU(s) per node",
-                      "install a CUDA build of torch, e.g. `pip install torch --index-url https://download.pytorch.org/whl/cu126`")
+        return failed(
+            GROUP,
+            "versions",
+            summary + f"; the plan needs {plan.gpus_per_node} GPU(s) per node",
+            "install a CUDA build of torch, e.g. `pip install torch --index-url https://download.pytorch.org/whl/cu126`",
+        )
     if facts.driver_cuda:
         built, supported = _major_minor(facts.cuda_build), _major_minor(facts.driver_cuda)
         if built[0] > supported[0]:
-            return failed(GROUP, "versions", summary + f"; torch needs a CUDA {built[0]}.x driver, this driver stops at {facts.driver_cuda}",
-                          f"upgrade the NVIDIA driver, or install a torch build for CUDA {supported[0]}.x")
+            return failed(
+                GROUP,
+                "versions",
+                summary
+                + f"; torch needs a CUDA {built[0]}.x driver, this driver stops at {facts.driver_cuda}",
+                f"upgrade the NVIDIA driver, or install a torch build for CUDA {supported[0]}.x",
+            )
         if built > supported:
-            return warned(GROUP, "versions", summary + f"; torch's CUDA {facts.cuda_build} is newer than the driver's {facts.driver_cuda}: "
-                          "minor-version compatibility runs most kernels, but ones needing newer PTX can fail",
-                          f"upgrade the driver, or install the torch build for CUDA {facts.driver_cuda}")
+            return warned(
+                GROUP,
+                "versions",
+                summary
+                + f"; torch's CUDA {facts.cuda_build} is newer than the driver's {facts.driver_cuda}: "
+                "minor-version compatibility runs most kernels, but ones needing newer PTX can fail",
+                f"upgrade the driver, or install the torch build for CUDA {facts.driver_cuda}",
+            )
     if plan.world_size > 1 and facts.nccl is None:
-        return failed(GROUP, "versions", summary + f"; {plan.world_size} processes need NCCL and this torch has none",
-                      "install the official CUDA build of torch (it bundles NCCL)")
+        return failed(
+            GROUP,
+            "versions",
+            summary + f"; {plan.world_size} processes need NCCL and this torch has none",
+            "install the official CUDA build of torch (it bundles NCCL)",
+        )
     return passed(GROUP, "versions", summary)
 
 
 def check_gpus_visible(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
     need, seen = plan.gpus_per_node, len(facts.gpus)
     if cpu_requested(facts):
-        return warned(GROUP, "GPUs visible", f"ACCELERATE_USE_CPU=1: {need} CPU process(es) per node stand in for the plan's GPUs",
-                      "unset ACCELERATE_USE_CPU for a real run")
+        return warned(
+            GROUP,
+            "GPUs visible",
+            f"ACCELERATE_USE_CPU=1: {need} CPU process(es) per node stand in for the plan's GPUs",
+            "unset ACCELERATE_USE_CPU for a real run",
+        )
     if seen == 0:
         visible = facts.env.get("CUDA_VISIBLE_DEVICES")
         if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
-            why, fix = f"CUDA_VISIBLE_DEVICES={visible!r} hides them", "unset CUDA_VISIBLE_DEVICES or list the GPU ids"
+            why, fix = (
+                f"CUDA_VISIBLE_DEVICES={visible!r} hides them",
+                "unset CUDA_VISIBLE_DEVICES or list the GPU ids",
+            )
         elif facts.cuda_build is None:
             why, fix = "this torch is a CPU-only build", "install a CUDA build of torch (see versions)"
         elif facts.driver_version is None:
-            why, fix = "nvidia-smi finds no driver", "install the NVIDIA driver, or run on a GPU node (in a container: --gpus all)"
+            why, fix = (
+                "nvidia-smi finds no driver",
+                "install the NVIDIA driver, or run on a GPU node (in a container: --gpus all)",
+            )
         else:
-            why, fix = "torch.cuda.is_available() is False", "check `nvidia-smi` and that the driver matches torch's CUDA"
-        return failed(GROUP, "GPUs visible", f"the plan needs {need} GPU(s) per node and no GPU is visible: {why}", fix)
+            why, fix = (
+                "torch.cuda.is_available() is False",
+                "check `nvidia-smi` and that the driver matches torch's CUDA",
+            )
+        return failed(
+            GROUP, "GPUs visible", f"the plan needs {need} GPU(s) per node and no GPU is visible: {why}", fix
+        )
     if seen < need:
-        return failed(GROUP, "GPUs visible", f"the plan needs {need} GPU(s) per node, {seen} visible",
-                      f"run on a node with {need} GPUs (check CUDA_VISIBLE_DEVICES), or re-plan with dit-plan --gpus {seen * plan.nodes}")
+        return failed(
+            GROUP,
+            "GPUs visible",
+            f"the plan needs {need} GPU(s) per node, {seen} visible",
+            f"run on a node with {need} GPUs (check CUDA_VISIBLE_DEVICES), or re-plan with dit-plan --gpus {seen * plan.nodes}",
+        )
     names = sorted({gpu.name for gpu in facts.gpus})
     if seen > need:
-        return warned(GROUP, "GPUs visible", f"{seen} GPUs visible ({', '.join(names)}), the plan uses {need}",
-                      f"re-plan with dit-plan --gpus {seen * plan.nodes} to use them all, or set CUDA_VISIBLE_DEVICES")
+        return warned(
+            GROUP,
+            "GPUs visible",
+            f"{seen} GPUs visible ({', '.join(names)}), the plan uses {need}",
+            f"re-plan with dit-plan --gpus {seen * plan.nodes} to use them all, or set CUDA_VISIBLE_DEVICES",
+        )
     return passed(GROUP, "GPUs visible", f"{seen} GPU(s) visible ({', '.join(names)}), as planned")
 
 
@@ -242,18 +313,40 @@ def check_gpu_memory(plan: PlanFacts, facts: EnvironmentFacts) -> list[Check]:
         figures = f"{gpu.name}: {gib(gpu.free_bytes)} free of {gib(gpu.total_bytes)}, plan peak {gib(plan.peak_bytes)}"
         replan = f"re-plan with dit-plan --vram {gpu.total_bytes / 2**30:.0f}GiB (the real size), or a lower --max-micro-batch"
         if gpu.error:
-            checks.append(failed(GROUP, name, f"{gpu.name}: torch cannot open it ({gpu.error}); " + _holders(facts, gpu),
-                                 "stop the processes holding it (nvidia-smi), or pick other GPUs with CUDA_VISIBLE_DEVICES"))
+            checks.append(
+                failed(
+                    GROUP,
+                    name,
+                    f"{gpu.name}: torch cannot open it ({gpu.error}); " + _holders(facts, gpu),
+                    "stop the processes holding it (nvidia-smi), or pick other GPUs with CUDA_VISIBLE_DEVICES",
+                )
+            )
         elif gpu.total_bytes < plan.peak_bytes:
-            checks.append(failed(GROUP, name, figures + f"; the plan was made for {gib(plan.vram_bytes)} GPUs", replan))
+            checks.append(
+                failed(GROUP, name, figures + f"; the plan was made for {gib(plan.vram_bytes)} GPUs", replan)
+            )
         elif gpu.free_bytes < plan.peak_bytes:
-            checks.append(failed(GROUP, name, figures + "; " + _holders(facts, gpu),
-                                 "stop the processes holding this GPU (nvidia-smi), or pick free GPUs with CUDA_VISIBLE_DEVICES"))
+            checks.append(
+                failed(
+                    GROUP,
+                    name,
+                    figures + "; " + _holders(facts, gpu),
+                    "stop the processes holding this GPU (nvidia-smi), or pick free GPUs with CUDA_VISIBLE_DEVICES",
+                )
+            )
         elif gpu.free_bytes - plan.peak_bytes < LOW_FREE_MARGIN * gpu.total_bytes:
-            checks.append(warned(GROUP, name, figures + "; under 5% left for the allocator's fragmentation; " + _holders(facts, gpu),
-                                 "free the GPU, or re-plan with a smaller --vram to keep more headroom"))
+            checks.append(
+                warned(
+                    GROUP,
+                    name,
+                    figures + "; under 5% left for the allocator's fragmentation; " + _holders(facts, gpu),
+                    "free the GPU, or re-plan with a smaller --vram to keep more headroom",
+                )
+            )
         elif gpu.total_bytes < 0.97 * plan.vram_bytes:
-            checks.append(warned(GROUP, name, figures + f"; the plan assumed {gib(plan.vram_bytes)} per GPU", replan))
+            checks.append(
+                warned(GROUP, name, figures + f"; the plan assumed {gib(plan.vram_bytes)} per GPU", replan)
+            )
         else:
             checks.append(passed(GROUP, name, figures))
     return checks
@@ -265,10 +358,16 @@ def check_bf16(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
     old = [gpu for gpu in facts.gpus if gpu.capability < BF16_MIN_CAPABILITY]
     if old:
         gpu = old[0]
-        return failed(GROUP, "precision",
-                      f"plan precision bf16, but {gpu.name} (compute capability {gpu.capability[0]}.{gpu.capability[1]}) has no bf16 tensor cores",
-                      "re-plan with dit-plan --precision fp16 (or fp32) for this GPU")
-    return passed(GROUP, "precision", "plan precision bf16; every visible GPU supports bf16 (compute capability >= 8.0)")
+        return failed(
+            GROUP,
+            "precision",
+            f"plan precision bf16, but {gpu.name} (compute capability {gpu.capability[0]}.{gpu.capability[1]}) "
+            "has no bf16 tensor cores",
+            "re-plan with dit-plan --precision fp16 (or fp32) for this GPU",
+        )
+    return passed(
+        GROUP, "precision", "plan precision bf16; every visible GPU supports bf16 (compute capability >= 8.0)"
+    )
 
 
 def check_tf32(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
@@ -276,13 +375,22 @@ def check_tf32(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
     only NVIDIA_TF32_OVERRIDE=0 still takes it away."""
     state = f"TF32 matmul {'on' if facts.tf32_matmul else 'off'}, cuDNN TF32 {'on' if facts.tf32_cudnn else 'off'}"
     if facts.env.get("NVIDIA_TF32_OVERRIDE") == "0":
-        return warned(GROUP, "TF32", state + "; NVIDIA_TF32_OVERRIDE=0 disables TF32 for every library",
-                      "unset NVIDIA_TF32_OVERRIDE unless you need bit-exact fp32")
-    return passed(GROUP, "TF32", f"dit_accel.train turns TF32 on for CUDA (--no-tf32 keeps full fp32); "
-                  f"the plan trains in {plan.precision}")
+        return warned(
+            GROUP,
+            "TF32",
+            state + "; NVIDIA_TF32_OVERRIDE=0 disables TF32 for every library",
+            "unset NVIDIA_TF32_OVERRIDE unless you need bit-exact fp32",
+        )
+    return passed(
+        GROUP,
+        "TF32",
+        f"dit_accel.train turns TF32 on for CUDA (--no-tf32 keeps full fp32); "
+        f"the plan trains in {plan.precision}",
+    )
 
 
 # --- the Accelerate YAML against the plan ----------------------------------------------------------------
+
 
 def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
     """The YAML `accelerate launch` reads must describe the same run as plan.json, which the trainer reads."""
@@ -292,7 +400,9 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
     try:
         config = yaml.safe_load(config_path.read_text())
     except (OSError, yaml.YAMLError) as error:
-        return failed(GROUP, name, f"{config_path} is not readable YAML: {str(error).splitlines()[0]}", remake)
+        return failed(
+            GROUP, name, f"{config_path} is not readable YAML: {str(error).splitlines()[0]}", remake
+        )
     if not isinstance(config, dict):
         return failed(GROUP, name, f"{config_path} is not a YAML mapping", remake)
     from accelerate.commands.config.config_args import ClusterConfig
@@ -300,7 +410,9 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
     try:  # Accelerate's own reader: a top-level key it does not know is an error at launch
         ClusterConfig.from_yaml_file(str(config_path))
     except (ValueError, TypeError, KeyError) as error:
-        return failed(GROUP, name, f"accelerate cannot read {config_path}: {str(error).splitlines()[0]}", remake)
+        return failed(
+            GROUP, name, f"accelerate cannot read {config_path}: {str(error).splitlines()[0]}", remake
+        )
     problems = []
     num_processes = config.get("num_processes")
     if num_processes != plan.world_size:
@@ -309,12 +421,20 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
     if num_machines != plan.nodes:
         problems.append(f"num_machines is {num_machines}, the plan has {plan.nodes} node(s)")
     # The trainer's own rule for which launches run the plan (it applies it to the environment this file makes).
-    problems += launch_problems(plan.sharding, plan.precision, LaunchSettings.from_yaml(config), plan.world_size)
+    problems += launch_problems(
+        plan.sharding, plan.precision, LaunchSettings.from_yaml(config), plan.world_size
+    )
     distributed_type, mixed = config.get("distributed_type", "NO"), config.get("mixed_precision", "no")
     if problems:
-        return failed(GROUP, name, f"{config_path} disagrees with {plan.path.name}: " + "; ".join(problems), remake)
-    return passed(GROUP, name, f"{config_path.name}: {distributed_type}, {num_processes} process(es) on {num_machines} machine(s), "
-                  f"mixed_precision {mixed}, as planned")
+        return failed(
+            GROUP, name, f"{config_path} disagrees with {plan.path.name}: " + "; ".join(problems), remake
+        )
+    return passed(
+        GROUP,
+        name,
+        f"{config_path.name}: {distributed_type}, {num_processes} process(es) on {num_machines} machine(s), "
+        f"mixed_precision {mixed}, as planned",
+    )
 
 
 def check_trainer_runs_plan(plan: PlanFacts) -> Check:
@@ -325,8 +445,12 @@ def check_trainer_runs_plan(plan: PlanFacts) -> Check:
         check_launch(plan.plan, plan.world_size, str(plan.path))
     except UserError as error:
         return failed(GROUP, "trainer", error.problem, error.fix or "re-plan with dit-plan")
-    return passed(GROUP, "trainer", f"dit_accel.train runs this plan: {plan.sharding}, {plan.world_size} process(es), "
-                  f"micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = global batch {plan.global_batch}")
+    return passed(
+        GROUP,
+        "trainer",
+        f"dit_accel.train runs this plan: {plan.sharding}, {plan.world_size} process(es), "
+        f"micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = global batch {plan.global_batch}",
+    )
 
 
 def check_environment(plan: PlanFacts, facts: EnvironmentFacts, config_path: Path) -> list[Check]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
@@ -60,10 +60,13 @@ def read_cgroup_limit(cgroup_root: Path) -> int | None:
     return None
 
 
-def read_host(meminfo_path: str | Path = "/proc/meminfo", shm_path: str | Path = "/dev/shm",
-              cgroup_root: str | Path = "/sys/fs/cgroup",
-              open_files: Callable[[], tuple[int, int]] = lambda: resource.getrlimit(resource.RLIMIT_NOFILE),
-              cpu_count: Callable[[], int] = lambda: len(os.sched_getaffinity(0))) -> HostFacts:
+def read_host(
+    meminfo_path: str | Path = "/proc/meminfo",
+    shm_path: str | Path = "/dev/shm",
+    cgroup_root: str | Path = "/sys/fs/cgroup",
+    open_files: Callable[[], tuple[int, int]] = lambda: resource.getrlimit(resource.RLIMIT_NOFILE),
+    cpu_count: Callable[[], int] = lambda: len(os.sched_getaffinity(0)),
+) -> HostFacts:
     memory = parse_meminfo(Path(meminfo_path).read_text())
     shm_total = shm_free = None
     if Path(shm_path).is_dir():
@@ -94,7 +97,9 @@ def loader_facts(plan: PlanFacts, workers_per_rank: int) -> LoaderFacts:
     """The sample size by the planner's own rule (an fp32 latent, or fp32 RGB pixels)."""
     from planner.host import sample_bytes
 
-    return LoaderFacts(workers_per_rank=workers_per_rank, sample_bytes=sample_bytes(plan.plan.spec(), plan.latents))
+    return LoaderFacts(
+        workers_per_rank=workers_per_rank, sample_bytes=sample_bytes(plan.plan.spec(), plan.latents)
+    )
 
 
 def check_ram(plan: PlanFacts, host: HostFacts, workers_per_rank: int) -> Check:
@@ -107,17 +112,30 @@ def check_ram(plan: PlanFacts, host: HostFacts, workers_per_rank: int) -> Check:
         figures += f", cgroup limit {gib(host.cgroup_limit_bytes)}"
     estimate = plan.host_bytes_for_workers(workers_per_rank)
     if estimate is None:
-        return warned(GROUP, name, figures + "; the plan has no per-node host RAM estimate to compare with",
-                      "re-make the plan with this version's dit-plan")
+        return warned(
+            GROUP,
+            name,
+            figures + "; the plan has no per-node host RAM estimate to compare with",
+            "re-make the plan with this version's dit-plan",
+        )
     need = f"the plan needs about {gib(estimate)} per node"
     if plan.loader_workers is not None and plan.loader_workers != workers_per_rank:
-        need += (f" (its {gib(plan.host_bytes)} assumed {plan.loader_workers} data-loader workers per rank; "
-                 f"rescaled to the run's {workers_per_rank})")
-    fix = ("fewer data-loader workers per rank (--num-workers), precomputed latents (dit-accel extract-latents), "
-           "loading weights once per node, or a node (or job memory request) with more RAM")
+        need += (
+            f" (its {gib(plan.host_bytes)} assumed {plan.loader_workers} data-loader workers per rank; "
+            f"rescaled to the run's {workers_per_rank})"
+        )
+    fix = (
+        "fewer data-loader workers per rank (--num-workers), precomputed latents (dit-accel extract-latents), "
+        "loading weights once per node, or a node (or job memory request) with more RAM"
+    )
     if estimate > limit:
-        return failed(GROUP, name, f"{need}, {gib(limit)} {source} ({figures}): "
-                      "the kernel's OOM killer (or the scheduler) would kill ranks with exitcode -9", fix)
+        return failed(
+            GROUP,
+            name,
+            f"{need}, {gib(limit)} {source} ({figures}): "
+            "the kernel's OOM killer (or the scheduler) would kill ranks with exitcode -9",
+            fix,
+        )
     if estimate > RAM_WARN_FRACTION * limit:
         return warned(GROUP, name, f"{need}, close to the {gib(limit)} {source} ({figures})", fix)
     return passed(GROUP, name, f"{need}; {figures}")
@@ -134,17 +152,27 @@ def check_shm(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> Check:
     if loader.workers_per_rank == 0:
         return passed(GROUP, name, "no data-loader workers: batches stay in the rank's own memory")
     need = shm_needed_bytes(plan, loader)
-    what = (f"{plan.gpus_per_node} rank(s) x {loader.workers_per_rank} worker(s) x {PREFETCH_FACTOR} batches of "
-            f"{plan.micro_batch} need about {gib(need)}")
-    fix = ("enlarge it (docker run --shm-size=16g; Kubernetes: an emptyDir with medium Memory on /dev/shm), "
-           "or use fewer data-loader workers")
+    what = (
+        f"{plan.gpus_per_node} rank(s) x {loader.workers_per_rank} worker(s) x {PREFETCH_FACTOR} batches of "
+        f"{plan.micro_batch} need about {gib(need)}"
+    )
+    fix = (
+        "enlarge it (docker run --shm-size=16g; Kubernetes: an emptyDir with medium Memory on /dev/shm), "
+        "or use fewer data-loader workers"
+    )
     if host.shm_total_bytes is None:
         return failed(GROUP, name, f"there is no /dev/shm; {what}", fix)
     if host.shm_total_bytes < need:
-        return failed(GROUP, name, f"{gib(host.shm_total_bytes)} in total; {what} (workers die with 'Bus error')", fix)
+        return failed(
+            GROUP, name, f"{gib(host.shm_total_bytes)} in total; {what} (workers die with 'Bus error')", fix
+        )
     if host.shm_free_bytes is not None and host.shm_free_bytes < need:
-        return warned(GROUP, name, f"{gib(host.shm_free_bytes)} free of {gib(host.shm_total_bytes)}; {what}",
-                      "remove stale files in /dev/shm (left by killed runs), or " + fix)
+        return warned(
+            GROUP,
+            name,
+            f"{gib(host.shm_free_bytes)} free of {gib(host.shm_total_bytes)}; {what}",
+            "remove stale files in /dev/shm (left by killed runs), or " + fix,
+        )
     return passed(GROUP, name, f"{gib(host.shm_total_bytes)}; {what}")
 
 
@@ -154,10 +182,17 @@ def check_open_files(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> C
     figures = f"soft {host.open_files_soft}, hard {host.open_files_hard}"
     raise_it = f"raise it before the launch: ulimit -n {min(host.open_files_hard, 65536)}"
     if host.open_files_soft < need:
-        return failed(GROUP, name, f"{figures}; a rank with {loader.workers_per_rank} workers needs about {need} "
-                      "('Too many open files' / 'received 0 items of ancdata')", raise_it)
+        return failed(
+            GROUP,
+            name,
+            f"{figures}; a rank with {loader.workers_per_rank} workers needs about {need} "
+            "('Too many open files' / 'received 0 items of ancdata')",
+            raise_it,
+        )
     if host.open_files_soft < COMFORTABLE_OPEN_FILES:
-        return warned(GROUP, name, f"{figures}; enough for about {need}, but below {COMFORTABLE_OPEN_FILES}", raise_it)
+        return warned(
+            GROUP, name, f"{figures}; enough for about {need}, but below {COMFORTABLE_OPEN_FILES}", raise_it
+        )
     return passed(GROUP, name, figures)
 
 
@@ -167,12 +202,24 @@ def check_cpus(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> Check:
     what = f"{host.cpu_count} usable; {plan.gpus_per_node} rank(s) x ({loader.workers_per_rank} worker(s) + 1) = {need}"
     if host.cpu_count < need:
         per_rank = host.cpu_count // max(plan.gpus_per_node, 1) - 1
-        fix = (f"use --num-workers {per_rank} (per rank)" if per_rank > 0 else "a node with more CPUs (or --num-workers 0)")
-        return warned(GROUP, name, what + ": workers will share cores and may starve the GPUs",
-                      fix + "; precomputed latents are the cheapest to load")
+        fix = (
+            f"use --num-workers {per_rank} (per rank)"
+            if per_rank > 0
+            else "a node with more CPUs (or --num-workers 0)"
+        )
+        return warned(
+            GROUP,
+            name,
+            what + ": workers will share cores and may starve the GPUs",
+            fix + "; precomputed latents are the cheapest to load",
+        )
     return passed(GROUP, name, what)
 
 
 def check_host(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> list[Check]:
-    return [check_ram(plan, host, loader.workers_per_rank), check_shm(plan, host, loader), check_open_files(plan, host, loader),
-            check_cpus(plan, host, loader)]
+    return [
+        check_ram(plan, host, loader.workers_per_rank),
+        check_shm(plan, host, loader),
+        check_open_files(plan, host, loader),
+        check_cpus(plan, host, loader),
+    ]

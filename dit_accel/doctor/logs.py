@@ -39,7 +39,8 @@ _ENTRY = re.compile(
     r"\s*rank\s*:\s*(?P<rank>-?\d+)\s*\(local_rank:\s*(?P<local_rank>-?\d+)\)\s*\n"
     r"\s*exitcode\s*:\s*(?P<exitcode>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)[^\n]*\n"
     r"\s*error_file\s*:\s*(?P<error_file>[^\n]*)\n"
-    r"\s*traceback\s*:\s*(?P<traceback>[^\n]*)")
+    r"\s*traceback\s*:\s*(?P<traceback>[^\n]*)"
+)
 _ROOT_CAUSE = "Root Cause (first observed failure):"
 
 
@@ -85,24 +86,40 @@ def parse_failures(text: str) -> list[RankFailure]:
     failures = []
     for block_start in [match.start() for match in re.finditer(r"^Failures:\s*$", text, re.MULTILINE)] or [0]:
         block_end = text.find("\n===", text.find(_ROOT_CAUSE, block_start) + 1)
-        block = text[block_start: block_end if block_end > 0 else len(text)]
+        block = text[block_start : block_end if block_end > 0 else len(text)]
         root_at = block.find(_ROOT_CAUSE)
         for match in _ENTRY.finditer(block):
-            failures.append(RankFailure(
-                time=match["time"], host=match["host"], rank=int(match["rank"]), local_rank=int(match["local_rank"]),
-                exitcode=int(match["exitcode"]), pid=int(match["pid"]), error_file=match["error_file"].strip(),
-                traceback=match["traceback"].strip(), root_cause=root_at >= 0 and match.start() > root_at))
+            failures.append(
+                RankFailure(
+                    time=match["time"],
+                    host=match["host"],
+                    rank=int(match["rank"]),
+                    local_rank=int(match["local_rank"]),
+                    exitcode=int(match["exitcode"]),
+                    pid=int(match["pid"]),
+                    error_file=match["error_file"].strip(),
+                    traceback=match["traceback"].strip(),
+                    root_cause=root_at >= 0 and match.start() > root_at,
+                )
+            )
     unique = list({(f.host, f.rank, f.pid, f.exitcode): f for f in failures}.values())
     return sorted(unique, key=lambda f: (not f.root_cause, f.time, f.rank))
 
 
 # the launcher's own traceback that reports a rank's death: never the rank's exception
-_LAUNCHER_EXCEPTIONS = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError", "subprocess.CalledProcessError")
+_LAUNCHER_EXCEPTIONS = (
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
+    "subprocess.CalledProcessError",
+)
 
 
-_AGENT_LINE = re.compile(r"failed \(exitcode: (?P<exitcode>-?\d+)\) local_rank: (?P<local_rank>\d+) \(pid: (?P<pid>\d+)\)")
-_SIMPLE_LAUNCHER = re.compile(r"subprocess\.CalledProcessError: Command .* (?:died with <Signals\.(?P<signal>\w+): (?P<number>\d+)>"
-                              r"|returned non-zero exit status (?P<status>\d+))")
+_AGENT_LINE = re.compile(
+    r"failed \(exitcode: (?P<exitcode>-?\d+)\) local_rank: (?P<local_rank>\d+) \(pid: (?P<pid>\d+)\)"
+)
+_SIMPLE_LAUNCHER = re.compile(
+    r"subprocess\.CalledProcessError: Command .* (?:died with <Signals\.(?P<signal>\w+): (?P<number>\d+)>"
+    r"|returned non-zero exit status (?P<status>\d+))"
+)
 
 
 def parse_fallback_failures(text: str) -> list[RankFailure]:
@@ -111,8 +128,19 @@ def parse_fallback_failures(text: str) -> list[RankFailure]:
     unknown = "?"
     agent = _AGENT_LINE.search(text)
     if agent:
-        return [RankFailure(unknown, unknown, int(agent["local_rank"]), int(agent["local_rank"]), int(agent["exitcode"]),
-                            int(agent["pid"]), unknown, unknown, root_cause=True)]
+        return [
+            RankFailure(
+                unknown,
+                unknown,
+                int(agent["local_rank"]),
+                int(agent["local_rank"]),
+                int(agent["exitcode"]),
+                int(agent["pid"]),
+                unknown,
+                unknown,
+                root_cause=True,
+            )
+        ]
     simple = _SIMPLE_LAUNCHER.search(text)
     if simple:
         exitcode = -int(simple["number"]) if simple["number"] else int(simple["status"])
@@ -127,7 +155,7 @@ def last_exception_line(text: str) -> str | None:
     for start, line in enumerate(lines):
         if line.strip() != "Traceback (most recent call last):":
             continue
-        for candidate in lines[start + 1:]:
+        for candidate in lines[start + 1 :]:
             if candidate and not candidate[0].isspace() and not candidate.startswith("Traceback"):
                 if not candidate.startswith(_LAUNCHER_EXCEPTIONS):
                     found = candidate.strip()
@@ -138,17 +166,30 @@ def last_exception_line(text: str) -> str | None:
 # --- the classic messages ------------------------------------------------------------------------------
 
 _CUDA_OOM = re.compile(r"CUDA out of memory\. Tried to allocate (?P<tried>[\d.]+ [KMGT]?i?B)")
-_CUDA_OOM_CAPACITY = re.compile(r"GPU (?P<gpu>\d+) has a total capacity of (?P<total>[\d.]+ [KMGT]i?B) of which (?P<free>[\d.]+ [KMGT]?i?B) is free")
-_CUDA_OOM_OLD = re.compile(r"\(GPU (?P<gpu>\d+); (?P<total>[\d.]+ [KMGT]i?B) total capacity; (?P<allocated>[\d.]+ [KMGT]i?B) already allocated; (?P<free>[\d.]+ [KMGT]?i?B) free")
+_CUDA_OOM_CAPACITY = re.compile(
+    r"GPU (?P<gpu>\d+) has a total capacity of (?P<total>[\d.]+ [KMGT]i?B) of which (?P<free>[\d.]+ [KMGT]?i?B) is free"
+)
+_CUDA_OOM_OLD = re.compile(
+    r"\(GPU (?P<gpu>\d+); (?P<total>[\d.]+ [KMGT]i?B) total capacity; "
+    r"(?P<allocated>[\d.]+ [KMGT]i?B) already allocated; (?P<free>[\d.]+ [KMGT]?i?B) free"
+)
 _OTHER_PROCESS = re.compile(r"Process (?P<pid>\d+) has (?P<used>[\d.]+ [KMGT]i?B) memory in use")
 _STEP = re.compile(r"\bstep[\s=:]+(?P<step>\d+)", re.IGNORECASE)
 # '[Rank 2] Watchdog ...', '[PG ID 0 PG GUID 0(default_pg) Rank 2] Watchdog ...' (newer torch), '[rank2] Watchdog ...'
-_NCCL_TIMEOUT = re.compile(r"(?:[Rr]ank ?(?P<rank>\d+)\]:?\s*)?Watchdog caught collective operation timeout:\s*WorkNCCL\("
-                           r"SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)[^)]*?Timeout\(ms\)=(?P<timeout_ms>\d+)\)")
-_NCCL_ERROR = re.compile(r"(ncclSystemError|ncclInternalError|ncclRemoteError|ncclUnhandledCudaError|ncclInvalidUsage)[^\n]*")
+_NCCL_TIMEOUT = re.compile(
+    r"(?:[Rr]ank ?(?P<rank>\d+)\]:?\s*)?Watchdog caught collective operation timeout:\s*WorkNCCL\("
+    r"SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)[^)]*?Timeout\(ms\)=(?P<timeout_ms>\d+)\)"
+)
+_NCCL_ERROR = re.compile(
+    r"(ncclSystemError|ncclInternalError|ncclRemoteError|ncclUnhandledCudaError|ncclInvalidUsage)[^\n]*"
+)
 _FILE_NOT_FOUND = re.compile(r"FileNotFoundError: \[Errno 2\] No such file or directory: '(?P<path>[^']+)'")
-_KERNEL_OOM_KILL = re.compile(r"(?:Out of memory|Memory cgroup out of memory): Killed process (?P<pid>\d+) \((?P<name>[^)]*)\)")
-_SCHEDULER_OOM = re.compile(r"(slurmstepd: error: Detected \d+ oom[-_]kill event[^\n]*|oom_kill event[^\n]*|OOMKilled)")
+_KERNEL_OOM_KILL = re.compile(
+    r"(?:Out of memory|Memory cgroup out of memory): Killed process (?P<pid>\d+) \((?P<name>[^)]*)\)"
+)
+_SCHEDULER_OOM = re.compile(
+    r"(slurmstepd: error: Detected \d+ oom[-_]kill event[^\n]*|oom_kill event[^\n]*|OOMKilled)"
+)
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: (?P<what>[^.\n]+)")
 
 
@@ -169,11 +210,15 @@ def _oom_kill_hint(text: str, failure: RankFailure | None) -> str:
 def _host_estimate(plan: PlanFacts | None) -> str:
     if plan is None or plan.host_bytes is None:
         return "Compare the node's RAM with the plan's host estimate (`dit-accel doctor --plan plan/plan.json ...` checks it)."
-    return (f"The plan ({plan.path}) estimates {gib(plan.host_bytes)} of host RAM per node; "
-            "`dit-accel doctor --plan ...` compares it with the node's.")
+    return (
+        f"The plan ({plan.path}) estimates {gib(plan.host_bytes)} of host RAM per node; "
+        "`dit-accel doctor --plan ...` compares it with the node's."
+    )
 
 
-RANK_LOG = "logs/rank{rank}.log"  # the trainer's per-rank log, relative to the run folder (train.setup_logging)
+RANK_LOG = (
+    "logs/rank{rank}.log"  # the trainer's per-rank log, relative to the run folder (train.setup_logging)
+)
 
 
 def _rank_logs(output_dir: Path | None, rank: int | None = None) -> str:
@@ -184,55 +229,97 @@ def _rank_logs(output_dir: Path | None, rank: int | None = None) -> str:
     return f"{output_dir / RANK_LOG.format(rank=rank)} (that rank's own log)"
 
 
-def explain_signal_kill(failure: RankFailure, text: str, plan: PlanFacts | None, output_dir: Path | None) -> Check:
+def explain_signal_kill(
+    failure: RankFailure, text: str, plan: PlanFacts | None, output_dir: Path | None
+) -> Check:
     confirm = _oom_kill_hint(text, failure)
-    reason = (f"{failure.who}. SIGKILL is sent from outside the process: usually the host kernel's OOM killer "
-              "(host RAM, not GPU memory, ran out) or the job scheduler killing a job over its memory limit." + confirm +
-              f" Check `dmesg -T | grep -i 'killed process'` or `journalctl -k | grep -i 'out of memory'` on {failure.host} "
-              f"(look for pid {failure.pid}), or the scheduler's job record (e.g. `sacct -j JOBID -o State,MaxRSS`). "
-              + _host_estimate(plan) + f" See also {_rank_logs(output_dir, failure.rank)}.")
-    fix = ("fewer data-loader workers per rank (--num-workers), precomputed latents (dit-accel extract-latents), loading "
-           "weights once per node, or more host RAM (or a larger job memory request); `dit-plan --host-ram SIZE` "
-           "checks the estimate against your nodes")
+    reason = (
+        f"{failure.who}. SIGKILL is sent from outside the process: usually the host kernel's OOM killer "
+        "(host RAM, not GPU memory, ran out) or the job scheduler killing a job over its memory limit."
+        + confirm
+        + f" Check `dmesg -T | grep -i 'killed process'` or `journalctl -k | grep -i 'out of memory'` on {failure.host} "
+        f"(look for pid {failure.pid}), or the scheduler's job record (e.g. `sacct -j JOBID -o State,MaxRSS`). "
+        + _host_estimate(plan)
+        + f" See also {_rank_logs(output_dir, failure.rank)}."
+    )
+    fix = (
+        "fewer data-loader workers per rank (--num-workers), precomputed latents (dit-accel extract-latents), loading "
+        "weights once per node, or more host RAM (or a larger job memory request); `dit-plan --host-ram SIZE` "
+        "checks the estimate against your nodes"
+    )
     return failed(GROUP, "exitcode -9 (SIGKILL)", reason, fix)
 
 
-def explain_exit(failure: RankFailure, text: str, plan: PlanFacts | None, output_dir: Path | None) -> Check | None:
+def explain_exit(
+    failure: RankFailure, text: str, plan: PlanFacts | None, output_dir: Path | None
+) -> Check | None:
     """What one rank's exit code says, beyond what the classic messages already explained."""
     if failure.exitcode == -signal.SIGKILL:
         return explain_signal_kill(failure, text, plan, output_dir)
     if failure.exitcode == -signal.SIGSEGV:
-        return failed(GROUP, "exitcode -11 (SIGSEGV)",
-                      f"{failure.who}. A segmentation fault is a crash in native code: a data-loader worker's image "
-                      "decoder, mismatched CUDA/NCCL libraries (LD_LIBRARY_PATH), or a torch/driver mismatch.",
-                      "re-run with PYTHONFAULTHANDLER=1 to print where it crashed, try 0 data-loader workers, and run "
-                      "`dit-accel doctor` to check the versions")
+        return failed(
+            GROUP,
+            "exitcode -11 (SIGSEGV)",
+            f"{failure.who}. A segmentation fault is a crash in native code: a data-loader worker's image "
+            "decoder, mismatched CUDA/NCCL libraries (LD_LIBRARY_PATH), or a torch/driver mismatch.",
+            "re-run with PYTHONFAULTHANDLER=1 to print where it crashed, try 0 data-loader workers, and run "
+            "`dit-accel doctor` to check the versions",
+        )
     if failure.exitcode == -signal.SIGABRT:
         watchdog = bool(_NCCL_TIMEOUT.search(clean(text)))
-        meaning = ("here NCCL's watchdog aborted the process after a collective timed out (see the NCCL row): "
-                   "the real cause is the rank that stopped first" if watchdog else
-                   "a C++ abort: an uncaught c10::Error ('terminate called after throwing ...'), NCCL's watchdog tearing "
-                   "the process down after a timeout, or a failed CUDA assertion")
-        return failed(GROUP, "exitcode -6 (SIGABRT)", f"{failure.who}. SIGABRT is {meaning}.",
-                      "read the lines just before the abort in this rank's log; for CUDA asserts re-run with "
-                      "CUDA_LAUNCH_BLOCKING=1")
+        meaning = (
+            "here NCCL's watchdog aborted the process after a collective timed out (see the NCCL row): "
+            "the real cause is the rank that stopped first"
+            if watchdog
+            else "a C++ abort: an uncaught c10::Error ('terminate called after throwing ...'), NCCL's watchdog tearing "
+            "the process down after a timeout, or a failed CUDA assertion"
+        )
+        return failed(
+            GROUP,
+            "exitcode -6 (SIGABRT)",
+            f"{failure.who}. SIGABRT is {meaning}.",
+            "read the lines just before the abort in this rank's log; for CUDA asserts re-run with "
+            "CUDA_LAUNCH_BLOCKING=1",
+        )
     if failure.exitcode == -signal.SIGBUS:
-        return failed(GROUP, "exitcode -7 (SIGBUS)",
-                      f"{failure.who}. A bus error in a training job is nearly always /dev/shm too small for the "
-                      "data-loader workers' shared batches.",
-                      "enlarge /dev/shm (docker --shm-size=16g) or use fewer data-loader workers; `dit-accel doctor` checks it")
+        return failed(
+            GROUP,
+            "exitcode -7 (SIGBUS)",
+            f"{failure.who}. A bus error in a training job is nearly always /dev/shm too small for the "
+            "data-loader workers' shared batches.",
+            "enlarge /dev/shm (docker --shm-size=16g) or use fewer data-loader workers; `dit-accel doctor` checks it",
+        )
     if failure.exitcode > 0:
         last = last_exception_line(text)
-        error_line = next((line.strip() for line in clean(text).splitlines() if re.search(r"^[\w.-]+: error: ", line.strip())), None)
+        error_line = next(
+            (
+                line.strip()
+                for line in clean(text).splitlines()
+                if re.search(r"^[\w.-]+: error: ", line.strip())
+            ),
+            None,
+        )
         if failure.exitcode == 2 and error_line:
-            return failed(GROUP, f"exitcode {failure.exitcode}", f"{failure.who}. The program refused its input: {error_line}",
-                          "fix what that line names, then run `dit-accel doctor` on every node before relaunching")
+            return failed(
+                GROUP,
+                f"exitcode {failure.exitcode}",
+                f"{failure.who}. The program refused its input: {error_line}",
+                "fix what that line names, then run `dit-accel doctor` on every node before relaunching",
+            )
         if last:
-            return failed(GROUP, f"exitcode {failure.exitcode}", f"{failure.who}. Python exception: {last}",
-                          f"read the full traceback above it (and {_rank_logs(output_dir, failure.rank)})")
-        return failed(GROUP, f"exitcode {failure.exitcode}", f"{failure.who}. The rank's traceback is not in this log "
-                      f"(error_file: {failure.error_file})",
-                      f"read {_rank_logs(output_dir, failure.rank)}; decorate the entry point with torch.distributed.elastic's @record to get it here")
+            return failed(
+                GROUP,
+                f"exitcode {failure.exitcode}",
+                f"{failure.who}. Python exception: {last}",
+                f"read the full traceback above it (and {_rank_logs(output_dir, failure.rank)})",
+            )
+        return failed(
+            GROUP,
+            f"exitcode {failure.exitcode}",
+            f"{failure.who}. The rank's traceback is not in this log (error_file: {failure.error_file})",
+            f"read {_rank_logs(output_dir, failure.rank)}; decorate the entry point with "
+            "torch.distributed.elastic's @record to get it here",
+        )
     return None
 
 
@@ -244,21 +331,30 @@ def find_cuda_oom(text: str) -> Check | None:
     figures = f"tried to allocate {match['tried']}"
     if capacity:
         figures += f" on GPU {capacity['gpu']} ({capacity['total']} total, {capacity['free']} free)"
-    holders = [f"pid {m['pid']} ({m['used']})" for m in _OTHER_PROCESS.finditer(text, match.start(), match.start() + 2000)]
+    holders = [
+        f"pid {m['pid']} ({m['used']})"
+        for m in _OTHER_PROCESS.finditer(text, match.start(), match.start() + 2000)
+    ]
     if holders:  # PyTorch lists every process NVML sees on the GPU, this one included
         figures += "; processes holding the GPU: " + ", ".join(holders)
     steps = [int(m["step"]) for m in _STEP.finditer(text, 0, match.start())]
     last_step = max(steps, default=0)
     if last_step <= 1:
-        return failed(GROUP, "CUDA out of memory at step 1",
-                      f"{figures}, before any training step finished: the planned step does not fit this GPU "
-                      "(the plan's VRAM is larger than the real free memory, or its estimate is too low)",
-                      "re-plan with dit-plan --vram set to the GPU's real free memory, a lower --max-micro-batch, or more "
-                      "checkpointed blocks (--checkpointing); check free memory with `dit-accel doctor`")
-    return failed(GROUP, "CUDA out of memory",
-                  f"{figures}, after step {last_step} ran: memory grew or fragmented during training",
-                  "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, re-plan with more headroom (a smaller --vram), and "
-                  "look for tensors kept across steps (e.g. summing losses without .item())")
+        return failed(
+            GROUP,
+            "CUDA out of memory at step 1",
+            f"{figures}, before any training step finished: the planned step does not fit this GPU "
+            "(the plan's VRAM is larger than the real free memory, or its estimate is too low)",
+            "re-plan with dit-plan --vram set to the GPU's real free memory, a lower --max-micro-batch, or more "
+            "checkpointed blocks (--checkpointing); check free memory with `dit-accel doctor`",
+        )
+    return failed(
+        GROUP,
+        "CUDA out of memory",
+        f"{figures}, after step {last_step} ran: memory grew or fragmented during training",
+        "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, re-plan with more headroom (a smaller --vram), and "
+        "look for tensors kept across steps (e.g. summing losses without .item())",
+    )
 
 
 def find_nccl(text: str) -> list[Check]:
@@ -267,18 +363,29 @@ def find_nccl(text: str) -> list[Check]:
     if timeout:
         ranks = sorted({int(m["rank"]) for m in _NCCL_TIMEOUT.finditer(text) if m["rank"] is not None})
         who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "a rank"
-        checks.append(failed(GROUP, "NCCL timeout",
-                             f"{who} waited {int(timeout['timeout_ms']) / 1000:.0f} s in {timeout['op']} (collective #{timeout['seq']}) "
-                             "for a rank that never joined: a rank died or hung first, the ranks ran different numbers "
-                             "of steps, or the network between nodes failed",
-                             "find the first rank that failed (the Root Cause entry, its own log) and fix that; re-run with "
-                             "NCCL_DEBUG=INFO and check NCCL_SOCKET_IFNAME names the right network interface; raise the "
-                             "timeout only if one rank is legitimately slow (e.g. rank 0 building a cache)"))
+        checks.append(
+            failed(
+                GROUP,
+                "NCCL timeout",
+                f"{who} waited {int(timeout['timeout_ms']) / 1000:.0f} s in {timeout['op']} (collective #{timeout['seq']}) "
+                "for a rank that never joined: a rank died or hung first, the ranks ran different numbers "
+                "of steps, or the network between nodes failed",
+                "find the first rank that failed (the Root Cause entry, its own log) and fix that; re-run with "
+                "NCCL_DEBUG=INFO and check NCCL_SOCKET_IFNAME names the right network interface; raise the "
+                "timeout only if one rank is legitimately slow (e.g. rank 0 building a cache)",
+            )
+        )
     error = _NCCL_ERROR.search(text)
     if error:
-        checks.append(failed(GROUP, "NCCL error", f"{error.group(0).strip()[:200]}",
-                             "re-run with NCCL_DEBUG=INFO; check NCCL_SOCKET_IFNAME (and NCCL_IB_DISABLE=1 to rule out "
-                             "InfiniBand), and that every node has the same torch/NCCL versions"))
+        checks.append(
+            failed(
+                GROUP,
+                "NCCL error",
+                f"{error.group(0).strip()[:200]}",
+                "re-run with NCCL_DEBUG=INFO; check NCCL_SOCKET_IFNAME (and NCCL_IB_DISABLE=1 to rule out "
+                "InfiniBand), and that every node has the same torch/NCCL versions",
+            )
+        )
     return checks
 
 
@@ -286,10 +393,13 @@ def find_missing_path(text: str) -> Check | None:
     match = _FILE_NOT_FOUND.search(text)
     if not match:
         return None
-    return failed(GROUP, "path not found",
-                  f"{match['path']} does not exist on the node that read it (a wrong --data-path, a relative path "
-                  "resolved from another working directory, or a disk mounted on only some nodes)",
-                  "pass an absolute path that exists on every node; `dit-accel doctor --data-path DIR` on each node checks it")
+    return failed(
+        GROUP,
+        "path not found",
+        f"{match['path']} does not exist on the node that read it (a wrong --data-path, a relative path "
+        "resolved from another working directory, or a disk mounted on only some nodes)",
+        "pass an absolute path that exists on every node; `dit-accel doctor --data-path DIR` on each node checks it",
+    )
 
 
 def find_worker_killed(text: str) -> Check | None:
@@ -297,11 +407,18 @@ def find_worker_killed(text: str) -> Check | None:
     if not match:
         return None
     if "bus" in match["what"].lower():
-        return failed(GROUP, "data-loader worker killed", f"a worker died of {match['what']}: /dev/shm is too small",
-                      "enlarge /dev/shm (docker --shm-size=16g) or use fewer data-loader workers")
-    return failed(GROUP, "data-loader worker killed",
-                  f"a worker was killed by signal {match['what']}: usually the host's OOM killer",
-                  "fewer data-loader workers, precomputed latents, or more host RAM; `dit-accel doctor` compares the plan's host estimate")
+        return failed(
+            GROUP,
+            "data-loader worker killed",
+            f"a worker died of {match['what']}: /dev/shm is too small",
+            "enlarge /dev/shm (docker --shm-size=16g) or use fewer data-loader workers",
+        )
+    return failed(
+        GROUP,
+        "data-loader worker killed",
+        f"a worker was killed by signal {match['what']}: usually the host's OOM killer",
+        "fewer data-loader workers, precomputed latents, or more host RAM; `dit-accel doctor` compares the plan's host estimate",
+    )
 
 
 def _consequence(failure: RankFailure) -> str:
@@ -322,9 +439,17 @@ def diagnose(text: str, plan: PlanFacts | None = None, output_dir: Path | None =
         summary = f"root cause {root.who}"
         if others:
             summary += "; also failed: " + "; ".join(_consequence(f) for f in others[:8])
-        checks.append(failed(GROUP, "failed ranks", summary,
-                             "fix the root cause first: later failures are often its consequence"))
-    classic = [found for found in (find_cuda_oom(text), find_missing_path(text), find_worker_killed(text)) if found]
+        checks.append(
+            failed(
+                GROUP,
+                "failed ranks",
+                summary,
+                "fix the root cause first: later failures are often its consequence",
+            )
+        )
+    classic = [
+        found for found in (find_cuda_oom(text), find_missing_path(text), find_worker_killed(text)) if found
+    ]
     classic += find_nccl(text)
     checks += classic
     explained = set()
@@ -338,7 +463,13 @@ def diagnose(text: str, plan: PlanFacts | None = None, output_dir: Path | None =
     if not checks:
         last = last_exception_line(text)
         if last:
-            return [warned(GROUP, "unrecognised failure", f"no known failure pattern; the last Python exception is: {last}",
-                           "read the traceback above it")]
+            return [
+                warned(
+                    GROUP,
+                    "unrecognised failure",
+                    f"no known failure pattern; the last Python exception is: {last}",
+                    "read the traceback above it",
+                )
+            ]
         return [passed(GROUP, "log", "no failure block, traceback or known error message found")]
     return checks

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from dit_accel.doctor.checks import Check, Status, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
@@ -35,8 +35,9 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def check_disk(plan: PlanFacts, output_dir: Path, keep_last: int,
-               disk_usage: Callable[[str], tuple] = shutil.disk_usage) -> Check:
+def check_disk(
+    plan: PlanFacts, output_dir: Path, keep_last: int, disk_usage: Callable[[str], tuple] = shutil.disk_usage
+) -> Check:
     name = "disk space"
     where = _existing_ancestor(output_dir)
     free_bytes = disk_usage(str(where)).free
@@ -47,9 +48,11 @@ def check_disk(plan: PlanFacts, output_dir: Path, keep_last: int,
     # checkpoints already in the run folder (a resume) are already off the free space
     existing = len(complete_checkpoints(output_dir)) if output_dir.is_dir() else 0
     need = one * max(1, keep_last + 1 - existing)
-    what = (f"{gib(free_bytes)} free at {where}; a checkpoint of {plan.model_name} (weights + EMA + AdamW, fp32) is "
-            f"{gib(one)}, keeping {keep_last} needs {gib(need)} more while the next one is written"
-            + (f" ({existing} already there)" if existing else ""))
+    what = (
+        f"{gib(free_bytes)} free at {where}; a checkpoint of {plan.model_name} (weights + EMA + AdamW, fp32) is "
+        f"{gib(one)}, keeping {keep_last} needs {gib(need)} more while the next one is written"
+        + (f" ({existing} already there)" if existing else "")
+    )
     fix = "free space, point --output-dir at a larger disk, or keep fewer checkpoints"
     if free_bytes < need:
         return failed(GROUP, name, what, fix)
@@ -75,8 +78,9 @@ def check_writable(output_dir: Path) -> Check:
     return passed(GROUP, name, f"{output_dir} {state}; writing a file there works")
 
 
-def check_output(plan: PlanFacts, output_dir: Path, keep_last: int,
-                 disk_usage: Callable[[str], tuple] = shutil.disk_usage) -> list[Check]:
+def check_output(
+    plan: PlanFacts, output_dir: Path, keep_last: int, disk_usage: Callable[[str], tuple] = shutil.disk_usage
+) -> list[Check]:
     writable = check_writable(output_dir)
     if writable.status is Status.FAIL and not _existing_ancestor(output_dir).is_dir():
         return [writable]

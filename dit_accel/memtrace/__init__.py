@@ -16,11 +16,32 @@ same storages. What a tensor trace cannot see is listed in `UNSEEN` and printed 
     report        the tables and `dit-accel verify`
 """
 
-from dit_accel.memtrace.comparison import Comparison, ShardedComparison, compare, compare_sharded, planner_estimate
+from dit_accel.memtrace.comparison import (
+    Comparison,
+    ShardedComparison,
+    compare,
+    compare_sharded,
+    planner_estimate,
+)
 from dit_accel.memtrace.driver import StepParts, build_step_parts, run_traced, trace_training_step
 from dit_accel.memtrace.report import format_report, format_sharded_report, main
 from dit_accel.memtrace.tracker import COMPONENTS, UNSEEN, StorageTracker, TraceResult
 
-__all__ = ["COMPONENTS", "UNSEEN", "Comparison", "ShardedComparison", "StepParts", "StorageTracker", "TraceResult",
-           "build_step_parts", "compare", "compare_sharded", "format_report", "format_sharded_report", "main",
-           "planner_estimate", "run_traced", "trace_training_step"]
+__all__ = [
+    "COMPONENTS",
+    "UNSEEN",
+    "Comparison",
+    "ShardedComparison",
+    "StepParts",
+    "StorageTracker",
+    "TraceResult",
+    "build_step_parts",
+    "compare",
+    "compare_sharded",
+    "format_report",
+    "format_sharded_report",
+    "main",
+    "planner_estimate",
+    "run_traced",
+    "trace_training_step",
+]

@@ -26,7 +26,9 @@ def planner_phases(plan: Plan, autocast_device: str, sharding: str = "ddp", worl
     from planner.hardware import Assumptions
     from planner.memory import Cluster, step_memory
 
-    decision = dataclasses.replace(plan.decision, sharding=sharding, adamw=traced_optimizer_kind(plan, autocast_device))
+    decision = dataclasses.replace(
+        plan.decision, sharding=sharding, adamw=traced_optimizer_kind(plan, autocast_device)
+    )
     assumptions = Assumptions()
     recorded = {key: value for key, value in plan.assumptions.items() if hasattr(assumptions, key)}
     assumptions = assumptions.replace(**recorded).replace(autocast_device=autocast_device)
@@ -81,10 +83,13 @@ def traced_as_planner_components(result: TraceResult) -> dict[str, int]:
 def compare(result: TraceResult, plan: Plan) -> Comparison:
     planned_peak, planned, phase = planner_estimate(plan, result.autocast_device)
     traced = traced_as_planner_components(result)
-    rows = [(name, traced[name], planned[name], relative_error(planned[name], traced[name])) for name in COMPARED]
+    rows = [
+        (name, traced[name], planned[name], relative_error(planned[name], traced[name])) for name in COMPARED
+    ]
     rows.append(("batch (inputs, noise, labels)", result.components.get("batch", 0), None, None))
-    return Comparison(rows=rows, traced_peak_bytes=result.peak_bytes, planned_peak_bytes=planned_peak,
-                      planned_phase=phase)
+    return Comparison(
+        rows=rows, traced_peak_bytes=result.peak_bytes, planned_peak_bytes=planned_peak, planned_phase=phase
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,21 +133,32 @@ def compare_sharded(result: TraceResult, plan: Plan) -> ShardedComparison:
     world_size, traced = result.world_size, result.components
     compute_bytes = 4 if result.precision == "fp32" else 2
     dtype = {2: result.precision, 4: "fp32"}[compute_bytes]
-    gathered = traced["weights"]  # every parameter, converted to the compute dtype: all units gathered at once
+    gathered = traced[
+        "weights"
+    ]  # every parameter, converted to the compute dtype: all units gathered at once
     params = gathered // compute_bytes
     master = 4 * params // world_size
     if result.sharding == "zero3":
-        held_blocks = min(2, spec.depth)  # the unit in use and the prefetched next, plus the root (planner's rule)
+        held_blocks = min(
+            2, spec.depth
+        )  # the unit in use and the prefetched next, plus the root (planner's rule)
         gathered = compute_bytes * (params - (spec.depth - held_blocks) * spec.block_params)
-        gathered_how = f"modelled {dtype} gathered parameters: root unit + {held_blocks} block units (planner's rule)"
+        gathered_how = (
+            f"modelled {dtype} gathered parameters: root unit + {held_blocks} block units (planner's rule)"
+        )
     else:
         gathered_how = f"traced {dtype} gathered parameters: every unit, forward to end of backward"
     ema = 4 * params // world_size if plan.decision.ema else 0
     derived = f"derived: 1/{world_size} of the traced {params:,} parameters"
     rank = {
-        "weights": (master + traced["buffers"] + gathered,
-                    f"{derived} x 4 B (fp32 master shard) + traced fp32 buffer + {gathered_how}"),
-        "grads": (traced["grads"], f"traced: fp32 1/{world_size} shards as each reduce-scatter leaves them (emulated)"),
+        "weights": (
+            master + traced["buffers"] + gathered,
+            f"{derived} x 4 B (fp32 master shard) + traced fp32 buffer + {gathered_how}",
+        ),
+        "grads": (
+            traced["grads"],
+            f"traced: fp32 1/{world_size} shards as each reduce-scatter leaves them (emulated)",
+        ),
         "optimizer": (2 * 4 * params // world_size, f"{derived} x 8 B (AdamW exp_avg, exp_avg_sq)"),
         "ema": (ema, f"{derived} x 4 B (fp32 EMA)" if ema else "no EMA"),
         "activations": (traced["activations"], f"traced: pure {dtype}, no autocast"),
@@ -153,15 +169,25 @@ def compare_sharded(result: TraceResult, plan: Plan) -> ShardedComparison:
     phases = planner_phases(plan, result.autocast_device, result.sharding, world_size)
     compute_phases = {phase: parts for phase, parts in phases.items() if phase != "optimizer_step"}
     # the planner at the moment the trace peaked, else at its own largest forward/backward moment
-    planned_phase = result.peak_moment if result.peak_moment in compute_phases else \
-        max(compute_phases, key=lambda phase: sum(compute_phases[phase][name] for name in COMPARED))
+    planned_phase = (
+        result.peak_moment
+        if result.peak_moment in compute_phases
+        else max(compute_phases, key=lambda phase: sum(compute_phases[phase][name] for name in COMPARED))
+    )
     planned = compute_phases[planned_phase]
-    rows = [(name, rank[name][0], planned[name], relative_error(planned[name], rank[name][0]), rank[name][1])
-            for name in COMPARED]
+    rows = [
+        (name, rank[name][0], planned[name], relative_error(planned[name], rank[name][0]), rank[name][1])
+        for name in COMPARED
+    ]
     rows.append(("batch (inputs, noise, labels)", traced.get("batch", 0), None, None, "traced"))
-    optimizer_step = master + traced["buffers"] + 4 * params // world_size + 2 * 4 * params // world_size + ema
+    optimizer_step = (
+        master + traced["buffers"] + 4 * params // world_size + 2 * 4 * params // world_size + ema
+    )
     return ShardedComparison(
-        rows=rows, compute_peak_bytes=sum(row[1] for row in rows),
-        planned_compute_bytes=sum(planned[name] for name in COMPARED), planned_compute_phase=planned_phase,
+        rows=rows,
+        compute_peak_bytes=sum(row[1] for row in rows),
+        planned_compute_bytes=sum(planned[name] for name in COMPARED),
+        planned_compute_phase=planned_phase,
         optimizer_step_bytes=optimizer_step,
-        planned_optimizer_step_bytes=sum(phases["optimizer_step"][name] for name in COMPARED))
+        planned_optimizer_step_bytes=sum(phases["optimizer_step"][name] for name in COMPARED),
+    )

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -26,6 +26,7 @@ from dit_accel.memtrace.extrapolate import (
 )
 from dit_accel.memtrace.tracker import StorageTracker, TraceResult, _in_backward
 from planner.planfile import Plan
+
 
 @dataclass
 class StepParts:
@@ -49,10 +50,12 @@ class StepParts:
     batch_tensors: list = field(default_factory=list)
     # called when a parameter's gradient is complete; default: count `param.grad` as grads (a sharded trace
     # frees it and keeps a 1/N fp32 shard instead, as FSDP2's reduce-scatter does)
-    on_grad: Callable[[torch.nn.Parameter, "StorageTracker"], None] | None = None
+    on_grad: Callable[[torch.nn.Parameter, StorageTracker], None] | None = None
 
 
-def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int = 2, max_micro_steps: int = 2) -> None:
+def run_traced(
+    parts: StepParts, tracker: StorageTracker, optimizer_steps: int = 2, max_micro_steps: int = 2
+) -> None:
     """Run `optimizer_steps` steps of the trainer under `tracker`, labelling the windows.
 
     Only the last step runs its whole accumulation cycle, and that up to `max_micro_steps` micro-steps:
@@ -80,6 +83,7 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
         def hook(module, args):
             if not _in_backward():  # a checkpointed block's recompute runs forward again inside backward
                 tracker.set_window(("fwd", where["step"], where["micro"], index))
+
         return hook
 
     def block_post(index):
@@ -93,26 +97,32 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
                 hidden.register_hook(lambda grad: tracker.set_window(("bwd", step, micro, index)))
             if index == last_block:
                 tracker.set_window(("head", step, micro))
+
         return hook
 
     for index, block in enumerate(parts.blocks):
         handles.append(block.register_forward_pre_hook(block_pre(index)))
         handles.append(block.register_forward_hook(block_post(index)))
     if parts.on_grad is None:
+
         def on_grad(p):
             tracker.tag(p.grad, "grads")
     else:
+
         def on_grad(p):
             parts.on_grad(p, tracker)
+
     for param in parts.model.parameters():
         if param.requires_grad:
             handles.append(param.register_post_accumulate_grad_hook(on_grad))
     if parts.vae is not None:
+
         def vae_enter(module, args):
             tracker.in_vae += 1
 
         def vae_leave(module, args, output):
             tracker.in_vae -= 1
+
         for module in parts.vae.children():
             handles.append(module.register_forward_pre_hook(vae_enter))
             handles.append(module.register_forward_hook(vae_leave))
@@ -144,9 +154,17 @@ def run_traced(parts: StepParts, tracker: StorageTracker, optimizer_steps: int =
 
 # The Stable Diffusion VAE (sd-vae-ft-ema / -mse) that DiT encodes with: its architecture, no weights.
 SD_VAE_CONFIG = {
-    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 2, "norm_num_groups": 32,
-    "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4, "act_fn": "silu", "sample_size": 256, "scaling_factor": 0.18215,
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "act_fn": "silu",
+    "sample_size": 256,
+    "scaling_factor": 0.18215,
 }
 
 
@@ -159,7 +177,9 @@ def fake_batch(spec, micro_batch: int, device: torch.device, online: bool) -> di
         "y": torch.randint(0, spec.num_classes, (micro_batch,), device=device),
         "sample_number": torch.arange(micro_batch, device=device),
         "t": torch.randint(0, 1000, (micro_batch,), device=device),
-        "noise": torch.randn(micro_batch, spec.in_channels, spec.latent_size, spec.latent_size, device=device),
+        "noise": torch.randn(
+            micro_batch, spec.in_channels, spec.latent_size, spec.latent_size, device=device
+        ),
         "drop": torch.zeros(micro_batch, dtype=torch.bool, device=device),
     }
     if online:
@@ -177,8 +197,15 @@ def build_vae(vae_config: dict | None, device: torch.device):
     return vae, (float(getattr(vae.config, "shift_factor", None) or 0.0), float(vae.config.scaling_factor))
 
 
-def build_step_parts(plan: Plan, spec, checkpointed_blocks: int, micro_batch: int, device: str,
-                     vae_config: dict | None = None, sharded_world_size: int = 0) -> StepParts:
+def build_step_parts(
+    plan: Plan,
+    spec,
+    checkpointed_blocks: int,
+    micro_batch: int,
+    device: str,
+    vae_config: dict | None = None,
+    sharded_world_size: int = 0,
+) -> StepParts:
     """The trainer's components (`dit_accel.step.build_components`, bare device, no Accelerator, the plan's
     own precision) and its step for `spec` (which may be shallower than the plan's network): the micro-step
     is `train_micro_step`; the optimizer step is `check_step` then `apply_step`, the path of a finite step,
@@ -193,14 +220,20 @@ def build_step_parts(plan: Plan, spec, checkpointed_blocks: int, micro_batch: in
 
     online = plan.decision.latents == "online"
     # the VAE of online latents comes from `vae_config` below, not from a weights folder
-    variant = plan.with_decision(checkpointed_blocks=checkpointed_blocks, micro_batch=micro_batch,
-                                 latents="precomputed")
+    variant = plan.with_decision(
+        checkpointed_blocks=checkpointed_blocks, micro_batch=micro_batch, latents="precomputed"
+    )
     config = TrainConfig(plan="(traced)", output_dir="(traced)", latents="(traced)")
     device = torch.device(device)
     # The plan's precision even where a bare-device run would fall back (fp16 on a CPU): the trace is a
     # proxy for the GPU run. Without an Accelerator there is no GradScaler (a few scalars).
-    components = step.build_components(variant, config, device=device, spec=spec,
-                                       precision="fp32" if sharded_world_size else plan.decision.precision)
+    components = step.build_components(
+        variant,
+        config,
+        device=device,
+        spec=spec,
+        precision="fp32" if sharded_world_size else plan.decision.precision,
+    )
     components.plan = plan
     if online:
         components.vae, components.latent_shift_scale = build_vae(vae_config, device)
@@ -218,11 +251,17 @@ def build_step_parts(plan: Plan, spec, checkpointed_blocks: int, micro_batch: in
         losses.clear()
 
     model = components.raw_model
-    parts = StepParts(model=model, blocks=list(model.transformer_blocks),
-                      checkpointed=["forward" in block.__dict__ for block in model.transformer_blocks],
-                      micro_step=micro_step, optimizer_step=optimizer_step, grad_accum=components.grad_accum,
-                      ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
-                      vae=components.vae, batch_tensors=list(batch.values()))
+    parts = StepParts(
+        model=model,
+        blocks=list(model.transformer_blocks),
+        checkpointed=["forward" in block.__dict__ for block in model.transformer_blocks],
+        micro_step=micro_step,
+        optimizer_step=optimizer_step,
+        grad_accum=components.grad_accum,
+        ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
+        vae=components.vae,
+        batch_tensors=list(batch.values()),
+    )
     if sharded_world_size:
         make_sharded(parts, plan.decision.precision, sharded_world_size, losses)
     return parts
@@ -249,7 +288,12 @@ def make_sharded(parts: StepParts, precision: str, world_size: int, losses: list
 
     def cast_inputs(module, args, kwargs):
         def cast(value):
-            return value.to(compute_dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+            return (
+                value.to(compute_dtype)
+                if isinstance(value, torch.Tensor) and value.is_floating_point()
+                else value
+            )
+
         return tuple(map(cast, args)), {key: cast(value) for key, value in kwargs.items()}
 
     parts.model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
@@ -257,7 +301,9 @@ def make_sharded(parts: StepParts, precision: str, world_size: int, losses: list
 
     def on_grad(param, tracker):
         if id(param) not in grad_shards:
-            shard = torch.zeros(math.ceil(param.numel() / world_size), dtype=torch.float32, device=param.device)
+            shard = torch.zeros(
+                math.ceil(param.numel() / world_size), dtype=torch.float32, device=param.device
+            )
             tracker.tag(shard, "grads")
             grad_shards[id(param)] = shard
         param.grad = None  # the unsharded gradient is gone after its reduce-scatter
@@ -269,13 +315,21 @@ def make_sharded(parts: StepParts, precision: str, world_size: int, losses: list
     parts.on_grad, parts.optimizer_step, parts.ema_tensors = on_grad, optimizer_step, []
 
 
-def _trace_once(plan: Plan, spec, checkpointed_blocks: int, micro_batch: int, autocast_device: str,
-                vae_config: dict | None = None, sharded_world_size: int = 0) -> tuple[StorageTracker, list]:
+def _trace_once(
+    plan: Plan,
+    spec,
+    checkpointed_blocks: int,
+    micro_batch: int,
+    autocast_device: str,
+    vae_config: dict | None = None,
+    sharded_world_size: int = 0,
+) -> tuple[StorageTracker, list]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=False):  # a value read in the step would raise here
-        parts = build_step_parts(plan, spec, checkpointed_blocks, micro_batch, autocast_device, vae_config,
-                                 sharded_world_size)
+        parts = build_step_parts(
+            plan, spec, checkpointed_blocks, micro_batch, autocast_device, vae_config, sharded_world_size
+        )
         tracker = StorageTracker()
         run_traced(parts, tracker)
     return tracker, parts.checkpointed
@@ -285,8 +339,14 @@ def _runs_kinds(checkpointed: list) -> list[bool]:
     return [kind for _, _, kind in _segments(checkpointed)]
 
 
-def trace_training_step(plan: Plan, *, depth_extrapolate: str = "auto", autocast_device: str | None = None,
-                        micro_batch: int | None = None, vae_config: dict | None = None) -> TraceResult:
+def trace_training_step(
+    plan: Plan,
+    *,
+    depth_extrapolate: str = "auto",
+    autocast_device: str | None = None,
+    micro_batch: int | None = None,
+    vae_config: dict | None = None,
+) -> TraceResult:
     """Trace the plan's training step on fake tensors and return its peak and the components live then.
 
     `depth_extrapolate="auto"` traces at most 5 blocks (up to three shallow traces) and extrapolates per
@@ -304,14 +364,18 @@ def trace_training_step(plan: Plan, *, depth_extrapolate: str = "auto", autocast
     if autocast_device not in ("cpu", "cuda"):
         raise UserError(f"--device-autocast must be cpu or cuda, got {autocast_device!r}")
     if autocast_device == "cuda" and not torch.backends.cuda.is_built():
-        raise UserError("--device-autocast cuda needs a CUDA build of torch (fake CUDA tensors): use --device-autocast cpu here")
+        raise UserError(
+            "--device-autocast cuda needs a CUDA build of torch (fake CUDA tensors): use --device-autocast cpu here"
+        )
     decision = plan.decision
     spec = plan.spec()
     micro_batch = int(micro_batch or decision.micro_batch)
     checkpointed = decision.checkpointed_blocks
     if not 0 <= checkpointed <= spec.depth:
-        raise UserError(f"plan decision.checkpointed_blocks {checkpointed} is outside 0..{spec.depth}",
-                        "re-create the plan")
+        raise UserError(
+            f"plan decision.checkpointed_blocks {checkpointed} is outside 0..{spec.depth}",
+            "re-create the plan",
+        )
     sharding = decision.sharding
     world_size = plan.world_size if plan.sharding.uses_fsdp else 1
     target = (spec.depth - checkpointed, checkpointed)
@@ -320,13 +384,24 @@ def trace_training_step(plan: Plan, *, depth_extrapolate: str = "auto", autocast
 
     def trace(counts: Counts) -> tuple[StorageTracker, list]:
         shallow = dataclasses.replace(spec, depth=sum(counts))
-        return _trace_once(plan, shallow, counts[1], micro_batch, autocast_device, vae_config,
-                           world_size if sharding != "ddp" else 0)
+        return _trace_once(
+            plan,
+            shallow,
+            counts[1],
+            micro_batch,
+            autocast_device,
+            vae_config,
+            world_size if sharding != "ddp" else 0,
+        )
 
     # Each trace also runs the embedding, final layer and loss (about two blocks' worth of ops): when the
     # shallow traces together would run as many ops as the full network, trace the full network.
     shallow_cost = sum(sum(counts) + 2 for counts in all_counts)
-    if depth_extrapolate == "off" or sum(base) == spec.depth or (depth_extrapolate == "auto" and shallow_cost >= spec.depth + 2):
+    if (
+        depth_extrapolate == "off"
+        or sum(base) == spec.depth
+        or (depth_extrapolate == "auto" and shallow_cost >= spec.depth + 2)
+    ):
         tracker, _ = trace(target)
         peak_bytes, components, window = tracker.peak_bytes, tracker.peak_components, tracker.peak_window
         traced_depths = [spec.depth]
@@ -337,7 +412,9 @@ def trace_training_step(plan: Plan, *, depth_extrapolate: str = "auto", autocast
             samples[counts] = role_peaks(tracker, kinds)
             patterns.add(tuple(_runs_kinds(kinds)))
         if len(patterns) != 1:
-            raise AssertionError(f"the checkpointed blocks change order with depth ({patterns}): cannot extrapolate")
+            raise AssertionError(
+                f"the checkpointed blocks change order with depth ({patterns}): cannot extrapolate"
+            )
         roles = extrapolate(samples, target, base)
         # the latest of equal peaks: the second optimizer step, whose state is already tagged as such
         role = max(reversed(list(roles)), key=lambda role: roles[role][0])
@@ -346,9 +423,18 @@ def trace_training_step(plan: Plan, *, depth_extrapolate: str = "auto", autocast
         target_checkpointed = [kind for kind in pattern for _ in range(target[1] if kind else target[0])]
         window = _block_of_role(role, target_checkpointed)
         traced_depths = [sum(counts) for counts in all_counts]
-    return TraceResult(peak_bytes=peak_bytes, components=dict(components), peak_at=_describe(window),
-                       depth=spec.depth, checkpointed_blocks=checkpointed, micro_batch=micro_batch,
-                       precision=decision.precision, autocast_device=autocast_device,
-                       traced_depths=traced_depths, seconds=round(time.perf_counter() - started, 2),
-                       sharding=sharding, world_size=world_size,
-                       peak_moment=planner_moment(window, components, spec.depth) if sharding != "ddp" else "")
+    return TraceResult(
+        peak_bytes=peak_bytes,
+        components=dict(components),
+        peak_at=_describe(window),
+        depth=spec.depth,
+        checkpointed_blocks=checkpointed,
+        micro_batch=micro_batch,
+        precision=decision.precision,
+        autocast_device=autocast_device,
+        traced_depths=traced_depths,
+        seconds=round(time.perf_counter() - started, 2),
+        sharding=sharding,
+        world_size=world_size,
+        peak_moment=planner_moment(window, components, spec.depth) if sharding != "ddp" else "",
+    )

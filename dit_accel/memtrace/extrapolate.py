@@ -7,9 +7,10 @@ counts: three shallow traces give it exactly, not as a fit.
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 from dit_accel.memtrace.tracker import COMPONENTS, StorageTracker
+
 
 def _segments(checkpointed: list) -> list[tuple[int, int, bool]]:
     """Runs of blocks of one kind, in forward order: (start, end, checkpointed)."""
@@ -62,8 +63,9 @@ def _vector(value: tuple[int, dict[str, int]]) -> list[int]:
     return [value[0]] + [value[1][name] for name in COMPONENTS]
 
 
-def extrapolate(samples: dict[Counts, dict[Hashable, tuple[int, dict[str, int]]]], target: Counts,
-                base: Counts) -> dict[Hashable, tuple[int, dict[str, int]]]:
+def extrapolate(
+    samples: dict[Counts, dict[Hashable, tuple[int, dict[str, int]]]], target: Counts, base: Counts
+) -> dict[Hashable, tuple[int, dict[str, int]]]:
     """Role peaks at `target` block counts from traces at `base` and at base plus one block of each kind.
 
     Every role's live storages are a sum over blocks, so each role's bytes (total and each component) are

@@ -7,16 +7,26 @@ created and each storage's release through a weakref, so it knows what is alive 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # Components in the order they are printed; the planner's plan.json memory keys use the same names.
-COMPONENTS = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries",
-              "batch", "buffers")
+COMPONENTS = (
+    "weights",
+    "grads",
+    "optimizer",
+    "ema",
+    "activations",
+    "autocast_cache",
+    "vae",
+    "temporaries",
+    "batch",
+    "buffers",
+)
 
 UNSEEN = (
     "CUDA context and kernels (~0.3-1 GB per process)",
@@ -27,7 +37,6 @@ UNSEEN = (
     "CPU-vs-CUDA autocast: the two cast different ops (CUDA keeps layer_norm in fp32); a CPU trace "
     "of bf16/fp16 is a proxy for the GPU",
 )
-
 
 
 def _in_backward() -> bool:
@@ -129,7 +138,6 @@ class StorageTracker(TorchDispatchMode):
         return out
 
 
-
 @dataclass
 class TraceResult:
     """The traced step: its peak, the components live at the peak, and where the peak happened."""
@@ -142,7 +150,9 @@ class TraceResult:
     micro_batch: int
     precision: str
     autocast_device: str
-    traced_depths: list[int] = field(default_factory=list)  # the depths really traced (extrapolated if shallower)
+    traced_depths: list[int] = field(
+        default_factory=list
+    )  # the depths really traced (extrapolated if shallower)
     seconds: float = 0.0
     unseen: tuple[str, ...] = UNSEEN
     # a sharded plan is traced as ONE rank's compute (`driver.make_sharded`); "ddp": the whole unsharded step
@@ -150,10 +160,10 @@ class TraceResult:
     world_size: int = 1
     peak_moment: str = ""  # sharded: the planner's moment (planner.memory.PHASES) that the traced peak is
 
-
     def to_json(self) -> dict:
-        values = {key: (list(value) if isinstance(value, tuple) else value) for key, value in self.__dict__.items()}
+        values = {
+            key: (list(value) if isinstance(value, tuple) else value) for key, value in self.__dict__.items()
+        }
         if self.sharding == "ddp":  # a DDP trace's JSON as it always was
             del values["sharding"], values["world_size"], values["peak_moment"]
         return values
-

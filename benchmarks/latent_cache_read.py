@@ -22,7 +22,8 @@ import torch
 from tabulate import tabulate
 
 from dit_accel.data.demo import write_demo_data
-from dit_accel.data.latents import ExtractConfig, LatentCache, extract_latents
+from dit_accel.data.latent_cache import LatentCache
+from dit_accel.data.latents import ExtractConfig, extract_latents
 
 
 def build_cache(work: Path, count: int, dtype: str) -> Path:

@@ -141,7 +141,7 @@ def write_pipeline(
     """A DiTPipeline folder that `DiTPipeline.from_pretrained(out_dir)` loads offline (see the module docstring)."""
     import diffusers
 
-    from dit_accel.data.latents import load_vae
+    from dit_accel.data.vae import load_vae
     from dit_accel.model import export_diffusers, spec_from_model
 
     out_dir = Path(out_dir)
@@ -359,7 +359,8 @@ def build_import_parser() -> argparse.ArgumentParser:
 
 @exits_cleanly("dit-accel import-dit")
 def import_main(argv: list[str] | None = None) -> int:
-    from dit_accel.model import load_original_dit, spec_from_model
+    from dit_accel.model import spec_from_model
+    from dit_accel.original_dit import load_original_dit
 
     args = build_import_parser().parse_args(argv)
     model = load_original_dit(

@@ -259,7 +259,7 @@ def default_vae_path(source: Source) -> str | None:
         return str(source.train_config["vae"])
     latents_dir = source.train_config.get("latents")
     if latents_dir and (Path(latents_dir) / "manifest.json").is_file():
-        from dit_accel.data.latents import read_manifest
+        from dit_accel.data.latent_cache import read_manifest
 
         return read_manifest(latents_dir)["vae"]["source"]
     folder = Path(source.info["checkpoint"])
@@ -296,7 +296,7 @@ def load_decoder(spec, vae_path: str | None, device: torch.device | str) -> Deco
             "this model makes VAE latents and no VAE is recorded with its run: pass --vae DIR "
             "(the AutoencoderKL folder it was trained with)"
         )
-    from dit_accel.data.latents import load_vae
+    from dit_accel.data.vae import load_vae
 
     vae, identity = load_vae(vae_path)
     vae.to(device)

@@ -157,7 +157,7 @@ def build_components(
 def load_vae(path: str, device: torch.device):
     """A frozen diffusers AutoencoderKL for online encoding, in fp32 as DiT encodes; and its latent
     (shift, scale): latent = (posterior sample - shift) * scale, as the latent cache stores them."""
-    from dit_accel.data.latents import load_vae as load_frozen_vae
+    from dit_accel.data.vae import load_vae as load_frozen_vae
 
     vae, _identity = load_frozen_vae(path)
     vae.to(device)
@@ -172,7 +172,7 @@ def encode_online(
     components: Components, images: torch.Tensor, posterior_noise: torch.Tensor
 ) -> torch.Tensor:
     """Images in [-1, 1] -> scaled latents, the posterior drawn with each sample's own noise."""
-    from dit_accel.data.latents import encode_posterior
+    from dit_accel.data.vae import encode_posterior
 
     mean, std = encode_posterior(components.vae, images.to(components.device))
     shift, scale = components.latent_shift_scale

@@ -18,17 +18,9 @@ from PIL import Image
 from safetensors import safe_open
 
 from dit_accel.data.demo import write_demo_data
-from dit_accel.data.latents import (
-    ExtractConfig,
-    LatentCache,
-    build_parser,
-    check_cache_matches,
-    extract_latents,
-    load_vae,
-    main,
-    read_manifest,
-    verify_cache,
-)
+from dit_accel.data.latent_cache import LatentCache, check_cache_matches, read_manifest, verify_cache
+from dit_accel.data.latents import ExtractConfig, build_parser, extract_latents, main
+from dit_accel.data.vae import load_vae
 from dit_accel.errors import UserError
 
 RESOLUTION = 32

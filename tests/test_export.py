@@ -11,7 +11,8 @@ from diffusers import AutoencoderKL, DiTPipeline
 from dit_accel import sample
 from dit_accel.export import import_main, write_pipeline
 from dit_accel.export import main as export_main
-from dit_accel.model import build_model, conditioning_embedder, load_original_dit, timestep_freq_shift
+from dit_accel.model import build_model, conditioning_embedder, timestep_freq_shift
+from dit_accel.original_dit import load_original_dit
 from planner.spec import custom_spec
 
 RESOLUTION = 64  # 8x8 latents through a 4-level VAE

@@ -32,7 +32,6 @@ from dit_accel.model import (
     embedders_tied,
     export_diffusers,
     load_model,
-    load_original_dit,
     null_class,
     save_model,
     set_checkpointed_blocks,
@@ -40,6 +39,7 @@ from dit_accel.model import (
     spec_from_model,
     timestep_freq_shift,
 )
+from dit_accel.original_dit import load_original_dit
 from planner.spec import FAMILY, PATCH_SIZES, custom_spec, model_spec
 
 TINY = dict(depth=2, hidden=64, heads=4, patch=2, resolution=64)  # 8x8 latents, 16 tokens

@@ -1,5 +1,6 @@
-"""Data for dit-accel: ImageNet-layout image folders (`folder`), the latent cache (`latents`) and a
-small demo folder (`demo`). See docs/data.md.
+"""Data for dit-accel: ImageNet-layout image folders (`folder`), the latent cache (written by `latents`,
+read by `latent_cache`), the frozen VAE (`vae`), a small demo folder (`demo`), and what a training run
+reads (`loader`, `order`). See docs/data.md.
 
 The names below are imported on first use, so `python -m dit_accel.data.latents` (what `accelerate
 launch -m` runs) does not import its own module twice, and `import dit_accel.data` stays cheap."""
@@ -19,16 +20,9 @@ _EXPORTS = {
         "validate_image_folder",
         "write_classes_json",
     ],
-    "latents": [
-        "ExtractConfig",
-        "LatentCache",
-        "check_cache_matches",
-        "extract_latents",
-        "load_vae",
-        "read_manifest",
-        "vae_identity",
-        "verify_cache",
-    ],
+    "latents": ["ExtractConfig", "extract_latents"],
+    "latent_cache": ["LatentCache", "check_cache_matches", "read_manifest", "verify_cache"],
+    "vae": ["load_vae", "vae_identity"],
     "demo": ["write_demo_data"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -46,7 +46,7 @@ def check_data_mode(plan: Plan, config: TrainConfig) -> None:
 def build_dataset(plan: Plan, config: TrainConfig, spec):
     """The dataset the plan's latent mode reads, checked against the plan (resolution, VAE, classes)."""
     if plan.decision.latents == "precomputed":
-        from dit_accel.data.latents import LatentCache
+        from dit_accel.data.latent_cache import LatentCache
 
         dataset = LatentCache(config.latents, flip=True, seed=None)  # unseeded: KeyedSamples seeds per sample
         check_latent_cache(dataset, spec, config.latents)
@@ -66,7 +66,7 @@ def build_dataset(plan: Plan, config: TrainConfig, spec):
 
 def check_latent_cache(cache, spec, path: str) -> None:
     """The cache must hold what the plan's model takes: resolution, latent shape, classes."""
-    from dit_accel.data.latents import check_cache_matches
+    from dit_accel.data.latent_cache import check_cache_matches
 
     check_cache_matches(cache.manifest, spec.resolution)  # resolution; its message says how to fix it
     expected = (spec.in_channels, spec.latent_size, spec.latent_size)

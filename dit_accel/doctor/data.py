@@ -156,7 +156,7 @@ def check_data(
 def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None, full: bool) -> list[Check]:
     """The cache's manifest against the plan: complete, same resolution and latent shape, the run's VAE,
     enough samples, and with --full every shard against its checksum. The data helper's readers decide."""
-    from dit_accel.data.latents import check_cache_matches, read_manifest, verify_cache
+    from dit_accel.data.latent_cache import check_cache_matches, read_manifest, verify_cache
 
     try:
         manifest = read_manifest(latents)
@@ -172,7 +172,7 @@ def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None, full: bo
         )
     ]
     try:  # the trainer's own check: resolution, latent shape, classes against the plan's model
-        from dit_accel.data.latents import LatentCache
+        from dit_accel.data.latent_cache import LatentCache
         from dit_accel.data.loader import check_latent_cache as trainer_check
 
         trainer_check(LatentCache(latents), plan.plan.spec(), str(latents))

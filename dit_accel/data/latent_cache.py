@@ -1,0 +1,265 @@
+"""Reading the latent cache that `extract-latents` (dit_accel.data.latents) writes: the manifest checked,
+shards verified against their checksums, the cache compared with a run's resolution and VAE, and
+`LatentCache`, the dataset that memory-maps the shards and draws a fresh latent from each stored posterior.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dit_accel.data.vae import load_vae
+from dit_accel.errors import UserError
+
+FORMAT = "dit-accel-latents/1"
+MANIFEST_NAME = "manifest.json"
+
+
+def read_manifest(cache_dir: str | os.PathLike) -> dict:
+    """The manifest of a complete cache, after cheap checks (format, every shard present with its size).
+
+    A missing manifest means the extraction did not finish: the message says to re-run it."""
+    cache = Path(cache_dir).expanduser()
+    if not cache.is_dir():
+        raise UserError(
+            f"latent cache {cache} does not exist",
+            f"create it with `dit-accel extract-latents --data-path DIR --vae PATH --out {cache}`",
+        )
+    manifest_path = cache / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise UserError(
+            f"latent cache {cache} is incomplete (no {MANIFEST_NAME}: the extraction was interrupted "
+            "or is still running)",
+            f"re-run the same `dit-accel extract-latents ... --out {cache}` command to finish it",
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(
+            f"cannot read {manifest_path} ({error})", "re-run extract-latents to rewrite it"
+        ) from None
+    if manifest.get("format") != FORMAT:
+        raise UserError(
+            f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads {FORMAT!r}",
+            "re-run extract-latents into a new folder",
+        )
+    for record in manifest["shards"]:
+        path = cache / record["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != record["bytes"]:
+            found = "is missing" if size is None else f"has {size} bytes, the manifest says {record['bytes']}"
+            raise UserError(
+                f"latent cache {cache} is damaged: {record['file']} {found}",
+                "re-run the same extract-latents command to rewrite it",
+            )
+    return manifest
+
+
+def verify_cache(cache_dir: str | os.PathLike) -> int:
+    """Check every shard against the manifest's sha256 (reads the whole cache). Returns bytes checked."""
+    cache = Path(cache_dir).expanduser()
+    manifest = read_manifest(cache)
+    checked = 0
+    for record in manifest["shards"]:
+        digest = hashlib.sha256()
+        with open(cache / record["file"], "rb") as stream:
+            for block in iter(lambda: stream.read(1 << 24), b""):
+                digest.update(block)
+                checked += len(block)
+        if digest.hexdigest() != record["sha256"]:
+            raise UserError(
+                f"latent cache {cache} is damaged: {record['file']} does not match its checksum",
+                "delete that file and re-run the same extract-latents command",
+            )
+    return checked
+
+
+def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | None = None) -> None:
+    """Refuse a cache made at another resolution or with another VAE than the run asks for.
+
+    `manifest`: the dict, a `LatentCache`, or the cache folder. `vae_identity`: an identity dict (from
+    `load_vae`), a VAE folder to load and hash, or None to check the resolution only."""
+    if isinstance(manifest, LatentCache):
+        manifest = manifest.manifest
+    elif not isinstance(manifest, dict):
+        manifest = read_manifest(manifest)
+    where = manifest.get("data_path", "?")
+    if manifest["resolution"] != resolution:
+        raise UserError(
+            f"the latent cache (of {where}) was made at {manifest['resolution']} px but the run asks "
+            f"for {resolution} px",
+            f"extract latents again with --resolution {resolution} into a new "
+            f"--out folder, or train at {manifest['resolution']} px",
+        )
+    if vae_identity is None:
+        return
+    if isinstance(vae_identity, (str, os.PathLike)):
+        vae_identity = load_vae(str(vae_identity))[1]
+    cached = manifest["vae"]
+    for key in ("weights_sha256", "config_sha256"):
+        if cached[key] != vae_identity[key]:
+            what = "weights" if key.startswith("weights") else "config"
+            raise UserError(
+                f"the latent cache was encoded with another VAE ({cached['source']}, {what} sha256 "
+                f"{cached[key][:12]}) than the run uses ({vae_identity['source']}, "
+                f"{vae_identity[key][:12]})",
+                "extract latents again with this VAE, or pass the VAE the cache was made with",
+            )
+
+
+class LatentCache(torch.utils.data.Dataset):
+    """Latents for the trainer: `cache[i] -> (latent, label)`.
+
+    latent: float32 [C, h, w] = (mean + std * noise - shift_factor) * scale_factor, i.e. a fresh draw from
+            the VAE posterior, already scaled for diffusion (the trainer does not scale again).
+            With `flip` (default) the stored mirror image is chosen with probability 1/2; without, or for a
+            cache made with --no-flip, always the image itself. One entry per image: the mirror image is
+            an augmentation, not a second sample, so an epoch has as many steps as with pixels.
+    label:  int64 scalar tensor (index into `classes`).
+    `seed`: None uses torch's RNG (DataLoader seeds it per worker); an int makes noise and flip a pure
+    function of (seed, epoch, index): call `set_epoch` every epoch.
+
+    Shards are memory-mapped lazily in each process (and each DataLoader worker), so eight ranks share
+    the page cache instead of each holding the cache in RAM; a batch is gathered with one numpy fancy
+    index per shard it touches. The labels of all entries are read at construction (8 bytes each).
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike, *, flip: bool = True, seed: int | None = None):
+        self.dir = Path(cache_dir).expanduser()
+        self.manifest = read_manifest(self.dir)
+        self.classes: list[str] = self.manifest["classes"]
+        self.latent_shape = tuple(self.manifest["latent_shape"])
+        self.scale_factor = float(self.manifest["scale_factor"])
+        self.shift_factor = float(self.manifest.get("shift_factor") or 0.0)
+        self.views = int(self.manifest["views"])
+        self.flip = flip and self.views == 2
+        self.seed = seed
+        self.epoch = 0
+        self._files = [record["file"] for record in self.manifest["shards"]]
+        counts = [record["count"] for record in self.manifest["shards"]]
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        _allow_open_files(len(self._files) + 64)  # each memory map holds a file descriptor
+        self._maps: dict[int, dict[str, np.ndarray]] = {}
+        self.labels = torch.cat(
+            [
+                torch.from_numpy(np.array(self._shard(k)["label"]))
+                if count
+                else torch.empty(0, dtype=torch.int64)
+                for k, count in enumerate(counts)
+            ]
+        )
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_maps"] = {}  # memory maps do not travel to DataLoader workers; each maps its own
+        return state
+
+    def _shard(self, shard: int) -> dict[str, np.ndarray]:
+        arrays = self._maps.get(shard)
+        if arrays is None:
+            arrays = self._maps[shard] = map_shard(self.dir / self._files[shard])
+        return arrays
+
+    def _locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Entry indices (negative allowed) -> (shard, row within the shard) arrays."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and not ((-len(self) <= indices) & (indices < len(self))).all():
+            raise IndexError(f"index out of range for a latent cache of {len(self)}: {indices.tolist()}")
+        indices = indices % max(len(self), 1)
+        shards = np.searchsorted(self._starts, indices, side="right") - 1
+        return shards, indices - self._starts[shards]
+
+    def posterior(self, index: int, view: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored (mean, std) of entry `index`, view 0 (the image) or 1 (its mirror), as float32."""
+        (shard,), (row,) = self._locate([index])
+        arrays = self._shard(int(shard))
+        return (
+            torch.from_numpy(np.array(arrays["mean"][row, view], dtype=np.float32)),
+            torch.from_numpy(np.array(arrays["std"][row, view], dtype=np.float32)),
+        )
+
+    def _generator(self, index: int) -> torch.Generator:
+        """A generator that is a pure function of (seed, epoch, index): workers need not agree on anything."""
+        key = hashlib.blake2b(f"{self.seed}:{self.epoch}:{index}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A whole batch at once (the DataLoader calls this when it exists): one gather per shard, one
+        noise draw and one multiply-add for the batch."""
+        shards, rows = self._locate(indices)
+        count = len(rows)
+        if self.seed is None:
+            views = (torch.rand(count) < 0.5).numpy() if self.flip else np.zeros(count, dtype=bool)
+            noise = torch.randn(count, *self.latent_shape)
+        else:
+            noise = torch.empty(count, *self.latent_shape)
+            views = np.zeros(count, dtype=bool)
+            for j, index in enumerate(indices):
+                generator = self._generator(int(index) % len(self))
+                views[j] = self.flip and bool(torch.rand((), generator=generator) < 0.5)
+                torch.randn(self.latent_shape, generator=generator, out=noise[j])
+        views = views.astype(np.int64)
+        means = np.empty((count, *self.latent_shape), dtype=STORAGE_DTYPES_NUMPY[self.manifest["dtype"]])
+        stds = np.empty_like(means)
+        for shard in np.unique(shards):
+            picked = shards == shard
+            arrays = self._shard(int(shard))
+            means[picked] = arrays["mean"][rows[picked], views[picked]]
+            stds[picked] = arrays["std"][rows[picked], views[picked]]
+        latents = (
+            torch.from_numpy(means).float() + torch.from_numpy(stds).float() * noise - self.shift_factor
+        ) * self.scale_factor
+        labels = self.labels[torch.from_numpy(self._starts[shards] + rows)]
+        return list(zip(latents.unbind(0), labels.unbind(0)))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.__getitems__([index])[0]
+
+
+STORAGE_DTYPES_NUMPY = {"float16": np.float16, "float32": np.float32}
+_SAFETENSORS_DTYPES = {"F16": np.float16, "F32": np.float32, "I64": np.int64}
+
+
+def map_shard(path: Path) -> dict[str, np.ndarray]:
+    """A shard's tensors as read-only numpy views of one memory map. The safetensors layout is an
+    8-byte little-endian header length, a JSON header (dtype, shape, data offsets), then the bytes;
+    numpy fancy indexing on the map gathers a batch ten times faster than safetensors' own slices."""
+    with open(path, "rb") as stream:
+        header_bytes = int.from_bytes(stream.read(8), "little")
+        header = json.loads(stream.read(header_bytes))
+    header.pop("__metadata__", None)
+    if all(entry["data_offsets"][1] == 0 for entry in header.values()):  # an empty shard: nothing to map
+        return {
+            name: np.empty(entry["shape"], _SAFETENSORS_DTYPES[entry["dtype"]])
+            for name, entry in header.items()
+        }
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_bytes)
+    return {
+        name: data[entry["data_offsets"][0] : entry["data_offsets"][1]]
+        .view(_SAFETENSORS_DTYPES[entry["dtype"]])
+        .reshape(entry["shape"])
+        for name, entry in header.items()
+    }
+
+
+def _allow_open_files(needed: int) -> None:
+    """Raise the soft limit on open files towards `needed` (within the hard limit) where it is lower."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

@@ -221,6 +221,27 @@ def test_spacings():
         spaced_timesteps(1000, 10, "trailing")
 
 
+def test_even_spacing_accumulates_the_stride_as_the_original_respacing_does():
+    """ADM/DiT add the stride to a float position once per kept step; i * stride rounds exact .5 ties the
+    other way for 278 of the 999 step counts (never 25, 50, 100, 250 or 500)."""
+
+    def accumulated(num_steps: int) -> list[int]:
+        stride, position, kept = 999 / (num_steps - 1), 0.0, []
+        for _ in range(num_steps):
+            kept.append(round(position))
+            position += stride
+        return sorted(set(kept))
+
+    def product(num_steps: int) -> list[int]:  # what dit-accel computed before
+        stride = 999 / (num_steps - 1)
+        return sorted({round(i * stride) for i in range(num_steps)})
+
+    assert 499 in spaced_timesteps(1000, 21) and 500 not in spaced_timesteps(1000, 21)  # 10 x 49.95
+    assert all(spaced_timesteps(1000, n) == accumulated(n) for n in range(2, 1001))
+    differ = [n for n in range(2, 1001) if accumulated(n) != product(n)]
+    assert len(differ) == 278 and not {25, 50, 100, 250, 500} & set(differ)
+
+
 def test_respaced_chain_keeps_the_marginals(diffusion):
     chain = respaced(diffusion, 250)
     kept = spaced_timesteps(1000, 250)

@@ -148,6 +148,25 @@ def test_dit_initialisation_is_adaln_zero():
     )
 
 
+def test_q_k_v_start_as_one_fused_xavier_projection():
+    """The paper's network has one (3D, D) qkv linear; Xavier over it bounds each weight by sqrt(6 / 4D),
+    1/sqrt(2) of what Xavier on each of diffusers' separate D x D projections would give."""
+    torch.manual_seed(0)
+    hidden = 256
+    model = build_model(custom_spec(depth=2, hidden=hidden, heads=4, patch=2, resolution=64))
+    fused_bound, separate_bound = math.sqrt(6 / (4 * hidden)), math.sqrt(6 / (2 * hidden))
+    for block in model.transformer_blocks:
+        parts = [getattr(block.attn1, name).weight for name in ("to_q", "to_k", "to_v")]
+        for weight in parts:
+            assert 0.99 * fused_bound < weight.abs().max().item() <= fused_bound < separate_bound
+            assert weight.var().item() == pytest.approx(1 / (2 * hidden), rel=0.05)  # bound^2 / 3
+        assert not torch.equal(parts[0], parts[1])  # three rows of one draw, not one row three times
+    out = (
+        model.transformer_blocks[0].attn1.to_out[0].weight
+    )  # the other linears keep Xavier on their own shape
+    assert out.abs().max().item() > 0.99 * separate_bound
+
+
 # --- the timestep shift rule ------------------------------------------------------------------------------
 
 

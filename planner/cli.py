@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--model", default="DiT-XL/2", help="DiT-{S,B,L,XL}/{2,4,8} (default DiT-XL/2)")
     tr.add_argument("--resolution", default="256", help="image side in pixels (default 256)")
-    tr.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    tr.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16", "fp16", "tf32", "fp32"],
+        help="tf32: fp32 weights, TF32 matmuls (the trainer's default for fp32); fp32: IEEE fp32 (--no-tf32)",
+    )
     tr.add_argument("--latents", default="precomputed", choices=["precomputed", "online", "pixel"])
     tr.add_argument(
         "--ema", action=argparse.BooleanOptionalAction, default=True, help="keep an EMA copy (default on)"
@@ -77,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="DDP gradients live in its all-reduce buckets (default on; off costs 4 B/param)",
     )
+    tt = p.add_argument_group("time to train")
+    tt.add_argument("--steps", help="optimizer steps of the run: prints wall-clock time and GPU-hours")
+    tt.add_argument("--epochs", help="passes over the data (with --dataset-size): steps = ceil(E x S / B)")
+    tt.add_argument("--dataset-size", help="images in the training set (with --epochs)")
+    tt.add_argument("--gpu-hour-cost", help="price of one GPU-hour (USD) for the run's cost")
     ch = p.add_argument_group("the choice")
     ch.add_argument("--sharding", default="auto", choices=["auto", "ddp", "zero2", "zero3"])
     ch.add_argument("--checkpointing", default="auto", help="auto | none | all | N blocks")
@@ -209,6 +219,10 @@ def common_kwargs(args) -> dict:
         else None,
         assumptions=parse_assumptions(args.assume) or None,
         calibration=args.calibration,
+        steps=args.steps,
+        epochs=args.epochs,
+        dataset_size=args.dataset_size,
+        gpu_hour_cost=args.gpu_hour_cost,
         **custom,
     )
 

@@ -33,10 +33,16 @@ class GPUPreset:
     intra_node_busbw_bytes_per_s: float
     source: str
     aliases: tuple = ()
+    family: str = "other"  # ampere | ada | hopper | other: whose measured MFU applies (presets/mfu.yaml)
+    memory_bandwidth_bytes_per_s: float = 0.0  # HBM/GDDR bandwidth (datasheet): the per-step fixed cost
 
     def matmul_peak_flops(self, precision: str) -> float:
-        """The rate the training matmuls run at: bf16/fp16 tensor cores, or TF32 (else plain fp32) for fp32."""
-        if precision == "fp32":
+        """The rate the training matmuls run at: bf16/fp16 tensor cores; "tf32" the TF32 rate; "fp32" (the
+        storage precision, as plan.json names it) TF32 where the GPU has it, else plain fp32; "ieee-fp32"
+        plain fp32."""
+        if precision == "ieee-fp32":
+            return self.peak_flops["fp32"]
+        if precision in ("fp32", "tf32"):
             return self.peak_flops.get("tf32") or self.peak_flops["fp32"]
         rate = self.peak_flops.get(precision)
         if not rate:
@@ -63,8 +69,73 @@ def gpu_presets() -> dict[str, GPUPreset]:
             intra_node_busbw_bytes_per_s=float(entry["intra_node_busbw_gbps"]) * 1e9,
             source=entry["source"],
             aliases=tuple(str(alias) for alias in entry.get("aliases", ())),
+            family=str(entry.get("family", "other")),
+            memory_bandwidth_bytes_per_s=float(entry.get("memory_gbps", 0)) * 1e9,
         )
     return presets
+
+
+# --- measured MFU by GPU family and matmul precision (presets/mfu.yaml) -----------------------------
+
+MATMUL_MODES = ("mixed", "tf32", "fp32")  # bf16/fp16 tensor cores | TF32 tensor cores | IEEE fp32
+
+
+@dataclass(frozen=True)
+class MFUEntry:
+    """The MFU a family reaches in one matmul mode: a point value and a low-high range, and where from."""
+
+    family: str  # the family the figures were measured on (after any fallback)
+    mode: str
+    low: float
+    point: float
+    high: float
+    source: str
+    fallback: str | None = None  # why another family's or mode's figures stand in, if they do
+
+
+@functools.lru_cache(maxsize=1)
+def mfu_table() -> dict:
+    """presets/mfu.yaml: {family: {mode: entry dict}} (entries may say `fallback: FAMILY/MODE`)."""
+    text = resources.files("planner").joinpath("presets/mfu.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def matmul_mode(precision: str) -> str:
+    """The MFU table's mode of a matmul precision: bf16/fp16 -> mixed; tf32; ieee-fp32 -> fp32."""
+    if precision in ("bf16", "fp16"):
+        return "mixed"
+    if precision in ("tf32", "fp32"):
+        return "tf32"
+    if precision == "ieee-fp32":
+        return "fp32"
+    raise PlanError(f"unknown matmul precision {precision!r}: expected bf16, fp16, tf32 or ieee-fp32")
+
+
+def mfu_entry(family: str | None, mode: str) -> MFUEntry:
+    """The measured MFU of `family` in `mode`, following the table's fallbacks (unknown family: ampere)."""
+    if mode not in MATMUL_MODES:
+        raise PlanError(f"unknown matmul mode {mode!r}: expected {', '.join(MATMUL_MODES)}")
+    table = mfu_table()
+    asked = family if family in table else "ampere"
+    key, reasons = (asked, mode), []
+    if family not in table:
+        reasons.append(f"no figures for {family or 'an unnamed GPU'}: ampere's")
+    for _ in range(len(table) * len(MATMUL_MODES)):
+        entry = table[key[0]][key[1]]
+        if "fallback" not in entry:
+            return MFUEntry(
+                family=key[0],
+                mode=key[1],
+                low=float(entry["low"]),
+                point=float(entry["point"]),
+                high=float(entry["high"]),
+                source=str(entry["source"]),
+                fallback="; ".join(reasons) or None,
+            )
+        reasons.append(f"{key[0]} {key[1]}: no public figure, {entry['fallback']}'s")
+        target_family, target_mode = entry["fallback"].split("/")
+        key = (target_family, target_mode)
+    raise PlanError(f"presets/mfu.yaml: the fallbacks of {family}/{mode} go round in a circle")
 
 
 def gpu_preset(name: str) -> GPUPreset:
@@ -122,8 +193,13 @@ class Assumptions:
         5.0  # encoder peak, in full-resolution 128-channel maps per image (traced; planner/vae.py)
     )
     # --- throughput ----------------------------------------------------------------------------------
-    mfu_mixed: float = 0.33  # bf16/fp16: fast-DiT's README, 107 img/s on one A100 at batch 128, checkpointed
-    mfu_fp32: float = 0.125  # TF32: the DiT repository's train.py, 26 img/s per A100 at micro-batch 32
+    mfu_mixed: float = 0.0  # bf16/fp16 MFU; 0 = the measured table (presets/mfu.yaml) for the GPU's family
+    mfu_fp32: float = 0.0  # fp32-storage plans (tf32 and fp32 matmuls); 0 = the table
+    # bytes each step moves per parameter beside the matmuls: fused AdamW reads p, g, m, v and writes p, m, v
+    # (28 B), the fp32 EMA reads two and writes one (12 B)
+    step_fixed_bytes_per_param: float = 40.0
+    step_fixed_overhead_s: float = 0.003  # per optimizer step: kernel launches, zero_grad, the host loop
+    default_memory_bandwidth_bytes_per_s: float = 1.555e12  # when only --vram is known: A100 40GB
     half_efficiency_tokens: int = (
         512  # micro-batch x tokens at which matmuls run at half their saturated rate
     )
@@ -159,7 +235,8 @@ class Assumptions:
         return self.replace(**measured)
 
     def mfu(self, precision: str) -> float:
-        return self.mfu_fp32 if precision == "fp32" else self.mfu_mixed
+        """The overriding MFU (--assume or a calibration) for a precision; 0 = use the measured table."""
+        return self.mfu_mixed if precision in ("bf16", "fp16") else self.mfu_fp32
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -169,9 +246,13 @@ class Assumptions:
         for name in ("fragmentation", "comm_exposed_fraction"):
             if not 0 <= getattr(self, name) < 1:
                 raise PlanError(f"--assume {name} must be a fraction in [0, 1), got {getattr(self, name)}")
-        for name in ("mfu_mixed", "mfu_fp32", "fsdp_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
-                raise PlanError(f"--assume {name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("mfu_mixed", "mfu_fp32"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise PlanError(
+                    f"--assume {name} must be in (0, 1] (0 = the measured table), got {getattr(self, name)}"
+                )
+        if not 0 < self.fsdp_efficiency <= 1:
+            raise PlanError(f"--assume fsdp_efficiency must be in (0, 1], got {self.fsdp_efficiency}")
         if self.autocast_device not in ("cuda", "cpu"):
             raise PlanError(f"--assume autocast_device must be cuda or cpu, got {self.autocast_device!r}")
         if self.attention not in ("fused", "math"):

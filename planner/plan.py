@@ -14,6 +14,7 @@ for bad or contradictory input and when nothing fits.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from planner.calibration import apply_calibration, check_calibration, load_calibration
 from planner.errors import PlanError
@@ -29,6 +30,7 @@ from planner.search import (
     choose,
     comm_bytes_per_gpu,
     communication_warning,
+    memory_bandwidth,
     nearest_valid_global_batches,
 )
 from planner.spec import model_spec
@@ -51,17 +53,102 @@ def _bytes(value, flag: str) -> int:
     return parse_bytes(value, flag)
 
 
+PLAN_PRECISIONS = ("bf16", "fp16", "tf32", "fp32")  # what --precision takes besides auto
+
+
 def resolve_precision(precision: str, gpu) -> str:
-    """auto: bf16 where the GPU has it (or is unknown), else fp16 with loss scaling."""
+    """auto: bf16 where the GPU has it (or is unknown), else fp16 with loss scaling. tf32 is fp32 storage
+    with TF32 matmuls: plan.json says precision fp32 and matmul tf32 (`resolve_matmul`)."""
     if precision == "auto":
         return "bf16" if gpu is None or gpu.bf16 else "fp16"
+    if precision == "tf32":
+        return "fp32"
     if precision not in PRECISIONS:
-        raise PlanError(f"--precision must be auto, {', '.join(PRECISIONS)}, got {precision!r}")
+        raise PlanError(f"--precision must be auto, {', '.join(PLAN_PRECISIONS)}, got {precision!r}")
     if gpu is not None and precision == "bf16" and not gpu.bf16:
         raise PlanError(
             f"--precision bf16: {gpu.name} has no bf16 tensor cores", "use --precision fp16 (or auto)"
         )
     return precision
+
+
+def resolve_matmul(precision: str, gpu) -> str:
+    """The rate the DiT's matmuls are estimated at: bf16/fp16 tensor cores; tf32 (fp32 storage, TF32 matmuls,
+    what `dit-accel train` does with an fp32 plan by default); fp32 -> ieee-fp32 (the trainer's --no-tf32).
+    A GPU without TF32 (V100) runs tf32 as IEEE fp32."""
+    if precision in ("bf16", "fp16"):
+        return precision
+    if precision == "fp32":
+        return "ieee-fp32"
+    if precision == "tf32":
+        return "tf32" if gpu is None or gpu.peak_flops.get("tf32") else "ieee-fp32"
+    return "bf16" if gpu is None or gpu.bf16 else "fp16"  # auto
+
+
+def _positive_number(value, flag: str, whole: bool = False) -> float:
+    """A finite number > 0 (a whole one with `whole`): steps, epochs, dataset size, a price."""
+    if isinstance(value, bool):
+        raise PlanError(f"{flag} must be a positive number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PlanError(f"{flag} must be a positive number, got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise PlanError(f"{flag} must be a positive finite number, got {value!r}")
+    if whole:
+        if (
+            isinstance(value, float)
+            and not value.is_integer()
+            or isinstance(value, str)
+            and not value.strip().isdigit()
+        ):
+            raise PlanError(f"{flag} must be a positive whole number, got {value!r}")
+        return int(number)
+    return number
+
+
+def train_steps(global_batch: int, steps=None, epochs=None, dataset_size=None) -> int | None:
+    """Optimizer steps of the run: --steps N, or ceil(epochs x dataset size / global batch); None if not
+    asked."""
+    if steps is not None and epochs is not None:
+        raise PlanError("give --steps or --epochs with --dataset-size, not both")
+    if steps is not None:
+        if dataset_size is not None:
+            raise PlanError("--dataset-size goes with --epochs: drop it, or give --epochs instead of --steps")
+        return _positive_number(steps, "--steps", whole=True)
+    if epochs is None and dataset_size is None:
+        return None
+    if epochs is None or dataset_size is None:
+        raise PlanError("--epochs and --dataset-size go together: give both (or --steps N)")
+    epochs = _positive_number(epochs, "--epochs")
+    size = _positive_number(dataset_size, "--dataset-size", whole=True)
+    return math.ceil(epochs * size / global_batch)
+
+
+def time_to_train(steps: int | None, global_batch: int, world_size: int, throughput, price) -> dict:
+    """Wall-clock time, GPU-hours and cost of `steps` optimizer steps at the estimate and its range."""
+    if steps is None:
+        return {"train_steps": None, "time_to_train_s": None, "gpu_hours": None, "cost": None}
+    images = steps * global_batch
+    point, low, high = (
+        images / throughput.images_per_s,
+        images / throughput.images_per_s_high,  # the fast end of the range gives the short time
+        images / throughput.images_per_s_low,
+    )
+    hours = [t * world_size / 3600 for t in (point, low, high)]
+    out = {
+        "train_steps": steps,
+        "time_to_train_s": point,
+        "time_to_train_s_low": low,
+        "time_to_train_s_high": high,
+        "gpu_hours": hours[0],
+        "gpu_hours_low": hours[1],
+        "gpu_hours_high": hours[2],
+        "cost": None,
+    }
+    if price is not None:
+        out.update(cost=hours[0] * price, cost_low=hours[1] * price, cost_high=hours[2] * price)
+    return out
 
 
 def _checkpointing(value) -> str | int:
@@ -113,12 +200,17 @@ def make_plan(
     main_process_port: int | None = None,
     assumptions=None,
     calibration=None,
+    steps=None,
+    epochs=None,
+    dataset_size=None,
+    gpu_hour_cost=None,
 ) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
 
     `assumptions`: overrides of assumed constants (a dict, or an `Assumptions`). `calibration`: a file written
     by `dit-accel calibrate` (path) or its parsed dict; its measured figures replace the assumed ones where
-    they apply to this plan (planner/calibration.py), and `assumptions` still override them.
+    they apply to this plan (planner/calibration.py), and `assumptions` still override them. `steps` (or
+    `epochs` with `dataset_size`) adds the time to train, GPU-hours and, with `gpu_hour_cost`, the cost.
     """
     inputs = {k: v for k, v in locals().items() if k not in ("assumptions", "calibration")}  # as given
     inputs["assumptions"] = dict(assumptions) if isinstance(assumptions, dict) else None
@@ -170,6 +262,11 @@ def make_plan(
     check_global_batch(global_batch, world)
 
     resolved_precision = resolve_precision(precision, preset)
+    matmul = resolve_matmul(precision, preset)
+    steps = train_steps(global_batch, steps, epochs, dataset_size)
+    price = _positive_number(gpu_hour_cost, "--gpu-hour-cost") if gpu_hour_cost is not None else None
+    if price is not None and steps is None:
+        raise PlanError("--gpu-hour-cost prices a run: give --steps N (or --epochs E --dataset-size S) too")
     calibrated = None
     if calibration is not None:
         if isinstance(calibration, dict):
@@ -192,6 +289,7 @@ def make_plan(
         max_micro_batch=max_micro_batch,
         adamw=adamw,
         gradient_as_bucket_view=bool(gradient_as_bucket_view),
+        matmul=matmul,
     )
     best, path = choose(spec, space, cluster, assumed, budget_bytes)
     decision, memory, throughput = best.decision, best.memory, best.throughput
@@ -201,6 +299,11 @@ def make_plan(
     warnings += _advice(
         spec, decision, cluster, preset, precision, main_process_ip, others, throughput, assumed
     )
+    training = time_to_train(steps, global_batch, world, throughput, price)
+
+    def timed(candidate) -> dict:
+        t = time_to_train(steps, global_batch, world, candidate.throughput, price)
+        return {key: t[key] for key in ("time_to_train_s", "gpu_hours", "cost")}
 
     return {
         "schema": SCHEMA,
@@ -236,6 +339,7 @@ def make_plan(
         "global_batch": global_batch,
         "decision": {
             **dataclasses.asdict(decision),
+            "matmul": matmul,  # bf16 | fp16 | tf32 | ieee-fp32 (--precision fp32: the trainer's --no-tf32)
             "mixed_precision": PRECISIONS[decision.precision].accelerate_mixed_precision,
             "fsdp_sharding_strategy": SHARDING_MODES[decision.sharding].fsdp1_strategy,
             "sync_each_batch": decision.sharded,  # FSDP: reduce-scatter every micro-step, grads stay sharded
@@ -255,13 +359,24 @@ def make_plan(
         "throughput": {
             "step_flops": throughput.step_flops,
             "est_images_per_s": throughput.images_per_s,
+            "est_images_per_s_low": throughput.images_per_s_low,
+            "est_images_per_s_high": throughput.images_per_s_high,
             "assumed_mfu": throughput.assumed_mfu,
+            "mfu_low": throughput.mfu_low,
+            "mfu_high": throughput.mfu_high,
+            "mfu_source": throughput.mfu_source,
+            "matmul": throughput.matmul,
             "step_time_s": throughput.step_time_s,
             "compute_time_s": throughput.compute_time_s,
             "exposed_comm_time_s": throughput.exposed_comm_time_s,
+            "fixed_time_s": throughput.fixed_time_s,
+            "vae_time_s": throughput.vae_time_s,
             "small_batch_efficiency": throughput.efficiency,
             "peak_flops_per_gpu": throughput.peak_flops_per_gpu,
             "comm_bytes_per_gpu": comm_bytes_per_gpu(spec, decision, cluster),
+            "memory_bandwidth_bytes_per_s": memory_bandwidth(cluster, assumed),
+            **training,
+            "gpu_hour_cost": price,
         },
         "host": host,
         "alternatives": [
@@ -269,12 +384,16 @@ def make_plan(
                 **dataclasses.asdict(c.decision),
                 "peak_bytes": c.memory.peak_bytes,
                 "est_images_per_s": c.throughput.images_per_s,
+                "est_images_per_s_low": c.throughput.images_per_s_low,
+                "est_images_per_s_high": c.throughput.images_per_s_high,
+                **timed(c),
             }
             for c in others
         ],
         "search": {
             "rule": "furthest point that fits on a fixed path from the leanest configuration; each step takes the move "
-            "(larger micro-batch | one checkpointed block fewer | less sharding) with the most img/s per byte",
+            "(larger micro-batch | one checkpointed block fewer | less sharding) with the most img/s per "
+            "byte, never one estimated slower (less sharding: more than 5% slower)",
             "path": [
                 [
                     c.decision.sharding,
@@ -358,12 +477,21 @@ def _advice(
     communication = communication_warning(spec, decision, cluster, assumed, throughput)
     if communication:
         notes.append(communication)
+    if decision.precision == "fp32" and throughput.matmul == "ieee-fp32":
+        notes.append(
+            "--precision fp32 plans IEEE fp32 matmuls: train with --no-tf32 (dit-accel train turns TF32 on "
+            "by default and then runs faster than planned); --precision tf32 plans the TF32 rate"
+        )
     faster = [c for c in others if c.throughput.images_per_s > throughput.images_per_s * 1.03]
     if faster:
         f = faster[0].decision
         notes.append(
             f"an off-path choice estimates {faster[0].throughput.images_per_s / throughput.images_per_s - 1:.0%} "
-            f"faster ({f.sharding}, micro-batch {f.micro_batch}, {f.checkpointed_blocks} checkpointed): "
-            f"pin it with --sharding/--checkpointing/--max-micro-batch if you trust the throughput model"
+            f"faster ({f.sharding}, micro-batch {f.micro_batch}, {f.checkpointed_blocks} checkpointed) and "
+            f"fits; "
+            f"it was not taken because the search keeps to one budget-free path (more memory never gives a "
+            f'smaller micro-batch, more checkpointing or more sharding: docs/planner.md, "The search rule")'
+            + (", and prefers replicas within 5%" if f.sharded and not decision.sharded else "")
+            + ": pin it with --sharding/--checkpointing/--max-micro-batch if you trust the throughput model"
         )
     return notes

@@ -79,6 +79,14 @@ class PlanThroughput:
     step_flops: float | None = None
     assumed_mfu: float | None = None
     step_time_s: float | None = None
+    # optional, written since the MFU table and time to train (older plans lack them)
+    est_images_per_s_low: float | None = None
+    est_images_per_s_high: float | None = None
+    matmul: str | None = None  # bf16 | fp16 | tf32 | ieee-fp32; older fp32 plans were planned at TF32
+    train_steps: int | None = None
+    time_to_train_s: float | None = None
+    gpu_hours: float | None = None
+    cost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +258,13 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
         step_flops=t.get("step_flops", float, None),
         assumed_mfu=t.get("assumed_mfu", float, None),
         step_time_s=t.get("step_time_s", float, None),
+        est_images_per_s_low=t.get("est_images_per_s_low", float, None),
+        est_images_per_s_high=t.get("est_images_per_s_high", float, None),
+        matmul=t.get("matmul", str, None),
+        train_steps=t.get("train_steps", int, None, minimum=1),
+        time_to_train_s=t.get("time_to_train_s", float, None),
+        gpu_hours=t.get("gpu_hours", float, None),
+        cost=t.get("cost", float, None),
     )
     plan = Plan(
         schema=schema,

@@ -52,6 +52,74 @@ def _share(n: float, whole: float) -> str:
     return f"{100 * n / whole:.1f}%"
 
 
+def _rate(point: float, low: float | None, high: float | None) -> str:
+    """images/s with its range: "967 (793-1130)"; the point alone for plans written before the range."""
+    if low is None or high is None or round(low) == round(high):
+        return f"{point:.0f}"  # older plans, and a measured (--calibration / --assume) MFU: one value
+    return f"{point:.0f} ({low:.0f}-{high:.0f})"
+
+
+def duration(seconds: float) -> str:
+    """Wall-clock time as people read it: 45 min, 29.4 h, 6.2 days."""
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def _money(value: float) -> str:
+    return f"${value:,.0f}"
+
+
+def time_to_train_rows(plan: dict) -> tuple[list, list]:
+    """The run's wall-clock time, GPU-hours and cost, for the decision and each alternative (with --steps)."""
+    t = plan["throughput"]
+    if not t.get("train_steps"):
+        return [], []
+    priced = t.get("cost") is not None
+    headers = ["choice", "steps", "wall-clock", "(range)", "GPU-hours", "(range)"] + (
+        ["cost", "(range)"] if priced else []
+    )
+    d = plan["decision"]
+    row = [
+        f"decision: {d['sharding']}, micro-batch {d['micro_batch']}, {d['checkpointed_blocks']} checkpointed",
+        f"{t['train_steps']:,}",
+        duration(t["time_to_train_s"]),
+        f"{duration(t['time_to_train_s_low'])} - {duration(t['time_to_train_s_high'])}",
+        f"{t['gpu_hours']:,.0f}",
+        f"{t['gpu_hours_low']:,.0f} - {t['gpu_hours_high']:,.0f}",
+    ] + ([_money(t["cost"]), f"{_money(t['cost_low'])} - {_money(t['cost_high'])}"] if priced else [])
+    rows = [row]
+    world = plan["cluster"]["world_size"]
+    steps, batch = t["train_steps"], plan["global_batch"]
+    for a in plan["alternatives"]:
+        times = [
+            steps * batch / a[key]
+            for key in ("est_images_per_s", "est_images_per_s_high", "est_images_per_s_low")
+        ]
+        hours = [x * world / 3600 for x in times]
+        rows.append(
+            [
+                f"{a['sharding']}, micro-batch {a['micro_batch']}, {a['checkpointed_blocks']} checkpointed",
+                f"{steps:,}",
+                duration(times[0]),
+                f"{duration(times[1])} - {duration(times[2])}",
+                f"{hours[0]:,.0f}",
+                f"{hours[1]:,.0f} - {hours[2]:,.0f}",
+            ]
+            + (
+                [
+                    _money(hours[0] * t["gpu_hour_cost"]),
+                    f"{_money(hours[1] * t['gpu_hour_cost'])} - {_money(hours[2] * t['gpu_hour_cost'])}",
+                ]
+                if priced
+                else []
+            )
+        )
+    return headers, rows
+
+
 def describe(plan: dict, component: str) -> str:
     d, m = plan["decision"], plan["memory"]
     text = DESCRIBE[component]
@@ -146,7 +214,7 @@ def decision_rows(plan: dict) -> tuple[list, list]:
         "on" if d["ema"] else "off",
         _gib(m["peak_bytes"]),
         _share(m["peak_bytes"], m["vram_bytes"]),
-        f"{t['est_images_per_s']:.0f}",
+        _rate(t["est_images_per_s"], t.get("est_images_per_s_low"), t.get("est_images_per_s_high")),
     ]
     return headers, [row]
 
@@ -203,7 +271,7 @@ def alternative_rows(plan: dict) -> tuple[list, list]:
             a["sharding"],
             _gib(a["peak_bytes"]),
             _share(a["peak_bytes"], vram),
-            f"{a['est_images_per_s']:.0f}",
+            _rate(a["est_images_per_s"], a.get("est_images_per_s_low"), a.get("est_images_per_s_high")),
         ]
         for a in plan["alternatives"]
     ]
@@ -230,6 +298,7 @@ def render(plan: dict, fmt: str = "table") -> str:
         ("Decision", decision_rows(plan)),
         (f"Memory per GPU at its peak ({peak})", memory_rows(plan)),
         ("Alternatives (fastest first)", alternative_rows(plan)),
+        ("Time to train", time_to_train_rows(plan)),
     ]
     heading = {"table": "{}", "markdown": "### {}", "github": "### {}", "latex": "% {}"}[fmt]
     out = [heading.format(title(plan)), f"units: {plan['units']}"]
@@ -411,15 +480,36 @@ def plan_markdown(plan: dict) -> str:
         + (f" + {d['checkpointed_blocks']} recomputed blocks" if d["checkpointed_blocks"] else "")
         + (" + the VAE encoder" if d["latents"] == "online" else "")
         + f"; one optimizer step = {t['step_flops'] / 1e12:.1f} TFLOP over {plan['global_batch']} images.",
-        f"- per GPU: {t['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s peak x MFU {t['assumed_mfu']:.3f} x small-batch "
-        f"efficiency {t['small_batch_efficiency']:.3f} -> compute {t['compute_time_s'] * 1e3:.1f} ms per step, plus "
+        f"- per GPU: {t['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s {t.get('matmul', d['precision'])} peak "
+        f"x MFU {t['assumed_mfu']:.3f} (range {t.get('mfu_low', t['assumed_mfu']):.3f}-"
+        f"{t.get('mfu_high', t['assumed_mfu']):.3f}; {t.get('mfu_source', 'assumed')}) x small-batch "
+        f"efficiency {t['small_batch_efficiency']:.3f} -> compute {t['compute_time_s'] * 1e3:.1f} ms per step"
+        + (f", the VAE encoder (fp32) {t['vae_time_s'] * 1e3:.1f} ms" if t.get("vae_time_s") else "")
+        + ", the fixed per-step cost (AdamW + EMA bytes over "
+        f"{t.get('memory_bandwidth_bytes_per_s', 0) / 1e9:.0f} GB/s + launches) "
+        f"{t.get('fixed_time_s', 0) * 1e3:.1f} ms, plus "
         f"{t['exposed_comm_time_s'] * 1e3:.1f} ms exposed communication ({format_bytes(t['comm_bytes_per_gpu'])} per GPU).",
-        f"- estimate: {t['est_images_per_s']:.0f} images/s ({t['step_time_s']:.3f} s per optimizer step).",
+        f"- estimate: "
+        f"{_rate(t['est_images_per_s'], t.get('est_images_per_s_low'), t.get('est_images_per_s_high'))} "
+        f"images/s ({t['step_time_s']:.3f} s per optimizer step).",
         "",
         "## Alternatives",
         "",
         _md(*alternative_rows(plan)) if plan["alternatives"] else "None that fit.",
         "",
+    ]
+    if t.get("train_steps"):
+        lines += [
+            "## Time to train",
+            "",
+            f"{t['train_steps']:,} optimizer steps x {plan['global_batch']} images / the estimated images/s "
+            f"(range from the MFU range); GPU-hours = wall-clock x {c['world_size']} GPUs"
+            + (f"; cost at ${t['gpu_hour_cost']:g} per GPU-hour." if t.get("cost") is not None else "."),
+            "",
+            _md(*time_to_train_rows(plan)),
+            "",
+        ]
+    lines += [
         "## Host RAM per node (exitcode -9)",
         "",
         _md(*host_rows(plan)),

@@ -8,7 +8,9 @@ The rule (docs/planner.md, "The search rule"):
    micro-batch, every block checkpointed). Each step takes the one move, among
        the next larger micro-batch | one checkpointed block fewer | one level less sharding,
    that buys the most estimated images/s per extra byte of peak memory (ties: micro-batch first, then
-   checkpointing, then sharding).
+   checkpointing, then sharding). A move the estimate says is slower is never taken (one level less
+   sharding: more than REPLICA_TOLERANCE, 5%, slower: FSDP costs more than its modelled 5%)); the path ends
+   where every remaining move is, so its furthest point is its fastest (within that tolerance).
 3. The decision is the furthest point of that path that fits the budget (VRAM minus headroom).
 
 The path does not depend on the budget, so more memory can only move the decision further along it: a
@@ -23,11 +25,12 @@ from dataclasses import dataclass
 
 from planner import vae
 from planner.errors import PlanError
-from planner.hardware import Assumptions
+from planner.hardware import Assumptions, matmul_mode, mfu_entry
 from planner.memory import SHARDINGS, Cluster, Decision, MemoryEstimate, element_bytes, step_memory
 from planner.spec import DiTSpec
 
 FALLBACK_BUSBW_BYTES_PER_S = 100e9  # intra-node bandwidth when only --vram is known
+REPLICA_TOLERANCE = 0.05  # a move to less sharding is taken unless the estimate says it is this much slower
 
 
 # --- throughput --------------------------------------------------------------------------------------
@@ -38,20 +41,41 @@ class Throughput:
     step_flops: float  # FLOPs of one optimizer step on the whole cluster (recompute and VAE encode included)
     images_per_s: float
     step_time_s: float
-    compute_time_s: float
+    compute_time_s: float  # the DiT's forward, backward and recompute
     exposed_comm_time_s: float
     efficiency: float  # small-micro-batch efficiency, 1 = saturated matmuls
     peak_flops_per_gpu: float
     assumed_mfu: float
+    images_per_s_low: float = 0.0  # at the low end of the MFU range
+    images_per_s_high: float = 0.0
+    mfu_low: float = 0.0
+    mfu_high: float = 0.0
+    fixed_time_s: float = 0.0  # per optimizer step: AdamW + EMA bytes / memory bandwidth + launch overhead
+    vae_time_s: float = 0.0  # the VAE encoder (online latents), at its own fp32 / TF32 rate
+    matmul: str = ""  # bf16 | fp16 | tf32 | ieee-fp32: the rate the DiT's matmuls were estimated at
+    mfu_source: str = ""  # where the MFU comes from (the table entry, its fallback, or the override)
+
+
+def default_matmul(precision: str) -> str:
+    """The matmul rate of a plan precision when nothing else is said: fp32 plans train with TF32 matmuls."""
+    return "tf32" if precision == "fp32" else precision
+
+
+def dit_image_flops(spec: DiTSpec, decision: Decision) -> float:
+    """The DiT's training FLOPs per image: forward + backward (3 x forward) and each checkpointed block's
+    recompute (one more forward)."""
+    return 3 * spec.fwd_flops_per_image + decision.checkpointed_blocks * 2 * spec.block_fwd_macs_per_image()
+
+
+def vae_image_flops(spec: DiTSpec, decision: Decision) -> float:
+    """The VAE encoder's forward per image when latents are encoded online, else 0."""
+    return 2 * vae.encoder_macs_per_image(spec.resolution) if decision.latents == "online" else 0.0
 
 
 def image_step_flops(spec: DiTSpec, decision: Decision) -> float:
     """Training FLOPs per image: forward + backward (3 x forward), one more forward of each checkpointed
     block, and the VAE encoder's forward when latents are encoded online."""
-    flops = 3 * spec.fwd_flops_per_image + decision.checkpointed_blocks * 2 * spec.block_fwd_macs_per_image()
-    if decision.latents == "online":
-        flops += 2 * vae.encoder_macs_per_image(spec.resolution)
-    return flops
+    return dit_image_flops(spec, decision) + vae_image_flops(spec, decision)
 
 
 def small_batch_efficiency(spec: DiTSpec, micro_batch: int, assumptions: Assumptions) -> float:
@@ -81,11 +105,12 @@ def comm_bytes_per_gpu(spec: DiTSpec, decision: Decision, cluster: Cluster) -> f
 
 
 def peak_flops(cluster: Cluster, precision: str, assumptions: Assumptions) -> float:
+    """The matmul peak of `precision` (bf16, fp16, tf32, ieee-fp32, or fp32 = TF32 where there is TF32)."""
     if cluster.gpu is not None:
         return cluster.gpu.matmul_peak_flops(precision)
-    return assumptions.default_peak_flops / (
-        2 if precision == "fp32" else 1
-    )  # TF32 runs at half the bf16 rate
+    if precision == "ieee-fp32":
+        return assumptions.default_peak_flops / 16  # A100: 19.5 of 312 TFLOP/s
+    return assumptions.default_peak_flops / (2 if precision in ("fp32", "tf32") else 1)  # TF32: half
 
 
 def bus_bandwidth(cluster: Cluster, assumptions: Assumptions) -> float:
@@ -96,35 +121,131 @@ def bus_bandwidth(cluster: Cluster, assumptions: Assumptions) -> float:
     return cluster.gpu.intra_node_busbw_bytes_per_s if cluster.gpu else FALLBACK_BUSBW_BYTES_PER_S
 
 
+def memory_bandwidth(cluster: Cluster, assumptions: Assumptions) -> float:
+    if cluster.gpu is not None and cluster.gpu.memory_bandwidth_bytes_per_s:
+        return cluster.gpu.memory_bandwidth_bytes_per_s
+    return assumptions.default_memory_bandwidth_bytes_per_s
+
+
+def fixed_step_time(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions) -> float:
+    """Per optimizer step, beside the matmuls: the fused AdamW and the EMA update read and write every
+    parameter's states (bytes-bound: bytes / memory bandwidth; each rank its shard when sharded), plus a
+    constant for kernel launches, zero_grad and the host loop. It dominates at small micro-batches."""
+    params = spec.params_trainable / (cluster.world_size if decision.sharded else 1)
+    per_param = assumptions.step_fixed_bytes_per_param - (0 if decision.ema else 12)
+    return assumptions.step_fixed_overhead_s + max(per_param, 0) * params / memory_bandwidth(
+        cluster, assumptions
+    )
+
+
+def mfu_range(cluster: Cluster, precision: str, matmul: str, assumptions: Assumptions):
+    """(low, point, high, source) of the MFU for `matmul` on this GPU: an --assume or calibration override is
+    one value; otherwise the measured table's entry for the GPU's family (presets/mfu.yaml)."""
+    override = assumptions.mfu(precision)
+    if override:
+        return override, override, override, "--assume / --calibration"
+    entry = mfu_entry(cluster.gpu.family if cluster.gpu else None, matmul_mode(matmul))
+    source = entry.source + (f" (fallback: {entry.fallback})" if entry.fallback else "")
+    return entry.low, entry.point, entry.high, source
+
+
+def vae_matmul(matmul: str) -> str:
+    """The VAE encodes in fp32: on TF32 tensor cores (the trainer's default, cuDNN TF32 on) unless the plan
+    asks for IEEE fp32 everywhere."""
+    return "ieee-fp32" if matmul == "ieee-fp32" else "tf32"
+
+
 def estimate_throughput(
-    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions
+    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions, matmul: str | None = None
 ) -> Throughput:
-    """Images per second: per-GPU compute at peak x MFU x small-batch efficiency, plus exposed communication."""
+    """Images per second: per-GPU compute at peak x MFU x small-batch efficiency, the VAE encoder at its own
+    rate, a fixed per-step cost, and exposed communication; low and high at the ends of the MFU range."""
+    matmul = matmul or default_matmul(decision.precision)
     global_batch = decision.micro_batch * decision.grad_accum * cluster.world_size
-    per_image = image_step_flops(spec, decision)
-    mfu = assumptions.mfu(decision.precision)
+    images = decision.micro_batch * decision.grad_accum  # per GPU per optimizer step
     efficiency = small_batch_efficiency(spec, decision.micro_batch, assumptions)
-    peak = peak_flops(cluster, decision.precision, assumptions)
-    rate = peak * mfu * efficiency
-    if decision.sharded:
-        rate *= assumptions.fsdp_efficiency
-    compute_s = decision.micro_batch * decision.grad_accum * per_image / rate
+    peak = peak_flops(cluster, matmul, assumptions)
+    low, point, high, source = mfu_range(cluster, decision.precision, matmul, assumptions)
+    sharded = assumptions.fsdp_efficiency if decision.sharded else 1.0
+    vae_flops = vae_image_flops(spec, decision)
+    vae_peak = peak_flops(cluster, vae_matmul(matmul), assumptions)
+    vae_mfus = mfu_range(cluster, "fp32", vae_matmul(matmul), assumptions)[:3] if vae_flops else (1, 1, 1)
+    fixed_s = fixed_step_time(spec, decision, cluster, assumptions)
     comm_s = (
         assumptions.comm_exposed_fraction
         * comm_bytes_per_gpu(spec, decision, cluster)
         / bus_bandwidth(cluster, assumptions)
     )
-    step_s = compute_s + comm_s
+
+    def times(mfu, vae_mfu):
+        compute = images * dit_image_flops(spec, decision) / (peak * mfu * efficiency * sharded)
+        return compute, images * vae_flops / (vae_peak * vae_mfu)
+
+    compute_s, vae_s = times(point, vae_mfus[1])
+    step_s = compute_s + vae_s + fixed_s + comm_s
+    slow = sum(times(low, vae_mfus[0])) + fixed_s + comm_s
+    fast = sum(times(high, vae_mfus[2])) + fixed_s + comm_s
     return Throughput(
-        step_flops=per_image * global_batch,
+        step_flops=image_step_flops(spec, decision) * global_batch,
         images_per_s=global_batch / step_s,
         step_time_s=step_s,
         compute_time_s=compute_s,
         exposed_comm_time_s=comm_s,
         efficiency=efficiency,
         peak_flops_per_gpu=peak,
-        assumed_mfu=mfu,
+        assumed_mfu=point,
+        images_per_s_low=global_batch / slow,
+        images_per_s_high=global_batch / fast,
+        mfu_low=low,
+        mfu_high=high,
+        fixed_time_s=fixed_s,
+        vae_time_s=vae_s,
+        matmul=matmul,
+        mfu_source=source,
     )
+
+
+def implied_mfu(
+    spec: DiTSpec,
+    decision: Decision,
+    cluster: Cluster,
+    assumptions: Assumptions,
+    images_per_s: float,
+    matmul: str | None = None,
+) -> float:
+    """The MFU a measured images/s (whole cluster) implies under this model: the step time less the fixed
+    cost and exposed communication, over the FLOPs at the peak x small-batch efficiency. The VAE's FLOPs
+    (online latents) share the unknown MFU when they run in the same mode as the DiT's matmuls (TF32);
+    otherwise their time at the table's figure is taken off first. How presets/mfu.yaml was derived."""
+    matmul = matmul or default_matmul(decision.precision)
+    global_batch = decision.micro_batch * decision.grad_accum * cluster.world_size
+    images = decision.micro_batch * decision.grad_accum
+    step_s = global_batch / images_per_s
+    rest = (
+        step_s
+        - fixed_step_time(spec, decision, cluster, assumptions)
+        - assumptions.comm_exposed_fraction
+        * comm_bytes_per_gpu(spec, decision, cluster)
+        / bus_bandwidth(cluster, assumptions)
+    )
+    sharded = assumptions.fsdp_efficiency if decision.sharded else 1.0
+    efficiency = small_batch_efficiency(spec, decision.micro_batch, assumptions)
+    work = (
+        images
+        * dit_image_flops(spec, decision)
+        / (peak_flops(cluster, matmul, assumptions) * efficiency * sharded)
+    )
+    vae_flops = vae_image_flops(spec, decision)
+    if vae_flops:
+        vae_peak = peak_flops(cluster, vae_matmul(matmul), assumptions)
+        if vae_matmul(matmul) == matmul or (matmul == "fp32" and vae_matmul(matmul) == "tf32"):
+            work += images * vae_flops / vae_peak
+        else:
+            vae_mfu = mfu_range(cluster, "fp32", vae_matmul(matmul), assumptions)[1]
+            rest -= images * vae_flops / (vae_peak * vae_mfu)
+    if rest <= 0:
+        raise PlanError(f"{images_per_s} images/s is faster than the fixed per-step cost alone allows")
+    return work / rest
 
 
 COMM_WARNING_SHARE = 0.25  # exposed communication above this share of the step time gets a plan warning
@@ -184,6 +305,7 @@ class SearchSpace:
     max_micro_batch: int | None = None
     adamw: str = "fused"
     gradient_as_bucket_view: bool = True
+    matmul: str | None = None  # bf16 | fp16 | tf32 | ieee-fp32; None: the precision's default (fp32 -> tf32)
 
 
 @dataclass(frozen=True)
@@ -274,7 +396,9 @@ def evaluate(
         gradient_as_bucket_view=space.gradient_as_bucket_view,
     )
     memory = step_memory(spec, decision, cluster, assumptions, budget_bytes)
-    return Candidate(decision, memory, estimate_throughput(spec, decision, cluster, assumptions))
+    return Candidate(
+        decision, memory, estimate_throughput(spec, decision, cluster, assumptions, space.matmul)
+    )
 
 
 def search_path(
@@ -306,9 +430,14 @@ def search_path(
             candidate = at(move)
             cost = candidate.memory.peak_bytes - current.memory.peak_bytes
             gain = candidate.throughput.images_per_s - current.throughput.images_per_s
+            tolerance = REPLICA_TOLERANCE if move[2] != state[2] else 0.0
+            if candidate.throughput.images_per_s < current.throughput.images_per_s * (1 - tolerance):
+                continue  # never a move the estimate says is slower (replicas: by more than 5%)
             ratio = float("inf") if cost <= 0 else gain / cost
             if best is None or ratio > best_ratio:
                 best, best_ratio, state_next = candidate, ratio, move
+        if best is None:
+            return path  # every remaining move is slower: the furthest point is the fastest
         state = state_next
         path.append(best)
 

@@ -9,7 +9,6 @@ result is a calibration file that `dit-plan --calibration FILE` reads in place o
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import time
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dit_accel.atomic import write_json_atomically
+from dit_accel.cli_args import OneLineParser, positive_int
 from dit_accel.errors import UserError, exits_cleanly
 from planner.planfile import Plan, read_plan
 
@@ -386,16 +386,19 @@ def _software() -> dict:
 
 @exits_cleanly("dit-accel calibrate")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dit-accel calibrate", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="dit-accel calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", required=True, help="plan.json written by dit-plan")
     parser.add_argument(
         "--micro-batches", default="8,16,32", help="micro-batches to measure and fit (default 8,16,32)"
     )
     parser.add_argument(
-        "--steps", type=int, default=3, help="timed optimizer steps per micro-batch, after one warm-up step"
+        "--steps",
+        type=positive_int,
+        default=3,
+        help="timed optimizer steps per micro-batch, after one warm-up step",
     )
     parser.add_argument(
-        "--max-micro-batch", type=int, default=None, help="stop the search for the largest fit here"
+        "--max-micro-batch", type=positive_int, default=None, help="stop the search for the largest fit here"
     )
     parser.add_argument(
         "--out", default="calibration.json", help="calibration file to write (default calibration.json)"

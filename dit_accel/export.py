@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from dit_accel.atomic import staged_folder, write_json_atomically
+from dit_accel.cli_args import OneLineParser, positive_int, refuse_file
 from dit_accel.errors import UserError, exits_cleanly
 
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__: class_null = [1000] * batch_size
@@ -176,7 +177,7 @@ def write_pipeline(
 
 
 def build_export_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dit-accel export",
         description="Write a checkpoint as a diffusers DiTPipeline folder (transformer, VAE, DDIM scheduler with "
         "DiT's betas, id2label): DiTPipeline.from_pretrained(OUT) loads it offline.",
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     from dit_accel.sample import default_vae_path, load_source
 
     args = build_export_parser().parse_args(argv)
+    refuse_file(args.out, "--out")
     source = load_source(args.checkpoint, use_ema=args.ema)
     vae_path = args.vae or default_vae_path(source)
     if not vae_path:
@@ -328,7 +330,7 @@ def write_imported_checkpoint(
 
 
 def build_import_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dit-accel import-dit",
         description="Turn an original DiT checkpoint (.pt state dict of the DiT repository, e.g. DiT-XL-2-256x256.pt) "
         "into a dit-accel run folder that `dit-accel sample` and `dit-accel export` read and that "
@@ -338,7 +340,7 @@ def build_import_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="the run folder to write")
     parser.add_argument(
         "--heads",
-        type=int,
+        type=positive_int,
         default=None,
         help="attention heads, only for a network outside the DiT family table (shapes do not tell)",
     )
@@ -363,6 +365,7 @@ def import_main(argv: list[str] | None = None) -> int:
     from dit_accel.original_dit import load_original_dit
 
     args = build_import_parser().parse_args(argv)
+    refuse_file(args.out, "--out")
     model = load_original_dit(
         args.checkpoint, heads=args.heads, prefer=args.weights, trust_pickle=args.trust_checkpoint
     )

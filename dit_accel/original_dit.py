@@ -81,6 +81,11 @@ def original_state_dict(
                 f"{path} holds Python objects besides tensors (a training checkpoint's args?): pass --trust-checkpoint "
                 f"only if you trust where it came from ({str(error).splitlines()[0]})"
             ) from None
+        except (RuntimeError, EOFError, IndexError, ValueError, OSError) as error:  # text, truncated, other
+            raise UserError(
+                f"cannot read {path} as a torch checkpoint ({str(error).splitlines()[0][:120] or 'empty'})",
+                "pass --checkpoint an original DiT .pt file, downloaded whole",
+            ) from None
     if not isinstance(raw, dict):
         raise UserError(f"an original DiT checkpoint is a dict of tensors, got {type(raw).__name__}")
     if not any(isinstance(value, torch.Tensor) for value in raw.values()):

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dit_accel.atomic import write_atomically, write_json_atomically
+from dit_accel.cli_args import OneLineParser, finite_float, positive_int, seed_int
 from dit_accel.errors import UserError, exits_cleanly
 
 SAMPLERS = ("ddpm", "ddim")
@@ -377,7 +378,7 @@ IMAGENET_SHOWCASE = (207, 360, 387, 974, 88, 979, 417, 279)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dit-accel sample",
         description="Class-conditional samples: a PNG grid plus single images (--out), or the FID evaluation "
         "batch (--num-samples N --npz FILE; run it under `accelerate launch` to use every GPU).",
@@ -400,11 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
         "for ImageNet-1k, else the first 8; with --npz: every class)",
     )
     parser.add_argument(
-        "--per-class", type=int, default=1, help="samples per class in the grid (one row per class)"
+        "--per-class", type=positive_int, default=1, help="samples per class in the grid (one row per class)"
     )
     parser.add_argument(
         "--cfg-scale",
-        type=float,
+        type=finite_float,
         default=None,
         help="classifier-free guidance scale; 1 turns it off (default 4.0 for a grid, 1.5 for --npz)",
     )
@@ -414,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="all",
         help="guide all latent channels (diffusers, default) or the first 3 only (original DiT repository)",
     )
-    parser.add_argument("--steps", type=int, default=250, help="sampling steps (respaced from 1000)")
+    parser.add_argument("--steps", type=positive_int, default=250, help="sampling steps (respaced from 1000)")
     parser.add_argument(
         "--sampler",
         choices=SAMPLERS,
@@ -427,11 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="which training steps the chain keeps (default: even for ddpm, leading for ddim)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="sample i is seeded from (seed, i)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="sample i is seeded from (seed, i)")
     parser.add_argument(
         "--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)"
     )
-    parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass on each process")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=32, help="images per forward pass on each process"
+    )
     parser.add_argument(
         "--out", default=None, help="grid PNG to write; singles go to <name>_images/ next to it"
     )
@@ -439,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--npz", default=None, help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels)"
     )
     parser.add_argument(
-        "--num-samples", type=int, default=None, help="images in the evaluation batch (e.g. 50000)"
+        "--num-samples", type=positive_int, default=None, help="images in the evaluation batch (e.g. 50000)"
     )
     return parser
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +18,11 @@ from dit_accel.errors import UserError
 
 NAN_POLICIES = ("abort", "skip")
 DEFAULT_NUM_WORKERS = 4  # DataLoader workers per rank unless the node's CPUs allow fewer
+MAX_SEED = 2**31 - 1  # seed + rank must stay a valid seed for torch, numpy and Python alike
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 @dataclass
@@ -97,6 +104,17 @@ class TrainConfig:
             f"cannot run that many: CPUs // ranks per node - 1)"
         },
     )
+    skip_bad_images: bool = field(
+        default=False,
+        metadata={
+            "help": "images (--data-path) that do not decode are skipped, each logged once per rank with the "
+            "rank's count, instead of stopping the run"
+        },
+    )
+    max_bad_images: int = field(
+        default=100,
+        metadata={"help": "with --skip-bad-images: stop once a rank has met more than this many bad images"},
+    )
     tf32: bool = field(
         default=True, metadata={"help": "TF32 matmuls and convolutions on CUDA (--no-tf32 for full fp32)"}
     )
@@ -108,6 +126,20 @@ class TrainConfig:
     debug_checksums: bool = field(
         default=False,
         metadata={"help": "write a parameter checksum per step to each rank's log (slow; for tests)"},
+    )
+    preempt_signals: str = field(
+        default="TERM,USR1",
+        metadata={
+            "help": "signals that save the current step and exit 4 (preempted; requeue with --resume auto), "
+            "comma-separated; '' to leave signals alone"
+        },
+    )
+    collective_timeout_s: float = field(
+        default=1800.0,
+        metadata={
+            "help": "end the run (exit 5) when a rank makes no progress for this long, e.g. stuck in a "
+            "collective; also the process group's timeout"
+        },
     )
 
     def check(self) -> None:
@@ -134,10 +166,48 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        numbers = ("lr", "weight_decay", "ema_decay", "class_dropout", "grad_clip")
+        for flag, value in [(_flag(n), getattr(self, n)) for n in numbers] + [
+            ("betas", b) for b in self.betas
+        ]:
+            if value is not None and not math.isfinite(value):
+                raise UserError(f"--{flag} must be a finite number, got {value}", "pass a real number")
         if self.lr <= 0:
-            raise UserError(f"--lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0 or (self.num_workers or 0) < 0 or self.max_skipped_steps < 0:
-            raise UserError("--warmup-steps, --num-workers and --max-skipped-steps must not be negative")
+            raise UserError(f"--lr must be positive, got {self.lr}", "pass e.g. --lr 1e-4 (DiT's)")
+        if self.weight_decay < 0:
+            raise UserError(
+                f"--weight-decay must not be negative, got {self.weight_decay}", "pass 0 (DiT's) or more"
+            )
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise UserError(
+                f"--betas must both be in [0, 1), got {self.betas[0]} {self.betas[1]}",
+                "pass e.g. --betas 0.9 0.999 (DiT's)",
+            )
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"--seed must be in 0..{MAX_SEED}, got {self.seed}", "pass a smaller seed")
+        for name in ("output_dir", "data_path", "latents"):
+            value = getattr(self, name)
+            existing = (
+                next((p for p in (Path(value), *Path(value).parents) if p.exists()), None) if value else None
+            )
+            if existing is not None and not existing.is_dir():
+                raise UserError(
+                    f"--{_flag(name)} {value}: {existing} is a file, not a folder", "pass a folder"
+                )
+        if self.max_bad_images < 0:
+            raise UserError(
+                f"--max-bad-images must not be negative, got {self.max_bad_images}", "pass 0 or more"
+            )
+        if self.skip_bad_images and not self.data_path:
+            raise UserError(
+                "--skip-bad-images is for an image folder (--data-path)",
+                "drop it: a latent cache holds only images that decoded (extract-latents has its own flag)",
+            )
+        for name in ("warmup_steps", "num_workers", "max_skipped_steps"):
+            if (getattr(self, name) or 0) < 0:
+                raise UserError(
+                    f"--{_flag(name)} must not be negative, got {getattr(self, name)}", "pass 0 or more"
+                )
         if not 0.0 <= self.ema_decay < 1.0:
             raise UserError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
         if not 0.0 <= self.class_dropout < 1.0:
@@ -146,6 +216,18 @@ class TrainConfig:
             raise UserError(f"--grad-clip must be positive, got {self.grad_clip}")
         if self.nan_policy not in NAN_POLICIES:
             raise UserError(f"--nan-policy must be one of {', '.join(NAN_POLICIES)}, got {self.nan_policy!r}")
+        try:
+            parse_signals(self.preempt_signals)
+        except ValueError as bad:
+            raise UserError(
+                f"--preempt-signals {self.preempt_signals!r}: {bad} is not a signal that can be caught",
+                "pass names such as TERM,USR1 (or '' for none)",
+            ) from None
+        if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
+            raise UserError(
+                f"--collective-timeout-s must be a positive number of seconds, got {self.collective_timeout_s}",
+                "pass e.g. 1800",
+            )
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -164,6 +246,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UserError(f"{message} (see `python -m dit_accel.train --help`)")
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """`TERM,USR1` (or `SIGTERM,SIGUSR1`) as signals; ValueError names a name that is not a catchable one."""
+    found = []
+    for name in filter(None, (part.strip().upper() for part in text.split(","))):
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name in ("SIGKILL", "SIGSTOP") or not hasattr(signal.Signals, name):
+            raise ValueError(name)
+        found.append(signal.Signals[name])
+    return tuple(found)
 
 
 def build_parser() -> argparse.ArgumentParser:

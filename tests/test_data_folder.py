@@ -189,3 +189,22 @@ def test_bad_image_at_access_raises_or_is_replaced(tmp_path):
     image, _ = data[0]
     assert torch.allclose(image, torch.full_like(image, -1.0))  # served a/1.png (black) instead
     assert data.bad_images_seen == 1
+
+
+def test_a_16_bit_png_comes_through_as_value_over_257(tmp_path):
+    """PIL's own convert("RGB") clips 16-bit grey at 255: mid-grey would train as white."""
+    from dit_accel.data.folder import load_rgb
+
+    values = np.array([[0, 257, 32896, 65535], [1000, 20000, 40000, 60000]] * 2, dtype=np.uint16)
+    Image.fromarray(values).save(tmp_path / "grey16.png")
+    with Image.open(tmp_path / "grey16.png") as image:
+        assert image.mode in ("I;16", "I") and np.asarray(image).max() == 65535  # really 16-bit on disk
+    rgb = np.asarray(load_rgb(tmp_path / "grey16.png"))
+    expected = np.rint(values / 257).astype(np.uint8)
+    assert rgb.shape == (4, 4, 3) and (rgb == expected[..., None]).all()
+    assert rgb[0, 2, 0] == 128  # mid-grey stays mid-grey
+
+    _png(tmp_path / "data" / "a" / "0.png", colour=(0, 0, 0))
+    Image.fromarray(np.full((8, 8), 32896, dtype=np.uint16)).save(tmp_path / "data" / "a" / "1.png")
+    image, _ = ImageFolderData(tmp_path / "data", 8, flip=False)[1]
+    assert torch.allclose(image, torch.full_like(image, 128 / 127.5 - 1), atol=1e-6)

@@ -170,7 +170,7 @@ def test_resume_after_a_kill_keeps_complete_shards(assets, tmp_path):
 
     # A different resolution is a different cache: nothing is reused.
     PartialState._reset_state()
-    assert _extract(assets, out, resolution=16).shards_reused == []
+    assert _extract(assets, out, resolution=16, overwrite=True).shards_reused == []
 
 
 def test_damaged_or_missing_shards_are_refused(assets, tmp_path):
@@ -203,7 +203,7 @@ def test_cache_made_with_another_vae_or_resolution_is_refused(assets, tmp_path):
 
 @pytest.mark.filterwarnings("ignore:The `local_dir_use_symlinks` argument is deprecated")
 def test_vae_that_cannot_be_loaded_is_one_clear_error(tmp_path):
-    with pytest.raises(UserError, match="VAE folder .*nope does not exist"):
+    with pytest.raises(UserError, match="--vae .*nope does not exist"):
         load_vae(str(tmp_path / "nope"))
     with pytest.raises(UserError, match="cannot load the VAE 'someone/tiny-vae' from the Hugging Face hub"):
         load_vae("someone/tiny-vae")  # HF_HUB_OFFLINE=1 (conftest): the network is refused
@@ -322,3 +322,58 @@ def test_two_processes_under_accelerate_launch_write_their_own_shards(assets, tm
     assert torch.equal(two.labels, one.labels)
     for index in range(len(one)):
         torch.testing.assert_close(two.posterior(index, 1), one.posterior(index, 1), rtol=1e-5, atol=1e-6)
+
+    # Both ranks replace the complete cache through the staging folder, which is swapped in whole.
+    at_16 = [
+        *command[: command.index("--resolution") + 1],
+        "16",
+        *command[command.index("--resolution") + 2 :],
+    ]
+    run = subprocess.run([*at_16, "--overwrite"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    manifest = read_manifest(out)
+    assert manifest["resolution"] == 16 and manifest["world_size"] == 2 and verify_cache(out) > 0
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_failed_rerun_leaves_the_complete_cache_whole(assets, tmp_path):
+    """A re-run that fails half-way (an image that no longer decodes) must not cost the complete cache."""
+    images = tmp_path / "images"
+    shutil.copytree(assets / "images", images)
+    out = tmp_path / "cache"
+    _extract(assets, out, data_path=str(images))
+    before = _contents(out)
+    bad = sorted(images.glob("02_*/*.png"))[3]  # not the first of its class: the sample check passes
+    bad.write_bytes(bad.read_bytes()[:60])  # a truncated PNG: the shard it is in must be encoded again
+
+    PartialState._reset_state()
+    with pytest.raises(UserError, match="cannot decode image"):
+        _extract(assets, out, data_path=str(images), resolution=16, overwrite=True)
+    assert _contents(out) == before and verify_cache(out) > 0
+    assert read_manifest(out)["resolution"] == RESOLUTION and len(LatentCache(out)) == CLASSES * PER_CLASS
+
+    # Run again, skipping the bad image: the failed run's shards are reused, the cache swapped in whole.
+    PartialState._reset_state()
+    result = _extract(assets, out, data_path=str(images), resolution=16, overwrite=True, skip_bad_images=True)
+    assert result.shards_reused == [0, 1, 2] and result.shards_written == [3, 4]
+    assert read_manifest(out)["resolution"] == 16 and verify_cache(out) > 0
+    assert read_manifest(out)["skipped"] == [f"{bad.parent.name}/{bad.name}"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
+
+
+def test_another_resolution_of_a_complete_cache_needs_overwrite(assets, tmp_path, capsys):
+    out = tmp_path / "cache"
+    _extract(assets, out)
+    before = _contents(out)
+    args = ["--data-path", str(assets / "images"), "--vae", str(assets / "vae"), "--out", str(out)]
+    args += ["--resolution", "16", "--shard-size", "4", "--num-workers", "0"]
+    PartialState._reset_state()
+    capsys.readouterr()
+    assert main(args) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--resolution 32 -> 16" in lines[0] and "--overwrite" in lines[0]
+    assert _contents(out) == before and read_manifest(out)["resolution"] == RESOLUTION
+
+    PartialState._reset_state()
+    assert main(args + ["--overwrite"]) == 0
+    assert read_manifest(out)["resolution"] == 16 and verify_cache(out) > 0

@@ -297,7 +297,7 @@ def test_an_unreadable_log_is_one_line_and_exit_2(tmp_path, capsys):
 
     assert main(["--log", str(tmp_path / "missing.log")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot read log" in err
+    assert err.count("\n") == 1 and "cannot read --log" in err
 
 
 DYING_RANK = """import os, signal, sys, time
@@ -364,3 +364,105 @@ def test_a_real_accelerate_launch_killed_by_sigkill(tmp_path, capsys):
         "OOM killer" in rows["exitcode -9 (SIGKILL)"]["reason"]
         and "of host RAM per node" in rows["exitcode -9 (SIGKILL)"]["reason"]
     )
+
+
+# --- the run's own stops, and what stopped it from outside ---------------------------------------------
+
+LOGS = Path(__file__).parent / "logs"  # real `accelerate launch` output (2 processes over gloo on a CPU)
+
+
+def test_a_raw_enospc_wins_over_the_gloo_error_of_the_other_rank():
+    """Real log: rank 1 raised OSError ENOSPC, rank 0 then lost its peer in a gloo barrier."""
+    text = (LOGS / "launch_gloo_enospc.log").read_text()
+    assert "Connection closed by peer" in text and last_exception_line(text).startswith("RuntimeError: [")
+    checks = diagnose(text)
+    assert [c.name for c in checks] == ["failed ranks", "disk full"]
+    assert "OSError: [Errno 28] No space left on device" in checks[1].reason
+    assert "--resume auto" in checks[1].fix and "gloo" not in checks[1].fix
+    assert not any("Connection closed" in c.reason for c in checks)
+
+
+def test_the_trainers_enospc_line_is_the_reason_and_nccl_errors_are_its_consequence():
+    line = (
+        "dit_accel.train: error: no space left on /scratch while saving checkpoint step_5000: needs about "
+        "12.4 GiB, 3.1 GiB free; free space or lower --keep-last, then resume with --resume auto"
+    )
+    timeout = (
+        "[rank0]:[E302 10:24:07.000000 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=9001, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+        "Timeout(ms)=600000) ran for "
+        "600043 milliseconds before timing out.\n"
+    )
+    text = f"[rank1]: {line}\n{timeout}" + failure_block(
+        failure_entry(0, 0, -6, 4000), [failure_entry(1, 1, 2, 4001)]
+    )
+    checks = diagnose(text)
+    assert checks[1].name == "disk full" and line in checks[1].reason
+    nccl = [c for c in checks if c.name == "NCCL timeout"]
+    assert nccl and "consequence of the first row" in nccl[0].reason
+    assert not any(c.name.startswith("exitcode -6") for c in checks)
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_the_trainers_preemption_line_says_requeue_and_resume(signal_name):
+    line = (
+        f"dit_accel.train: preempted by {signal_name} at step 41000: saved checkpoint "
+        f"runs/xl2/checkpoints/step_0041000; exit 4 (requeue and resume with --resume auto)"
+    )
+    text = f"[rank0]: {line}\n" + failure_block(failure_entry(0, 0, 4, 71), [failure_entry(1, 1, 4, 72)])
+    checks = diagnose(text)
+    assert checks[1].name == f"preempted ({signal_name})"
+    assert "step 41000" in checks[1].reason and "runs/xl2/checkpoints/step_0041000" in checks[1].reason
+    assert "--resume auto" in checks[1].fix and "requeue" in checks[1].fix
+    assert [c.name for c in checks] == ["failed ranks", f"preempted ({signal_name})"]
+
+
+def test_the_launchers_own_sigterm_real_and_newer_format():
+    real = (
+        LOGS / "launch_sigterm.log"
+    ).read_text()  # torch 2.x: 'Received 15 death signal' + SignalException
+    newer = (
+        "W0302 10:14:05.123000 140 torch/distributed/elastic/agent/server/api.py:704] Received "
+        "Signals.SIGTERM death signal, shutting down workers\n"
+    )
+    for text in (real, newer):
+        [row] = diagnose(text)
+        assert row.name == "launcher stopped by SIGTERM" and "--resume auto" in row.fix, row
+    assert last_exception_line(real) is None  # the launcher's SignalException is not a rank's exception
+
+
+def test_the_trainers_nan_stop():
+    line = (
+        "non-finite loss or gradient at step 731 (loss nan, grad norm inf); the step was not applied and the "
+        "run stopped; lower --lr or set --grad-clip, or pass --nan-policy skip; last good checkpoint: "
+        "runs/xl2/checkpoints/step_0000500 (resume with --resume auto)"
+    )
+    text = f"[rank0]: dit_accel.train: stopped: {line}\n" + failure_block(failure_entry(0, 0, 3, 99))
+    checks = diagnose(text)
+    assert checks[1].name == "stopped: non-finite loss" and line in checks[1].reason
+    assert "exit code 3" in checks[1].reason and "--resume auto" in checks[1].fix
+    assert not any(c.name == "exitcode 3" for c in checks)
+
+
+def test_a_bad_image_in_a_ranks_own_log_names_the_rank_and_the_file(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "rank0.log").write_text("2026-03-02 11:00:00,000 rank0 INFO step 10/100 | loss 0.2\n")
+    (run_dir / "logs" / "rank3.log").write_text(
+        "2026-03-02 11:00:00,000 rank3 INFO step 10/100 | loss 0.2\n"
+        "2026-03-02 11:00:02,000 rank3 ERROR cannot decode image /data/train/n01440764/x_17.JPEG: image file "
+        "is truncated (7 bytes not processed); replace or delete the file, or pass --skip-bad-images to skip "
+        "such files\n"
+    )
+    log = write(tmp_path, failure_block(failure_entry(0, 3, 2, 555)))
+    assert run(["--log", str(log), "--output-dir", str(run_dir), "--format", "json"]) == 2
+    rows = json.loads(capsys.readouterr().out)["checks"]
+    [row] = [r for r in rows if r["name"] == "undecodable image"]
+    assert "/data/train/n01440764/x_17.JPEG on rank 3: image file is truncated" in row["reason"]
+    assert "--skip-bad-images" in row["fix"] and "--full" in row["fix"]
+
+
+def test_a_user_error_in_a_rank_without_a_failure_table_is_shown_as_it_was_printed():
+    line = "dit_accel.train: error: --latents /data/lat256 is incomplete (no manifest.json); re-run it"
+    [row] = diagnose(f"[rank1]: {line}\n")
+    assert row.name == "bad input" and row.reason == line

@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from dit_accel.atomic import staged_folder
+from dit_accel.cli_args import OneLineParser, positive_int, seed_int
 from dit_accel.errors import UserError, exits_cleanly
 
 SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
@@ -122,21 +123,23 @@ def write_demo_data(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dit-accel demo-data", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="dit-accel demo-data", description=__doc__.splitlines()[0])
     parser.add_argument("out", metavar="DIR", help="folder to create (DIR/<class>/<image>.png)")
     parser.add_argument(
-        "--classes", type=int, default=4, help=f"number of classes, 1..{MAX_CLASSES} (default 4)"
+        "--classes", type=positive_int, default=4, help=f"number of classes, 1..{MAX_CLASSES} (default 4)"
     )
     parser.add_argument(
         "--per-class",
         "--per_class",
         dest="per_class",
-        type=int,
+        type=positive_int,
         default=64,
         help="images per class (default 64)",
     )
-    parser.add_argument("--resolution", type=int, default=64, help="image side in pixels (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="same seed, same images (default 0)")
+    parser.add_argument(
+        "--resolution", type=positive_int, default=64, help="image side in pixels (default 64)"
+    )
+    parser.add_argument("--seed", type=seed_int, default=0, help="same seed, same images (default 0)")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
     return parser
 

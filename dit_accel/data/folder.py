@@ -10,6 +10,8 @@ opt-in (`full=True`) because on ImageNet it reads 140 GB.
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from dit_accel.errors import UserError
 # Lower-case suffixes taken as images (ImageNet's own files end in ".JPEG").
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 LAYOUT_HINT = "DIR/<class>/<image>.jpg"
+_log = logging.getLogger("dit_accel.train")  # a skipped image goes to the rank's own log
 _MAX_NAMES_SHOWN = 5
 
 
@@ -101,12 +104,12 @@ def list_image_folder(path: str | os.PathLike) -> tuple[FolderListing, int]:
     root = Path(path).expanduser()
     if not root.exists():
         raise UserError(
-            f"data path {root} does not exist",
+            f"--data-path {root} does not exist",
             f"pass the folder that holds one sub-folder per class ({LAYOUT_HINT})",
         )
     if not root.is_dir():
         raise UserError(
-            f"data path {root} is a file, not a directory",
+            f"--data-path {root} is a file, not a directory",
             f"pass the folder that holds one sub-folder per class ({LAYOUT_HINT})",
         )
     try:
@@ -180,11 +183,26 @@ def _images_under(root: Path, class_name: str) -> tuple[list[str], int]:
     return found, ignored
 
 
+def _to_8_bit(image: Image.Image) -> Image.Image:
+    """16- and 32-bit single-channel images scaled to 8 bits (value / 257 for 16-bit, rounded): PIL's own
+    convert("RGB") clips them at 255 instead, so a mid-grey 16-bit PNG would come through white."""
+    if image.mode not in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        return image
+    values = np.asarray(image, dtype=np.float64)
+    if image.mode == "F" or (image.mode == "I" and values.max(initial=0) > 65535):
+        top = max(float(values.max(initial=0)), 1.0)  # 32-bit: no fixed range, so the image's own maximum
+        values = values / top * 255.0
+    else:  # 16-bit data (PNG decodes 16-bit grey as "I" in newer PIL, "I;16" in older)
+        values = values / 257.0
+    return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), mode="L")
+
+
 def load_rgb(path: str | os.PathLike) -> Image.Image:
     """Decode an image fully into RGB; a file that does not decode raises UserError naming it."""
     try:
         with Image.open(path) as image:
-            return image.convert("RGB")  # convert() decodes every pixel, so truncation surfaces here
+            image.load()  # decodes every pixel, so truncation surfaces here
+            return _to_8_bit(image).convert("RGB")
     except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
         raise UserError(
             f"cannot decode image {path}: {error}",
@@ -319,8 +337,9 @@ class ImageFolderData(torch.utils.data.Dataset):
     cache files, no network, no scanning builder), which DataLoader workers share without the
     copy-on-read that a Python list of a million strings suffers from reference counting.
     Decoding happens lazily per item. An image that does not decode raises UserError naming it; with
-    `skip_bad_images` the next image in the list is served instead and `bad_images_seen` counts it
-    (per process: each DataLoader worker keeps its own count).
+    `skip_bad_images` the next image in the list is served instead. The bad ones are marked in an array
+    shared by this rank's DataLoader workers, so each is logged once per rank with the rank's running
+    total (`bad_images_seen`), and never decoded again; more than `max_bad_images` stop the run.
     """
 
     def __init__(
@@ -331,6 +350,7 @@ class ImageFolderData(torch.utils.data.Dataset):
         flip: bool = True,
         seed: int | None = None,
         skip_bad_images: bool = False,
+        max_bad_images: int = 100,
         check: str = "sample",
         summary: FolderSummary | None = None,
     ):
@@ -349,11 +369,47 @@ class ImageFolderData(torch.utils.data.Dataset):
         self.flip = flip
         self.seed = seed
         self.skip_bad_images = skip_bad_images
+        self.max_bad_images = max_bad_images
         self.epoch = 0
-        self.bad_images_seen = 0
         self.records = datasets.Dataset.from_dict(
             {"path": summary.listing.paths, "label": summary.listing.labels}
         )
+        # Shared with the DataLoader workers (inherited, or passed as they start): a flag per image, a count.
+        self._bad = multiprocessing.Array("b", len(self.records)) if skip_bad_images else None
+        self._bad_count = multiprocessing.Value("i", 0)
+        for relative in summary.bad_images:  # found by the sample check; already left out of the listing
+            self._count_bad(f"{self.root / relative} (found by the sample check)")
+
+    @property
+    def bad_images_seen(self) -> int:
+        """Undecodable images this rank found (its workers included), the sample check's among them."""
+        return self._bad_count.value
+
+    def _count_bad(self, what: str) -> None:
+        """`what`: the file and why it does not decode."""
+        with self._bad_count.get_lock():
+            self._bad_count.value += 1
+            seen = self._bad_count.value
+        rank = os.environ.get("RANK", "0")
+        _log.warning(
+            f"skipped undecodable image {what}: {seen} on rank {rank} so far, at most {self.max_bad_images} "
+            f"(--max-bad-images)"
+        )
+        if seen > self.max_bad_images:
+            raise UserError(
+                f"{seen} images on rank {rank} could not be decoded, more than --max-bad-images "
+                f"{self.max_bad_images} (the last: {what})",
+                f"replace or delete them (`dit-accel doctor --data-path {self.root} --full` lists them), or "
+                f"raise --max-bad-images",
+            )
+
+    def _mark_bad(self, position: int, error: UserError) -> None:
+        """Count an image once per rank, whichever worker meets it first."""
+        with self._bad.get_lock():
+            if self._bad[position]:
+                return
+            self._bad[position] = 1
+        self._count_bad(error.problem.removeprefix("cannot decode image "))
 
     def __len__(self) -> int:
         return len(self.records)
@@ -364,14 +420,17 @@ class ImageFolderData(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         for attempt in range(len(self)):
-            row = self.records[(index + attempt) % len(self)]
+            position = (index + attempt) % len(self)
+            if self._bad is not None and self._bad[position]:
+                continue  # known bad on this rank: not decoded again
+            row = self.records[position]
             try:
                 image = load_rgb(self.root / row["path"])
                 break
-            except UserError:
+            except UserError as error:
                 if not self.skip_bad_images:
                     raise
-                self.bad_images_seen += 1
+                self._mark_bad(position, error)
         else:
             raise UserError(f"no image in {self.root} decodes", "check the files")
         image = center_crop_adm(image, self.resolution)

@@ -6,7 +6,9 @@ image are encoded; the posterior mean and std are stored, not a sample, so each 
 latent as DiT's own training does. The images are cut into fixed shards (`--shard-size` images in list
 order); each rank writes whole shards of its own, each atomically (temporary file, then rename), and a
 rerun verifies and keeps the complete ones. Rank 0 writes manifest.json last, after every rank is done:
-a cache without a manifest is incomplete and the reader refuses it.
+a cache without a manifest is incomplete and the reader refuses it. A complete cache is never written
+into: its replacement is made in the sibling `.CACHE.extracting` and swapped in whole, and one made with
+another configuration (resolution, VAE, data, layout) is replaced only with --overwrite.
 
 Reading (dit_accel.data.latent_cache): `LatentCache(CACHE)` memory-maps the safetensors shards with numpy and yields
 `(latent, label)` with latent = (mean + std * noise - shift_factor) * scale_factor.
@@ -32,7 +34,8 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from dit_accel.atomic import write_bytes_atomically, write_json_atomically
+from dit_accel.atomic import replace_folder, write_bytes_atomically, write_json_atomically
+from dit_accel.cli_args import OneLineParser, nonnegative_int, positive_int
 from dit_accel.data.folder import (
     FolderListing,
     center_crop_adm,
@@ -78,6 +81,7 @@ class ExtractConfig:
     skip_bad_images: bool = False
     dtype: str = "float16"
     num_workers: int | None = None  # DataLoader workers decoding images; None: up to 4 per process
+    overwrite: bool = False  # replace a complete cache made differently
 
 
 @dataclass
@@ -157,6 +161,9 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         raise UserError("--batch-size and --shard-size must be at least 1")
 
     # The cheap checks first, on every rank: a wrong path fails before a VAE or a process group exists.
+    out = Path(config.out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file", "pass a folder for the latent cache")
     summary = validate_image_folder(config.data_path, sample=True, skip_bad_images=config.skip_bad_images)
     listing = summary.listing
     vae, identity = load_vae(config.vae)
@@ -167,15 +174,26 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
             f"factor {downsample}",
             f"pick e.g. {config.resolution // downsample * downsample or downsample}",
         )
-    out = Path(config.out).expanduser().absolute()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file", "pass a folder for the latent cache")
+    run_key = sha256_json(
+        {
+            "format": FORMAT,
+            "vae": [identity["config_sha256"], identity["weights_sha256"]],
+            "resolution": config.resolution,
+            "flip": config.flip,
+            "dtype": config.dtype,
+            "shard_size": config.shard_size,
+        }
+    )
+    previous = _complete_manifest(out)
+    if previous is not None and not config.overwrite:
+        _refuse_another_configuration(previous, out, config, identity, listing)
+    # A complete cache is never written into: its replacement is made beside it and swapped in whole.
+    work = out.parent / f".{out.name}.extracting" if previous is not None else out
 
     state = PartialState(cpu=not torch.cuda.is_available())
-    out.mkdir(parents=True, exist_ok=True)
     vae.to(state.device)
     layout = _Layout(
-        out=out,
+        out=work,
         listing=listing,
         shard_size=config.shard_size,
         views=2 if config.flip else 1,
@@ -183,26 +201,20 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         dtype=STORAGE_DTYPES[config.dtype],
         rank=state.process_index,
         world_size=state.num_processes,
-        run_key=sha256_json(
-            {
-                "format": FORMAT,
-                "vae": [identity["config_sha256"], identity["weights_sha256"]],
-                "resolution": config.resolution,
-                "flip": config.flip,
-                "dtype": config.dtype,
-                "shard_size": config.shard_size,
-            }
-        ),
+        run_key=run_key,
     )
 
     # Rank 0 marks the cache incomplete and clears temporary files of a killed run before anyone writes,
     # and tells everyone which shard files exist (one view of a shared filesystem for all nodes).
     present: list[list[int]] = [[]]
     if state.is_main_process:
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
-        for leftover in out.glob(".*.tmp"):  # shards, manifest or class map never renamed into place
+        work.mkdir(parents=True, exist_ok=True)
+        (work / MANIFEST_NAME).unlink(missing_ok=True)  # only ever an incomplete cache's (or none)
+        for leftover in work.glob(".*.tmp"):  # shards, manifest or class map never renamed into place
             leftover.unlink(missing_ok=True)
-        present = [[k for k in range(layout.num_shards) if (out / shard_name(k)).is_file()]]
+        if work != out:
+            _link_shards(out, work)
+        present = [[k for k in range(layout.num_shards) if (work / shard_name(k)).is_file()]]
     broadcast_object_list(present)
     state.wait_for_everyone()
 
@@ -256,8 +268,50 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
             layout, sorted(all_records, key=lambda r: r["shard"]), summary, identity, config, vae.config
         )
         result.count, result.skipped = manifest["count"], manifest["skipped"]
+        if work != out:
+            replace_folder(work, out)  # the old cache stays whole until the new one is
     state.wait_for_everyone()  # no rank exits before the manifest exists
     return result
+
+
+def _complete_manifest(out: Path) -> dict | None:
+    """The manifest of a complete cache at `out`, or None (no cache, or one a killed run left incomplete)."""
+    try:
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _refuse_another_configuration(previous: dict, out: Path, config, identity: dict, listing) -> None:
+    """A complete cache is replaced by one made differently only with --overwrite."""
+    wanted = {
+        "--resolution": (previous.get("resolution"), config.resolution),
+        "--vae": ((previous.get("vae") or {}).get("weights_sha256"), identity["weights_sha256"]),
+        "--data-path": (previous.get("data_path"), str(listing.root.absolute())),
+        "--shard-size": (previous.get("shard_size"), config.shard_size),
+        "--dtype": (previous.get("dtype"), config.dtype),
+        "--no-flip": (previous.get("flip"), config.flip),
+    }
+    changed = [f"{flag} {old} -> {new}" for flag, (old, new) in wanted.items() if old != new]
+    changed = [text if not text.startswith("--vae") else "--vae (other weights)" for text in changed]
+    if changed:
+        raise UserError(
+            f"--out {out} holds a complete latent cache made differently ({'; '.join(changed)})",
+            "pass --overwrite to replace it (it is kept until the new one is complete) "
+            "or choose another --out",
+        )
+
+
+def _link_shards(old: Path, work: Path) -> None:
+    """Hard-link the complete cache's shards into the staging folder, so that those still valid are reused
+    (checked as on any resume) without a copy; where links are impossible they are encoded again."""
+    for shard in old.glob("shard-*.safetensors"):
+        try:
+            if not (work / shard.name).exists():
+                os.link(shard, work / shard.name)
+        except OSError:
+            return
 
 
 @dataclass
@@ -406,7 +460,7 @@ def _write_manifest(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dit-accel extract-latents",
         description="Encode every image (and its mirror image) of an ImageNet-layout folder with a diffusers "
         "AutoencoderKL into a sharded, memory-mapped latent cache. Run it under `accelerate launch "
@@ -422,13 +476,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--vae", required=True, help="AutoencoderKL folder (or a hub id where the network allows)"
     )
-    parser.add_argument("--resolution", type=int, default=256, help="image side in pixels (default 256)")
+    parser.add_argument(
+        "--resolution", type=positive_int, default=256, help="image side in pixels (default 256)"
+    )
     parser.add_argument("--out", required=True, help="cache folder to write (created)")
     parser.add_argument(
         "--batch-size",
         "--batch_size",
         dest="batch_size",
-        type=int,
+        type=positive_int,
         default=32,
         help="images per VAE call per process (default 32)",
     )
@@ -436,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard-size",
         "--shard_size",
         dest="shard_size",
-        type=int,
+        type=positive_int,
         default=2048,
         help="images per shard file (default 2048: 64 MiB at 256 px in float16)",
     )
@@ -450,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-workers",
         "--num_workers",
         dest="num_workers",
-        type=int,
+        type=nonnegative_int,
         default=None,
         help="image-decoding DataLoader workers per process (default: up to 4)",
     )
@@ -460,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="skip_bad_images",
         action="store_true",
         help="skip and count images that do not decode instead of stopping",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a complete cache made differently (resolution, VAE, data...); kept until the new "
+        "one is complete",
     )
     parser.add_argument(
         "--no-flip",

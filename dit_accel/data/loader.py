@@ -54,7 +54,14 @@ def build_dataset(plan: Plan, config: TrainConfig, spec):
         from dit_accel.data.folder import ImageFolderData
 
         # Unseeded flips draw from torch's RNG, which KeyedSamples seeds per sample: exact on resume.
-        dataset = ImageFolderData(config.data_path, spec.resolution, flip=True, seed=None)
+        dataset = ImageFolderData(
+            config.data_path,
+            spec.resolution,
+            flip=True,
+            seed=None,
+            skip_bad_images=config.skip_bad_images,
+            max_bad_images=config.max_bad_images,
+        )
         classes = len(dataset.classes)
         if classes > spec.num_classes:
             raise UserError(
@@ -98,6 +105,23 @@ def loader_workers(requested: int | None, ranks_per_node: int, cpus: int) -> int
     return max(0, min(DEFAULT_NUM_WORKERS, cpus // max(ranks_per_node, 1) - 1))
 
 
+class _OneLineErrorLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose workers' UserErrors (a bad image, too many bad images) come back as the one line
+    they were, not as the worker's whole traceback that torch re-raises them with."""
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except UserError as error:
+                last = [line for line in str(error).splitlines() if line.strip()][-1]
+                raise UserError(last.split("UserError: ", 1)[-1]) from None
+            yield batch
+
+
 def make_loader(
     dataset,
     order: SampleOrder,
@@ -115,7 +139,7 @@ def make_loader(
             f"{workers} DataLoader worker(s) per rank instead of {DEFAULT_NUM_WORKERS}: {cpus} CPU(s) for "
             f"{ranks_per_node} rank(s) on this node (--num-workers N to choose)"
         )
-    return torch.utils.data.DataLoader(
+    return _OneLineErrorLoader(
         KeyedSamples(dataset, config.seed),
         batch_sampler=OrderedBatches(order, start_step, rank),
         collate_fn=Collate(noise),

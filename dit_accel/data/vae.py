@@ -27,7 +27,7 @@ def load_vae(source: str):
     if looks_local:
         if not path.is_dir():
             raise UserError(
-                f"VAE folder {path} does not exist",
+                f"--vae {path} {'is a file, not a folder' if path.exists() else 'does not exist'}",
                 "pass a folder written by AutoencoderKL.save_pretrained (config.json + weights)",
             )
         subfolder = (

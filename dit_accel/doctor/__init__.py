@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dit_accel.cli_args import nonnegative_int, port, positive_int
 from dit_accel.doctor.checks import Check, exit_code, warned
 from dit_accel.doctor.data import check_data
 from dit_accel.doctor.distributed import CONNECT_TIMEOUT_S, check_distributed, read_rendezvous
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-workers",
         "--num_workers",
         dest="num_workers",
-        type=int,
+        type=nonnegative_int,
         default=defaults.num_workers,
         help=f"the run's data-loader workers per rank (the trainer's default: {defaults.num_workers})",
     )
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-last",
         "--keep_last",
         dest="keep_last",
-        type=int,
+        type=positive_int,
         default=defaults.keep_last,
         help=f"the run's checkpoints kept (the trainer's default: {defaults.keep_last})",
     )
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--main-process-port",
         "--main_process_port",
         dest="main_process_port",
-        type=int,
+        type=port,
         help="as given to `dit-accel train` / accelerate launch (default: the Accelerate config's, else 29500)",
     )
     parser.add_argument(
@@ -146,7 +147,7 @@ def read_log(args: argparse.Namespace) -> list[Check]:
         text = args.log.read_text(errors="replace")
     except OSError as error:
         raise UserError(
-            f"cannot read log {args.log}: {error.strerror or error}",
+            f"cannot read --log {args.log}: {error.strerror or error}",
             "pass the file the launcher's output went to",
         ) from None
     rank_logs = sorted((args.output_dir / "logs").glob("rank*.log")) if args.output_dir else []
@@ -166,8 +167,6 @@ def run(argv: list[str] | None = None, probes: Probes | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help
         return int(done.code or 0)
-    if args.num_workers < 0 or args.keep_last < 1:
-        raise UserError("--num-workers must be >= 0 and --keep-last >= 1")
     if args.log is not None:
         checks = read_log(args)
     else:

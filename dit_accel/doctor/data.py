@@ -91,7 +91,10 @@ def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Che
         return [from_user_error("image folder", error)]
     checks = [passed(GROUP, "image folder", summary.describe())]
 
-    decoded = "every image" if full else "the first image of every class"
+    total = summary.num_images + len(summary.bad_images)
+    decoded = "every image" if full else f"sampled {summary.images_decoded} of {total} files"
+    remain = "" if full else f"; undecodable ones may remain among the other {total - summary.images_decoded}"
+    more = "" if full else " (use --full to decode all)"
     if summary.bad_images:
         shown = ", ".join(summary.bad_images[:3])
         checks.append(
@@ -99,13 +102,20 @@ def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Che
                 GROUP,
                 "decoding",
                 f"{len(summary.bad_images)} of {summary.images_decoded} images tried "
-                f"({decoded}) do not decode: {shown}",
-                "replace or delete them, or train with --skip-bad-images",
+                f"({decoded}) do not decode: {shown}{remain}",
+                "replace or delete them, or train with --skip-bad-images" + more,
             )
         )
     else:
-        more = "" if full else " (--full decodes all)"
-        checks.append(passed(GROUP, "decoding", f"{summary.images_decoded} images decoded ({decoded}){more}"))
+        checks.append(
+            passed(
+                GROUP,
+                "decoding",
+                f"{summary.images_decoded} images decoded ({decoded}, the first of every class){remain}{more}"
+                if not full
+                else f"{summary.images_decoded} images decoded (every image)",
+            )
+        )
 
     checks.append(_class_check(plan, summary.images_per_class, summary.num_images))
 

@@ -109,6 +109,7 @@ def parse_failures(text: str) -> list[RankFailure]:
 # the launcher's own traceback that reports a rank's death: never the rank's exception
 _LAUNCHER_EXCEPTIONS = (
     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
+    "torch.distributed.elastic.multiprocessing.api.SignalException",
     "subprocess.CalledProcessError",
 )
 
@@ -421,6 +422,140 @@ def find_worker_killed(text: str) -> Check | None:
     )
 
 
+# --- the run's own stops, and what stopped it from outside ------------------------------------------------
+
+_PREEMPTED = re.compile(
+    r"dit_accel\.train: preempted by (?P<signal>SIG\w+) at step (?P<step>\d+): "
+    r"saved checkpoint (?P<path>\S+?);"
+)
+# torch elastic's agent: 'Received Signals.SIGTERM death signal' (newer), 'Received 15 death signal' (older)
+_LAUNCHER_SIGNAL = re.compile(
+    r"Received (?:Signals\.)?(?P<signal>SIG\w+|\d+) death signal, shutting down workers"
+    r"|SignalException: Process \d+ got signal: (?P<number>\d+)"
+)
+_DISK_FULL = re.compile(
+    r"(?P<line>dit_accel\.train: error: no space left on [^\n]*)"
+    r"|(?P<raw>\w*Error: \[Errno 28\] No space left on device[^\n]*)"
+)
+_NAN_STOP = re.compile(r"dit_accel\.train: stopped: (?P<line>[^\n]*non-finite loss or gradient[^\n]*)")
+_USER_ERROR = re.compile(
+    r"^(?P<line>(?:dit_accel\.train|dit-accel [\w-]+|dit-plan): error: [^\n]*)", re.MULTILINE
+)
+_BAD_IMAGE = re.compile(r"cannot decode image (?P<path>.+?): (?P<why>[^\n;]*)")
+_LINE_RANK = re.compile(
+    r"\[rank(?P<prefix>\d+)\]:|\S+ \S+ rank(?P<log>\d+) [A-Z]+ "
+)  # matched at a line start
+
+
+def _signal_name(text: str) -> str:
+    if not text.isdigit():
+        return text
+    try:
+        return signal.Signals(int(text)).name
+    except ValueError:
+        return f"signal {text}"
+
+
+def find_preemption(text: str) -> Check | None:
+    """The trainer's own preemption line, else the launcher's: the job was stopped from outside."""
+    own = _PREEMPTED.search(text)
+    resume = (
+        "requeue the job (or let the scheduler requeue it) and start it again with --resume auto: it "
+        "continues from the newest complete checkpoint"
+    )
+    if own:
+        return failed(
+            GROUP,
+            f"preempted ({own['signal']})",
+            f"the run was stopped by {own['signal']} at step {own['step']} and saved checkpoint "
+            f"{own['path']} first (exit code 4): a scheduler preemption, cancellation or time limit, "
+            "not a crash",
+            resume,
+        )
+    launcher = _LAUNCHER_SIGNAL.search(text)
+    if launcher:
+        name = _signal_name(launcher["signal"] or launcher["number"])
+        return failed(
+            GROUP,
+            f"launcher stopped by {name}",
+            f"the launcher itself received {name} and shut the ranks down: the scheduler preempted or "
+            "cancelled the job, or its time limit ran out; no rank failed on its own",
+            resume + "; on SLURM, --signal=TERM@120 gives the ranks time to save a checkpoint",
+        )
+    return None
+
+
+def find_disk_full(text: str) -> Check | None:
+    match = _DISK_FULL.search(text)
+    if not match:
+        return None
+    line = (match["line"] or match["raw"]).strip()
+    return failed(
+        GROUP,
+        "disk full",
+        f"{line[:300]}; the errors of the other ranks (gloo/NCCL connection closed, timeouts) follow from it",
+        "free space on the run folder's disk (or lower --keep-last), then resume with --resume auto; "
+        "`dit-accel doctor --output-dir DIR` checks the space a checkpoint needs",
+    )
+
+
+def find_nan_stop(text: str) -> Check | None:
+    match = _NAN_STOP.search(text)
+    if not match:
+        return None
+    return failed(
+        GROUP,
+        "stopped: non-finite loss",
+        f"the trainer stopped itself (exit code 3): {match['line'].strip()[:300]}",
+        "resume from the last good checkpoint with --resume auto after lowering --lr or setting --grad-clip, "
+        "or pass --nan-policy skip",
+    )
+
+
+def _rank_of(raw: str, position: int) -> int | None:
+    """The rank a line belongs to: torchrun's `[rankN]:` prefix or the per-rank log's `rankN LEVEL`."""
+    start = raw.rfind("\n", 0, position) + 1
+    match = _LINE_RANK.match(raw, start)
+    return int(match["prefix"] or match["log"]) if match else None
+
+
+def find_bad_image(raw: str) -> Check | None:
+    match = _BAD_IMAGE.search(raw)
+    if not match:
+        return None
+    rank = _rank_of(raw, match.start())
+    where = f" on rank {rank}" if rank is not None else ""
+    return failed(
+        GROUP,
+        "undecodable image",
+        f"cannot decode image {match['path']}{where}: {match['why'].strip()[:200]}",
+        "replace or delete that file (`dit-accel doctor --data-path DIR --full` finds every such file), or "
+        "pass --skip-bad-images to skip and count them",
+    )
+
+
+def find_user_error(text: str) -> Check | None:
+    """A rank refused its input: the one line it printed is the reason."""
+    match = _USER_ERROR.search(text)
+    if not match:
+        return None
+    return failed(
+        GROUP,
+        "bad input",
+        match["line"].strip()[:400],
+        "fix what that line names, then run `dit-accel doctor` on every node before relaunching",
+    )
+
+
+def find_causes(raw: str, text: str, failures: list[RankFailure]) -> list[Check]:
+    """The run's own explanation of why it stopped: these win over every rank's collateral errors."""
+    first = find_disk_full(text) or find_preemption(text) or find_nan_stop(text)
+    causes = [found for found in (first, find_bad_image(raw)) if found]
+    if not causes and not any(f.exitcode == 2 for f in failures):  # exit 2 rows quote the line themselves
+        causes = [found for found in (find_user_error(text),) if found]
+    return causes
+
+
 def _consequence(failure: RankFailure) -> str:
     line = f"rank {failure.rank} on {failure.host} (exitcode {failure.exitcode}"
     if failure.exitcode == -signal.SIGTERM:
@@ -430,7 +565,7 @@ def _consequence(failure: RankFailure) -> str:
 
 def diagnose(text: str, plan: PlanFacts | None = None, output_dir: Path | None = None) -> list[Check]:
     """Every recognised failure in a log, the root cause first; a PASS row when the log shows none."""
-    text = clean(text)
+    raw, text = text.replace("\r\n", "\n"), clean(text)
     failures = parse_failures(text) or parse_fallback_failures(text)
     checks: list[Check] = []
     if failures:
@@ -447,15 +582,23 @@ def diagnose(text: str, plan: PlanFacts | None = None, output_dir: Path | None =
                 "fix the root cause first: later failures are often its consequence",
             )
         )
-    classic = [
+    causes = find_causes(raw, text, failures)
+    classic = causes + [
         found for found in (find_cuda_oom(text), find_missing_path(text), find_worker_killed(text)) if found
     ]
-    classic += find_nccl(text)
-    checks += classic
+    collateral = find_nccl(text)
+    if causes:  # a rank stopped for a known reason: the others' timeouts and lost peers follow from it
+        collateral = [
+            failed(c.group, c.name, f"{c.reason} (most likely a consequence of the first row)", c.fix)
+            for c in collateral
+        ]
+    classic += collateral
+    checks[1:1] = causes  # right after the failed ranks' summary, or first
+    checks += classic[len(causes) :]
     explained = set()
     for failure in failures:
-        if failure.exitcode > 0 and classic:
-            continue  # its exception is one a classic row above already explains
+        if (failure.exitcode > 0 or causes) and classic:
+            continue  # its exception (or the launcher's SIGTERM) is one a row above already explains
         check = explain_exit(failure, text, plan, output_dir)
         if check is not None and check.name not in explained:
             checks.append(check)

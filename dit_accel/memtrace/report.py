@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 
+from dit_accel.cli_args import OneLineParser, positive_int
 from dit_accel.errors import UserError, exits_cleanly
 from dit_accel.memtrace.comparison import (
     Comparison,
@@ -184,7 +184,7 @@ def _vae_config(folder: str) -> dict:
 
 @exits_cleanly("dit-accel verify")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dit-accel verify",
         description="Trace one real training step of the plan on fake tensors (nothing is allocated) and compare "
         "its peak memory, component by component, with the planner's estimate.",
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "available, else cpu)",
     )
     parser.add_argument(
-        "--micro-batch", type=int, default=None, help="trace this micro-batch instead of the plan's"
+        "--micro-batch", type=positive_int, default=None, help="trace this micro-batch instead of the plan's"
     )
     parser.add_argument(
         "--vae",

@@ -6,6 +6,11 @@ every rank writes into `checkpoints/step_NNNNNNNN.tmp/`; once all ranks are done
 every file, writes the `COMPLETE` marker, renames the folder to `step_NNNNNNNN/` and only then deletes the
 oldest complete checkpoints beyond `keep_last`. A folder without the marker is never loaded.
 
+The marker also records the checkpoint's lineage and a manifest of its files (`dit_accel.lineage`): rotation
+and `--resume auto` follow the current timeline, not the highest step, and a damaged checkpoint is found and
+named before it is loaded. A save that runs out of disk space removes its partial folder on every rank's error
+path and stops with one line naming the disk and the space needed.
+
 Layout of one checkpoint folder (see docs/training.md):
 
     model.safetensors          the trained weights (accelerate's save_state)
@@ -21,11 +26,16 @@ Layout of one checkpoint folder (see docs/training.md):
     plan.json                  the plan this run trained with
     train_config.json          the run's TrainConfig
     dit_accel.json             the network's spec and timestep shift (0 for weights from an original DiT)
-    COMPLETE                   written last; its presence is what makes the folder a checkpoint
+    COMPLETE                   written last; its presence is what makes the folder a checkpoint: step,
+                               world size, id, parent, sequence and the manifest (size, sha256 per file)
+
+A complete checkpoint of an abandoned branch whose step the current timeline writes again is moved aside to
+`step_NNNNNNNN.branch-ID` (ID: the start of its marker's id) and kept, like the rest of its branch.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -33,12 +43,16 @@ import re
 import shutil
 from pathlib import Path
 
+from dit_accel import lineage
 from dit_accel.atomic import replace_folder, write_json_atomically
+from dit_accel.consensus import agreed, gathered, main_decides
 from dit_accel.errors import UserError
 from planner.planfile import read_plan
 
+log = logging.getLogger("dit_accel.train")
+
 CHECKPOINTS = "checkpoints"
-COMPLETE = "COMPLETE"
+COMPLETE = lineage.MARKER
 TMP_SUFFIX = ".tmp"
 TRAIN_STATE = "train_state.json"
 EMA_WEIGHTS = "ema.safetensors"
@@ -46,7 +60,8 @@ MODEL_WEIGHTS = "model.safetensors"
 SHARDED_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP SHARDED_STATE_DICT folder for model 0
 PLAN = "plan.json"
 TRAIN_CONFIG = "train_config.json"
-_NAME = re.compile(r"^step_(\d{8,})$")
+_NAME = re.compile(r"^step_(\d{8,})(\.branch-[0-9a-z]+)?$")  # step_N, or a kept branch's step_N.branch-ID
+CONTINUE = "continue"  # save_checkpoint's default parent: the folder's most recently written checkpoint
 
 
 def checkpoint_name(step: int) -> str:
@@ -63,7 +78,8 @@ def is_complete(path: str | Path) -> bool:
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint of a run, oldest first. Partial folders are skipped."""
+    """(step, folder) of every complete checkpoint of a run, on any branch, oldest step first. Partial
+    folders are skipped."""
     folder = checkpoints_dir(run_dir)
     if not folder.is_dir():
         return []
@@ -75,9 +91,23 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def current_lineage(run_dir: str | Path) -> list[lineage.Node]:
+    """The current timeline: the most recently written complete checkpoint and its ancestors, newest first."""
+    nodes = lineage.nodes(complete_checkpoints(run_dir))
+    return lineage.chain(nodes, lineage.head(nodes))
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    """The tip of the current timeline (the most recently written checkpoint, not the highest step)."""
+    line = current_lineage(run_dir)
+    return line[0].path if line else None
+
+
+def abandoned_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints on other branches than the current timeline: kept until the user removes them."""
+    nodes = lineage.nodes(complete_checkpoints(run_dir))
+    current = {node.id for node in lineage.chain(nodes, lineage.head(nodes))}
+    return [node.path for node in nodes if node.id not in current]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -100,24 +130,43 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
-    """`--resume auto`: the newest complete checkpoint of this run, or None to start fresh."""
+    """`--resume auto`: the newest intact checkpoint of the current timeline (a damaged one is skipped with a
+    warning naming the file), or None to start fresh. `--resume PATH`: that checkpoint, refused in one line
+    when damaged. Reads every file's sha256: call it on the main process (`consensus.main_decides`)."""
     if resume is None:
         return None
-    if resume == "auto":
-        return latest_checkpoint(output_dir)
-    return resolve_checkpoint(resume)
+    if resume != "auto":
+        checkpoint = resolve_checkpoint(resume)
+        problem = lineage.damage(checkpoint)
+        if problem:
+            raise UserError(
+                f"checkpoint {checkpoint} is damaged: {problem}",
+                "resume from an older checkpoint (--resume auto skips damaged ones) or restore the file",
+            )
+        return checkpoint
+    line = current_lineage(output_dir)
+    for node in line:
+        problem = lineage.damage(node.path)
+        if problem is None:
+            return node.path
+        log.warning(f"--resume auto skips damaged checkpoint {node.path.name}: {problem}")
+    if line:  # never start over at step 0 silently in a folder of damaged checkpoints
+        raise UserError(
+            f"every checkpoint of the current timeline in {checkpoints_dir(output_dir)} is damaged (newest: "
+            f"{lineage.damage(line[0].path)})",
+            "restore the files, pass --resume PATH to another checkpoint, or use another --output-dir",
+        )
+    return None
 
 
 def read_train_state(checkpoint: str | Path) -> dict:
     return json.loads((Path(checkpoint) / TRAIN_STATE).read_text())
 
 
-def _fsync_tree(folder: Path) -> None:
-    """Flush every file and the folder itself, so COMPLETE never lands before the data on a crash."""
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            _fsync(os.path.join(root, name))
-        _fsync(root)
+def read_train_config(checkpoint: str | Path) -> dict:
+    """The TrainConfig a checkpoint was written with ({} for one without train_config.json)."""
+    path = Path(checkpoint) / TRAIN_CONFIG
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _fsync(path: str | Path) -> None:
@@ -129,32 +178,84 @@ def _fsync(path: str | Path) -> None:
         os.close(fd)
 
 
-def commit(tmp_dir: Path, final_dir: Path, marker: dict) -> None:
-    """Make a fully written tmp folder a checkpoint: fsync, marker, rename. Main process only."""
-    _fsync_tree(tmp_dir)
+def marker_id(checkpoint: Path) -> str:
+    """The id a child's marker names as its parent (an old marker's: its folder name)."""
+    return lineage.read_marker(checkpoint).get("id") or checkpoint.name
+
+
+def commit(tmp_dir: Path, final_dir: Path, marker: dict, parent: str | None = None) -> dict:
+    """Make a fully written tmp folder a checkpoint: hash and fsync every file, write the marker (lineage and
+    manifest added to `marker`), rename. Main process only. Returns the marker."""
+    nodes = lineage.nodes(complete_checkpoints(final_dir.parent.parent))
+    for root, _dirs, _files in os.walk(tmp_dir):
+        _fsync(root)
+    marker = dict(
+        lineage.new_marker(
+            marker["step"],
+            marker.get("world_size", 1),
+            parent,
+            lineage.next_sequence(nodes),
+            lineage.build_manifest(tmp_dir),
+        ),
+        **{key: value for key, value in marker.items() if key not in ("step", "world_size")},
+    )
     marker_path = tmp_dir / COMPLETE
     marker_path.write_text(json.dumps(marker, sort_keys=True) + "\n")
     _fsync(marker_path)
-    replace_folder(
-        tmp_dir, final_dir
-    )  # re-training over a step after resuming from an older checkpoint replaces it
+    if is_complete(final_dir):  # another branch's checkpoint of this step: kept, under its branch name
+        os.replace(final_dir, final_dir.with_name(f"{final_dir.name}.branch-{marker_id(final_dir)[:8]}"))
+    replace_folder(tmp_dir, final_dir)  # a folder of this name without a marker is replaced
     _fsync(final_dir.parent)
+    return marker
 
 
 def rotate(run_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep_last`, and leftover partial folders.
-    Called only after a new checkpoint is committed. Returns what was deleted."""
-    folder = checkpoints_dir(run_dir)
-    deleted = []
-    for _step, path in complete_checkpoints(run_dir)[:-keep_last]:
+    """Delete the current timeline's complete checkpoints beyond its newest `keep_last` (other branches are
+    left alone), and leftover partial folders. Called only after a new checkpoint is committed. Returns what
+    was deleted."""
+    deleted = [node.path for node in current_lineage(run_dir)[keep_last:]]
+    for path in deleted:
         shutil.rmtree(path)
-        deleted.append(path)
+    return deleted + remove_partial(run_dir)
+
+
+def remove_partial(run_dir: str | Path) -> list[Path]:
+    """Delete what interrupted writes leave: step_N.tmp (a crash or a full disk mid-save) and .step_N.old.*
+    (a crash mid-replace). Only while this run holds the run folder's lock."""
+    folder = checkpoints_dir(run_dir)
+    removed = []
     for entry in folder.iterdir() if folder.is_dir() else []:
-        # a crash mid-write leaves step_N.tmp; one mid-replace, the old step_N moved aside (.step_N.old.*)
         if entry.is_dir() and (entry.name.endswith(TMP_SUFFIX) or entry.name.startswith(".")):
             shutil.rmtree(entry, ignore_errors=True)
-            deleted.append(entry)
-    return deleted
+            removed.append(entry)
+    return removed
+
+
+def _mount_point(path: Path) -> str:
+    path = Path(os.path.realpath(path))
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return str(path)
+
+
+def _disk_full(error: BaseException, folder: Path, needed_bytes: int) -> bool:
+    """ENOSPC/EDQUOT anywhere in the chain, or a failed write with less space left than a checkpoint needs
+    (torch.save reports a full disk as a RuntimeError "file write failed", without an errno)."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return shutil.disk_usage(folder).free < max(needed_bytes, 1 << 20)
+
+
+def _describe_failure(error: BaseException, folder: Path, needed_bytes: int) -> tuple[str, str]:
+    return (
+        "disk full" if _disk_full(error, folder, needed_bytes) else "error",
+        f"{type(error).__name__}: {error}",
+    )
 
 
 class _TiedWeightsNote(logging.Filter):
@@ -180,53 +281,113 @@ def save_checkpoint(
     keep_last: int,
     sidecar: dict | None = None,
     before_commit=None,
+    parent: str | None = CONTINUE,
 ) -> Path:
     """Write a checkpoint for `step` from ALL ranks; return its final folder once it is complete.
 
     `sidecar` (`dit_accel.model.sidecar(model)`) records what the weights alone do not say: the timestep shift.
+    `parent` is the marker id of the checkpoint before it on its timeline (None: the first of a new run;
+    CONTINUE: the folder's most recently written one).
+
+    A failed write on any rank (a full disk: one line naming it, exit 2) removes the partial folder and
+    raises on every rank alike: the ranks agree on the outcome in one collective, so none is left waiting.
 
     `before_commit(tmp_dir, step)` is a test hook run on the main process after the data is written and before
     the marker: a test kills the process there to prove a half-written checkpoint is never loaded.
     """
+    run_dir = Path(run_dir)
     final_dir = checkpoints_dir(run_dir) / checkpoint_name(step)
     tmp_dir = final_dir.with_name(final_dir.name + TMP_SUFFIX)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover from a crash at this very step
-        tmp_dir.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    # Model, optimizer, registered scheduler, scaler on the main process; RNG states on every rank.
-    accelerator.save_state(output_dir=str(tmp_dir))
-    if ema is not None and (ema.sharded or accelerator.is_main_process):
-        ema.save(
-            tmp_dir / EMA_WEIGHTS, write=accelerator.is_main_process
-        )  # sharded: every rank joins the gather
-    if accelerator.is_main_process:
-        write_json_atomically(tmp_dir / TRAIN_STATE, train_state)
-        write_json_atomically(tmp_dir / PLAN, plan)
-        write_json_atomically(tmp_dir / TRAIN_CONFIG, config)
-        if sidecar is not None:
-            from dit_accel.model import SIDECAR_NAME
+    previous = latest_checkpoint(run_dir)
+    needed_bytes = lineage.size_bytes(previous) if previous is not None else 0
+    failure = None
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover from a crash at this very step
+            tmp_dir.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        # Model, optimizer, registered scheduler, scaler on the main process; RNG states on every rank.
+        accelerator.save_state(output_dir=str(tmp_dir))
+        if ema is not None and (ema.sharded or accelerator.is_main_process):
+            # sharded: every rank joins the gather
+            ema.save(tmp_dir / EMA_WEIGHTS, write=accelerator.is_main_process)
+        if accelerator.is_main_process:
+            write_json_atomically(tmp_dir / TRAIN_STATE, train_state)
+            write_json_atomically(tmp_dir / PLAN, plan)
+            write_json_atomically(tmp_dir / TRAIN_CONFIG, config)
+            if sidecar is not None:
+                from dit_accel.model import SIDECAR_NAME
 
-            write_json_atomically(tmp_dir / SIDECAR_NAME, sidecar)
-    accelerator.wait_for_everyone()  # every rank's random_states_R.pkl is on disk
-    if accelerator.is_main_process:
+                write_json_atomically(tmp_dir / SIDECAR_NAME, sidecar)
+    except Exception as error:
+        failure = error
+    # One collective, reached by every rank whatever happened: every rank's random_states_R.pkl is on disk,
+    # or every rank learns which one failed.
+    outcomes = gathered(
+        accelerator,
+        None if failure is None else _describe_failure(failure, tmp_dir.parent, needed_bytes),
+    )
+    if any(outcomes):
+        _give_up(accelerator, tmp_dir, final_dir, outcomes, failure, needed_bytes)
+    if parent == CONTINUE:
+        parent = marker_id(previous) if previous is not None else None
+
+    def commit_and_rotate() -> None:
         expected = [f"random_states_{rank}.pkl" for rank in range(accelerator.num_processes)]
         missing = [name for name in expected if not (tmp_dir / name).exists()]
         if missing:
-            raise RuntimeError(
-                f"checkpoint {tmp_dir} lacks {missing}: is {run_dir} on a filesystem every node shares?"
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise UserError(
+                f"checkpoint {tmp_dir} lacks {missing}",
+                f"put {run_dir} on a filesystem every node shares",
             )
         if before_commit is not None:
             before_commit(tmp_dir, step)
-        commit(tmp_dir, final_dir, {"step": step, "world_size": accelerator.num_processes})
+        try:
+            commit(tmp_dir, final_dir, {"step": step, "world_size": accelerator.num_processes}, parent)
+        except OSError as error:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            if _disk_full(error, tmp_dir.parent, needed_bytes):
+                raise _disk_full_error(tmp_dir.parent, final_dir, needed_bytes) from error
+            raise
         rotate(run_dir, keep_last)
-    accelerator.wait_for_everyone()
+
+    main_decides(accelerator, commit_and_rotate)
     return final_dir
+
+
+def _disk_full_error(folder: Path, final_dir: Path, needed_bytes: int) -> UserError:
+    free_bytes = shutil.disk_usage(folder).free
+    return UserError(
+        f"no space left on {_mount_point(folder)} while saving checkpoint {final_dir.name}: needs about "
+        f"{needed_bytes / 2**30:.3g} GiB, {free_bytes / 2**30:.3g} GiB free",
+        "free space or point --output-dir at a larger disk",
+    )
+
+
+def _give_up(accelerator, tmp_dir: Path, final_dir: Path, outcomes: list, failure, needed_bytes: int):
+    """Every rank, after a failed write on any: the partial folder goes (so a full disk is not kept full),
+    then the same error on every rank."""
+    if not needed_bytes:  # the run's first checkpoint: at least what was written before the disk filled
+        needed_bytes = sum(path.stat().st_size for path in tmp_dir.rglob("*") if path.is_file())
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if any(outcome and outcome[0] == "disk full" for outcome in outcomes):
+        if failure is not None:
+            log.error(f"while saving checkpoint {final_dir.name}: {failure}", extra={"file_only": True})
+        raise agreed(_disk_full_error(tmp_dir.parent, final_dir, needed_bytes)) from failure
+    if failure is not None:
+        raise failure
+    rank = next(index for index, outcome in enumerate(outcomes) if outcome)
+    raise RuntimeError(f"rank {rank} failed writing checkpoint {tmp_dir}: {outcomes[rank][1]}")
 
 
 class Checkpointer:
     """`save_checkpoint` with what stays the same for a whole run bound once: the loop passes a step and its
-    train state."""
+    train state. It follows the run's own timeline: the first checkpoint's parent is the one the run resumed
+    from (`parent`, None for a new run), each later one's the one before it."""
 
     def __init__(
         self,
@@ -239,8 +400,10 @@ class Checkpointer:
         keep_last: int,
         sidecar: dict | None = None,
         before_commit=None,
+        parent: Path | None = None,
     ):
-        self.accelerator, self.run_dir = accelerator, run_dir
+        self.accelerator, self.run_dir = accelerator, Path(run_dir)
+        self.parent = marker_id(Path(parent)) if parent is not None else None
         self.settings = dict(
             ema=ema,
             plan=plan,
@@ -249,9 +412,29 @@ class Checkpointer:
             sidecar=sidecar,
             before_commit=before_commit,
         )
+        self._abandoned_logged: list[str] = []
+        if accelerator.is_main_process:  # the run holds the folder's lock: leftovers are nobody's
+            removed = remove_partial(self.run_dir)
+            if removed:
+                log.info(f"removed partial checkpoint folders left by an interrupted run: {_names(removed)}")
 
     def save(self, step: int, train_state: dict) -> Path:
-        return save_checkpoint(self.accelerator, self.run_dir, step, train_state=train_state, **self.settings)
+        final = save_checkpoint(
+            self.accelerator, self.run_dir, step, train_state=train_state, parent=self.parent, **self.settings
+        )
+        self.parent = marker_id(final)
+        abandoned = [path.name for path in abandoned_checkpoints(self.run_dir)]
+        if abandoned and abandoned != self._abandoned_logged and self.accelerator.is_main_process:
+            log.info(
+                f"kept {len(abandoned)} checkpoints of abandoned branches (not on this run's timeline; delete "
+                f"them when no longer needed): {', '.join(abandoned)}"
+            )
+        self._abandoned_logged = abandoned
+        return final
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(path.name for path in paths)
 
 
 def load_checkpoint(accelerator, checkpoint: str | Path, *, ema) -> dict:

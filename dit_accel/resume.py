@@ -1,5 +1,6 @@
 """Where a run starts: step 0 from the seed, step 0 from other weights (--init-from), or a checkpoint of this
-run (--resume), and the state restored from it once the components exist."""
+run (--resume), and the state restored from it once the components exist; first of all, the run folder held
+(its lock) and refused when it holds checkpoints that no --resume continues."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import torch
 from torch import nn
 
 from dit_accel import checkpoint as ckpt
+from dit_accel import runlock
+from dit_accel.consensus import main_decides
 from dit_accel.errors import UserError
+from dit_accel.optim import effective_lr
 from dit_accel.train_config import TrainConfig
 from planner.planfile import Plan, read_plan
 
@@ -59,8 +63,39 @@ def load_init_weights(model: nn.Module, init: InitWeights) -> None:
         param.copy_(init.parameters[name])
 
 
+_claim_notes: list[str] = []  # what claim_run_folder found, logged by choose_start once logging is set up
+
+
+def claim_run_folder(accelerator, config: TrainConfig, run_dir: Path) -> list[str]:
+    """Before anything is written: the main process takes RUN/run.lock (`runlock`) and refuses a folder that
+    already holds checkpoints when no --resume says to continue them (a rerun would start over at step 0
+    and mix its checkpoints with theirs, or, for another network, rotate them away). Every rank gets the same
+    answer. Returns notes for the log (a stale lock taken over), which `choose_start` also logs; released
+    by `runlock.release_all`."""
+
+    def claim() -> list[str]:
+        _lock, note = runlock.acquire(run_dir)
+        found = ckpt.complete_checkpoints(run_dir)
+        if found and config.resume is None and not config.init_from:
+            runlock.release_all()
+            raise UserError(
+                f"{run_dir} already holds checkpoints (up to {found[-1][1].name}) and --resume was not given",
+                "pass --resume auto to continue that run, or another --output-dir for a new one",
+            )
+        return [note] if note else []
+
+    _claim_notes[:] = main_decides(accelerator, claim)
+    return list(_claim_notes)
+
+
+# What a resumed run cannot change: the plan's shape. (The model, world size and global batch are checked
+# on their own, with their own fixes.)
+_FIXED_DECISION = ("micro_batch", "grad_accum", "precision", "sharding", "ema")
+
+
 def check_resume(state: dict, plan: Plan, spec, world_size: int, checkpoint: Path) -> None:
-    """Resuming must continue the same run: the same model, world size and global batch."""
+    """Resuming must continue the same run: the same model, world size, global batch, micro-batch,
+    accumulation, precision, sharding and EMA."""
     if state.get("world_size") != world_size:
         raise UserError(
             f"{checkpoint} was written by {state.get('world_size')} processes but {world_size} were launched",
@@ -80,6 +115,15 @@ def check_resume(state: dict, plan: Plan, spec, world_size: int, checkpoint: Pat
             f"{spec.hidden}, {spec.resolution} px, {spec.latents})",
             "use the run's own plan or a new --output-dir",
         )
+    saved_decision = read_plan(checkpoint / ckpt.PLAN).decision
+    for name in _FIXED_DECISION:
+        before, now = getattr(saved_decision, name), getattr(plan.decision, name)
+        if before != now:
+            raise UserError(
+                f"{checkpoint} trained with {name} {before} but the plan has {now}: a resumed run cannot "
+                f"change the plan's shape",
+                f"resume with the run's own plan ({checkpoint / ckpt.PLAN}), or start a new --output-dir",
+            )
 
 
 @dataclass
@@ -92,11 +136,16 @@ class Start:
     state: dict = field(default_factory=lambda: {"step": 0, "applied_steps": 0, "skipped_steps": 0})
 
 
-def choose_start(config: TrainConfig, run_dir: Path, plan: Plan, spec, world_size: int) -> Start:
-    """--resume and --init-from resolved against the run folder, checked before any model is built."""
-    start = Start(checkpoint=ckpt.resolve_resume(config.resume, run_dir))
+def choose_start(
+    config: TrainConfig, run_dir: Path, plan: Plan, spec, world_size: int, accelerator=None
+) -> Start:
+    """--resume and --init-from resolved against the run folder, checked before any model is built. The
+    main process picks (and verifies) the checkpoint; every rank resumes the same one."""
+    while _claim_notes:
+        log.warning(_claim_notes.pop(0))
+    start = Start(checkpoint=main_decides(accelerator, lambda: ckpt.resolve_resume(config.resume, run_dir)))
     if config.init_from:
-        existing = ckpt.latest_checkpoint(run_dir)
+        existing = start.checkpoint or main_decides(accelerator, lambda: ckpt.resolve_resume("auto", run_dir))
         if (
             existing is not None
         ):  # a restarted job: continue this run, never start it over from the init weights
@@ -130,9 +179,70 @@ def restore(start: Start, accelerator, components, dataset_size: int, seed: int)
         set_seed(seed + accelerator.process_index)  # anything not keyed per sample
         return state
     state.update(ckpt.load_checkpoint(accelerator, start.checkpoint, ema=components.ema))
+    for change in apply_recipe_changes(components, start.checkpoint, state["step"] + 1):
+        log.info(change)
     if state.get("dataset_size") != dataset_size:
         log.warning(
             f"the dataset has {dataset_size} samples, the checkpoint's had {state.get('dataset_size')}: "
             f"the data order after resuming differs from the original run's"
         )
     return state
+
+
+def apply_recipe_changes(components, checkpoint: Path, first_step: int) -> list[str]:
+    """AdamW's lr, betas and weight decay and the warmup come back from the checkpoint with its state
+    (accelerate's load_state restores the param groups and the scheduler's base lrs); the values of this
+    launch replace them from `first_step` on. Returns one log line per change, nothing when none changed
+    (then nothing is touched, so a plain resume stays bit-exact)."""
+    config, optimizer, scheduler = components.config, components.optimizer, components.scheduler
+    group = optimizer.param_groups[0]
+    warmup = scheduler.lr_lambdas[0]
+    wanted = {
+        "lr": effective_lr(config.lr, components.plan.global_batch, config.scale_lr),
+        "betas": tuple(float(b) for b in config.betas),
+        "weight_decay": float(config.weight_decay),
+        "warmup_steps": int(config.warmup_steps),
+    }
+    found = {
+        "lr": group["initial_lr"],
+        "betas": tuple(float(b) for b in group["betas"]),
+        "weight_decay": float(group["weight_decay"]),
+        "warmup_steps": int(getattr(warmup, "warmup_steps", 0)),
+    }
+    changes = [
+        f"--{name.replace('_', '-')} changed on resume: {_shown(found[name])} -> {_shown(wanted[name])}, "
+        f"applied from step {first_step}"
+        for name in wanted
+        if found[name] != wanted[name]
+    ]
+    saved = ckpt.read_train_config(checkpoint)
+    for name in ("grad_clip", "ema_decay", "class_dropout", "nan_policy", "max_skipped_steps", "seed"):
+        if name in saved and saved[name] != getattr(config, name):  # read live from the config
+            changes.append(
+                f"--{name.replace('_', '-')} changed on resume: {_shown(saved[name])} -> "
+                f"{_shown(getattr(config, name))}, applied from step {first_step}"
+                + (" (the data order and noise now differ from the original run's)" if name == "seed" else "")
+            )
+    if found == wanted:
+        return changes
+    if hasattr(warmup, "warmup_steps"):
+        warmup.warmup_steps = wanted["warmup_steps"]
+    scheduler.base_lrs = [wanted["lr"] for _ in optimizer.param_groups]
+    factor = warmup(scheduler.last_epoch)
+    for param_group in optimizer.param_groups:
+        param_group.update(
+            initial_lr=wanted["lr"],
+            lr=wanted["lr"] * factor,
+            betas=wanted["betas"],
+            weight_decay=wanted["weight_decay"],
+        )
+    scheduler._last_lr = [param_group["lr"] for param_group in optimizer.param_groups]
+    return changes
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return " ".join(_shown(v) for v in value)
+    return str(value)

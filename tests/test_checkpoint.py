@@ -146,3 +146,49 @@ def test_restore_is_exact(accelerator, tmp_path):
     for name, want in expected[1].items():
         assert torch.equal(ema.shadow[name], want)
     assert scheduler.get_last_lr() == expected[2]
+
+
+def test_rotation_follows_the_timeline_and_keeps_other_branches(accelerator, tmp_path):
+    model, optimizer, scheduler, ema = _parts(accelerator)
+    for step in (1, 2, 3):
+        _save(accelerator, tmp_path, step, ema, keep_last=3)
+    old = {step: ckpt.marker_id(tmp_path / "checkpoints" / f"step_{step:08d}") for step in (1, 2, 3)}
+    # Back to step 1: the new timeline's step 2 replaces nothing; the abandoned 2 and 3 stay, 2 renamed.
+    new_2 = _save(accelerator, tmp_path, 2, ema, keep_last=2, parent=old[1])
+    assert ckpt.latest_checkpoint(tmp_path) == new_2
+    assert ckpt.marker_id(tmp_path / "checkpoints" / f"step_00000002.branch-{old[2][:8]}") == old[2]
+    assert [n.path.name for n in ckpt.current_lineage(tmp_path)] == ["step_00000002", "step_00000001"]
+    new_3 = _save(accelerator, tmp_path, 3, ema, keep_last=2, parent=ckpt.marker_id(new_2))
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == sorted(
+        [
+            "step_00000002",
+            "step_00000003",
+            f"step_00000002.branch-{old[2][:8]}",
+            f"step_00000003.branch-{old[3][:8]}",
+        ]
+    )  # step 1 rotated along the new timeline; the abandoned 2 and 3 kept
+    assert ckpt.resolve_resume("auto", tmp_path) == new_3
+    assert len(ckpt.abandoned_checkpoints(tmp_path)) == 2
+
+
+def test_old_markers_without_a_manifest_still_load(accelerator, tmp_path):
+    model, optimizer, scheduler, ema = _parts(accelerator)
+    old = _save(accelerator, tmp_path, 1, ema)
+    (old / ckpt.COMPLETE).write_text(json.dumps({"step": 1, "world_size": 1}))  # as versions before manifests
+    (old / ckpt.TRAIN_STATE).write_text(json.dumps({"step": 1, "world_size": 1, "global_batch": 5}))
+    assert ckpt.resolve_resume("auto", tmp_path) == old  # unverifiable, so taken as intact
+    assert ckpt.load_checkpoint(accelerator, old, ema=ema)["step"] == 1
+    new = _save(accelerator, tmp_path, 2, ema)  # continues the old timeline
+    assert json.loads((new / ckpt.COMPLETE).read_text())["parent"] == "step_00000001"
+    assert [n.path for n in ckpt.current_lineage(tmp_path)] == [new, old]
+
+
+def test_resume_auto_refuses_a_timeline_of_damaged_checkpoints(accelerator, tmp_path):
+    model, optimizer, scheduler, ema = _parts(accelerator)
+    only = _save(accelerator, tmp_path, 1, ema)
+    (only / ckpt.EMA_WEIGHTS).write_bytes(b"not the weights")
+    with pytest.raises(
+        UserError, match="every checkpoint of the current timeline .* is damaged .*ema.safetensors"
+    ):
+        ckpt.resolve_resume("auto", tmp_path)  # never a silent restart at step 0

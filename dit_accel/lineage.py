@@ -1,0 +1,150 @@
+"""A checkpoint's COMPLETE marker: where it sits on the run's timeline, and what its files must be.
+
+Lineage. A run resumed from an older checkpoint starts a new timeline; the checkpoints of the old one beyond
+the resume point are an abandoned branch. Step numbers cannot tell the two apart, so every marker records an
+`id`, its `parent` (the previous checkpoint of the same timeline: the one written before it by the same run,
+or the one the run resumed from) and a `sequence` number one above every marker already in the folder. The
+current timeline is the chain from the most recently written complete checkpoint (highest sequence) back
+through parents; rotation and `--resume auto` follow it and leave other branches alone.
+
+Manifest. The marker lists the size and sha256 of every file of the checkpoint (sharded folders included),
+hashed by the main process after every rank has written. A truncated or bit-flipped file, a missing rank's
+RNG file or an edited train_state.json is then found before anything is loaded, and named.
+
+Old markers (before lineage and manifests) hold only step and world size: their checkpoints still load,
+unverified, and count as one timeline ordered by step, older than any new marker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = "COMPLETE"
+_CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Node:
+    """One complete checkpoint as the lineage sees it."""
+
+    step: int
+    path: Path
+    id: str  # the marker's id; an old marker's folder name
+    parent: str | None  # None: the run's first checkpoint from scratch or --init-from
+    sequence: int  # -1 for old markers
+    legacy: bool
+
+
+def read_marker(folder: Path) -> dict:
+    try:
+        return json.loads((folder / MARKER).read_text() or "{}")
+    except ValueError:
+        return {}  # an empty or hand-made marker: an old-style checkpoint
+
+
+def new_marker(step: int, world_size: int, parent: str | None, sequence: int, manifest: dict) -> dict:
+    return {
+        "step": step,
+        "world_size": world_size,
+        "id": uuid.uuid4().hex,
+        "parent": parent,
+        "sequence": sequence,
+        "manifest": manifest,
+    }
+
+
+def nodes(found: list[tuple[int, Path]]) -> list[Node]:
+    """The lineage's view of complete checkpoints given as (step, folder), oldest step first."""
+    result, previous_legacy = [], None
+    for step, path in found:
+        marker = read_marker(path)
+        if "id" in marker:
+            result.append(
+                Node(step, path, marker["id"], marker.get("parent"), int(marker["sequence"]), False)
+            )
+        else:  # old marker: its parent is taken to be the old checkpoint just before it
+            result.append(Node(step, path, path.name, previous_legacy, -1, True))
+            previous_legacy = path.name
+    return result
+
+
+def head(all_nodes: list[Node]) -> Node | None:
+    """The most recently written checkpoint: the tip of the current timeline."""
+    return max(all_nodes, key=lambda node: (node.sequence, node.step), default=None)
+
+
+def chain(all_nodes: list[Node], tip: Node | None) -> list[Node]:
+    """`tip` and its ancestors that still exist, newest first."""
+    by_id = {node.id: node for node in all_nodes}
+    line, seen = [], set()
+    while tip is not None and tip.id not in seen:
+        line.append(tip)
+        seen.add(tip.id)
+        tip = by_id.get(tip.parent) if tip.parent else None
+    return line
+
+
+def next_sequence(all_nodes: list[Node]) -> int:
+    return max((node.sequence for node in all_nodes), default=-1) + 1
+
+
+def hash_file(path: Path, sync: bool = False) -> dict:
+    """Size and sha256 of one file; with `sync`, also fsynced (when writing a checkpoint)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(handle.fileno())  # the data is durable before the marker that vouches for it
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def build_manifest(folder: Path) -> dict:
+    """{relative path: {bytes, sha256}} of every file under `folder`, each fsynced on the way. Files are
+    hashed in parallel threads (hashlib releases the GIL): a DiT-XL/2 checkpoint is about 11 GB."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = sorted(Path(root) / name for root, _dirs, files in os.walk(folder) for name in files)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        hashed = list(pool.map(lambda path: hash_file(path, sync=True), paths))
+    return {path.relative_to(folder).as_posix(): entry for path, entry in zip(paths, hashed)}
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a checkpoint's files against its manifest (naming the file), or None when intact.
+    A marker without a manifest (written before manifests existed) is taken as intact."""
+    manifest = read_marker(folder).get("manifest")
+    if manifest is None:
+        return None
+    for name, expected in sorted(manifest.items()):  # the cheap checks first: presence and size
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return (
+                f"{path} has {size:,} bytes, its manifest says {expected['bytes']:,} (truncated or replaced)"
+            )
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(manifest)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda name: hash_file(folder / name)["sha256"], names))
+    for name, digest in zip(names, digests):
+        if digest != manifest[name]["sha256"]:
+            return f"{folder / name} does not match its sha256 in {folder / MARKER} (corrupted or edited)"
+    return None
+
+
+def size_bytes(folder: Path) -> int:
+    """A checkpoint's size: from its manifest, else by walking it."""
+    manifest = read_marker(folder).get("manifest")
+    if manifest is not None:
+        return sum(entry["bytes"] for entry in manifest.values())
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())

@@ -1,0 +1,415 @@
+"""The run folder under real runs: lineage-aware rotation and --resume auto, the run lock, hyper-parameters
+changed on resume, damaged checkpoints, a full disk, and a folder that already holds checkpoints.
+
+Plans, demo data and the latent cache come from tests/test_train_e2e.py's workspace; one launched
+2-process timeline (run, roll back, resume) serves several tests.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import test_train_e2e as e2e
+import torch
+
+from dit_accel import checkpoint as ckpt
+from dit_accel import lineage, runlock
+from dit_accel.errors import UserError
+
+workspace = e2e.workspace
+COMMON = ["--no-tensorboard"]
+
+
+def _command(workspace, out: Path, *args) -> list[str]:
+    return e2e.launch_command(workspace, out, *COMMON, *args)
+
+
+def _launch(workspace, out: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _command(workspace, out, *args), env=e2e._env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def _ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    """The trainer's own error lines in a launch's output (the launcher adds its own report around them)."""
+    return [line for line in result.stderr.splitlines() if line.startswith("dit_accel.train: error:")]
+
+
+def _every_rank_exited_2(result: subprocess.CompletedProcess) -> None:
+    """Both ranks ended with the one-line error's code 2, no traceback of their own, none left hanging. (Plain `accelerate
+    launch` then reports 1 with torch elastic's ChildFailedError traceback: the launcher's, not a rank's.)"""
+    own, _, launcher = result.stderr.partition("torch/distributed/elastic/multiprocessing/api.py")
+    assert "Traceback" not in own, own[-3000:]
+    # torch elastic's summary lists each failed rank's exit code. It sends SIGTERM to the ranks still
+    # tearing down once the first has exited, so a rank ends with 2 itself or by that signal (-15).
+    codes = dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)", launcher))
+    assert "2" in codes.values() and set(codes.values()) <= {"2", "-15"}, result.stderr[-3000:]
+    assert len(codes) == 2 or "closing signal SIGTERM" in launcher, result.stderr[-3000:]
+
+
+def _names(run: Path) -> list[str]:
+    return sorted(path.name for path in (run / "checkpoints").iterdir())
+
+
+def _log(run: Path, rank: int = 0) -> str:
+    return (run / "logs" / f"rank{rank}.log").read_text()
+
+
+# --- one launched timeline: steps 2, 4, 6; back to 2 with a new lr, on to 5; then --resume auto ---------------
+
+
+@pytest.fixture(scope="module")
+def timeline(workspace, tmp_path_factory):
+    root = tmp_path_factory.mktemp("timeline")
+    run = root / "run"
+    _ok(_launch(workspace, run, "--max-steps", 6, "--checkpoint-every", 2, "--keep-last", 3))
+    first = {name: ckpt.marker_id(run / "checkpoints" / name) for name in _names(run)}
+    shutil.copytree(run / "checkpoints", root / "snapshot")  # pristine 2-rank checkpoints to damage
+    rollback = _launch(
+        workspace,
+        run,
+        "--resume",
+        run / "checkpoints" / "step_00000002",
+        "--max-steps",
+        5,
+        "--checkpoint-every",
+        1,
+        "--keep-last",
+        2,
+        "--lr",
+        "1.5e-3",
+    )
+    _ok(rollback)
+    after_rollback = _names(run)
+    rollback_log = _log(run)
+    auto = _launch(
+        workspace,
+        run,
+        "--resume",
+        "auto",
+        "--max-steps",
+        6,
+        "--checkpoint-every",
+        1,
+        "--keep-last",
+        2,
+        "--lr",
+        "1.5e-3",
+    )
+    _ok(auto)
+    return dict(
+        run=run,
+        snapshot=root / "snapshot",
+        first=first,
+        after_rollback=after_rollback,
+        rollback_log=rollback_log,
+        auto=auto,
+    )
+
+
+@pytest.mark.launched
+def test_rotation_and_resume_auto_follow_the_newest_timeline(timeline):
+    run, first = timeline["run"], timeline["first"]
+    assert sorted(first) == ["step_00000002", "step_00000004", "step_00000006"]
+    # The rolled-back run kept its own newest two (4 and 5); its older ones (3, and 2 it resumed from) were
+    # rotated along its timeline; the abandoned branch's 4 and 6 are kept, 4 under its branch name.
+    branch_4 = f"step_00000004.branch-{first['step_00000004'][:8]}"
+    assert timeline["after_rollback"] == sorted([branch_4, "step_00000004", "step_00000005", "step_00000006"])
+    assert ckpt.marker_id(run / "checkpoints" / branch_4) == first["step_00000004"]
+    kept = [line for line in timeline["rollback_log"].splitlines() if "abandoned branches" in line]
+    assert kept and f"{branch_4}, step_00000006" in kept[-1]
+    # --resume auto took the newest-written checkpoint (5), not the highest step (the abandoned 6).
+    assert "step_00000005 at step 5" in _log(run)
+    new_6 = lineage.read_marker(run / "checkpoints" / "step_00000006")
+    assert new_6["parent"] == ckpt.marker_id(run / "checkpoints" / "step_00000005")
+    branch_6 = f"step_00000006.branch-{first['step_00000006'][:8]}"
+    assert ckpt.marker_id(run / "checkpoints" / branch_6) == first["step_00000006"]
+    assert [node.path.name for node in ckpt.current_lineage(run)] == ["step_00000006", "step_00000005"]
+    assert {path.name for path in ckpt.abandoned_checkpoints(run)} == {branch_4, branch_6}
+    assert not (run / runlock.LOCK_NAME).exists()  # released at exit
+
+
+@pytest.mark.launched
+def test_a_new_lr_on_resume_applies_from_the_resumed_step(timeline):
+    run = timeline["run"]
+    assert "--lr changed on resume: 0.003 -> 0.0015, applied from step 3" in timeline["rollback_log"]
+    lrs = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        lrs.setdefault(record["step"], []).append(record["lr"])
+    assert lrs[1] == lrs[2] == [3e-3] * len(lrs[1])  # the first launch (no warmup)
+    # metrics.jsonl appends every launch's lines: the last one of each step is the newest timeline's.
+    assert all(lrs[step][-1] == pytest.approx(1.5e-3) for step in (3, 4, 5))
+    assert lrs[6][-1] == pytest.approx(1.5e-3)
+    final = run / "checkpoints" / "step_00000006"
+    scheduler = torch.load(final / "custom_checkpoint_0.pkl", weights_only=False)
+    assert scheduler["base_lrs"] == [pytest.approx(1.5e-3)]
+    groups = torch.load(final / "optimizer.bin", weights_only=False)["param_groups"]
+    assert all(group["lr"] == pytest.approx(1.5e-3) for group in groups)
+    assert "changed on resume" not in timeline["auto"].stdout  # the same lr again: nothing to say
+
+
+def test_the_plans_shape_cannot_change_on_resume(workspace, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert e2e.run_in_process(_single(workspace, run, "--max-steps", 1, "--checkpoint-every", 1)) == 0
+    capsys.readouterr()
+    plan = json.loads(workspace["plan1"].read_text())
+    for name, changes, expected in (
+        ("accum", {"micro_batch": 4, "grad_accum": 2}, "micro_batch 8 but the plan has 4"),
+        ("bf16", {"precision": "bf16"}, "precision fp32 but the plan has bf16"),
+    ):
+        edited = json.loads(json.dumps(plan))
+        edited["decision"].update(changes)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(edited))
+        argv = _single(workspace, run, "--resume", "auto", "--max-steps", 2)
+        argv[argv.index(workspace["plan1"])] = path
+        err = e2e._one_line_error(capsys, argv)
+        assert expected in err and "cannot change the plan's shape" in err, err
+    assert _names(run) == ["step_00000001"]
+
+
+# --- damaged checkpoints -------------------------------------------------------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _edit_train_state(path: Path) -> None:
+    state = json.loads(path.read_text())
+    state["step"] = 7
+    path.write_text(json.dumps(state))
+
+
+DAMAGE = {
+    "model.safetensors": _truncate,
+    "optimizer.bin": _flip_a_byte,
+    "random_states_1.pkl": Path.unlink,
+    "train_state.json": _edit_train_state,
+}
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_a_damaged_checkpoint_is_named_and_resume_auto_takes_the_previous_one(
+    timeline, tmp_path, name, caplog
+):
+    run = tmp_path / "run"
+    shutil.copytree(timeline["snapshot"], run / "checkpoints")
+    newest = run / "checkpoints" / "step_00000006"
+    assert lineage.damage(newest) is None
+    DAMAGE[name](newest / name)
+    with caplog.at_level("WARNING", logger="dit_accel.train"):
+        assert ckpt.resolve_resume("auto", run) == run / "checkpoints" / "step_00000004"
+    assert f"skips damaged checkpoint step_00000006: {newest / name}" in caplog.text
+    with pytest.raises(UserError, match=re.escape(str(newest / name))):
+        ckpt.resolve_resume(str(newest), run)
+
+
+def test_resume_auto_skips_a_damaged_newest_checkpoint(workspace, tmp_path):
+    run = tmp_path / "auto"
+    assert e2e.run_in_process(_single(workspace, run, "--max-steps", 2, "--checkpoint-every", 1)) == 0
+    _truncate(run / "checkpoints" / "step_00000002" / "model.safetensors")
+    assert e2e.run_in_process(_single(workspace, run, "--resume", "auto", "--max-steps", 3)) == 0
+    text = _log(run)
+    assert "skips damaged checkpoint step_00000002" in text and "model.safetensors has" in text
+    assert "step_00000001 at step 1" in text
+
+
+@pytest.mark.launched
+def test_an_explicit_resume_of_a_damaged_checkpoint_is_one_line(workspace, timeline, tmp_path):
+    run = tmp_path / "explicit"
+    shutil.copytree(timeline["snapshot"], run / "checkpoints")
+    damaged = run / "checkpoints" / "step_00000006"
+    (damaged / "random_states_1.pkl").unlink()
+    result = _launch(workspace, run, "--resume", damaged, "--max-steps", 8)
+    assert result.returncode != 0
+    lines = _error_lines(result)
+    assert len(lines) == 1 and "random_states_1.pkl is missing" in lines[0], result.stderr[-3000:]
+    assert "--resume auto skips damaged ones" in lines[0]
+    _every_rank_exited_2(result)
+    assert "resumed from" not in _log(run)
+
+
+# --- the run lock ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.launched
+def test_a_second_run_into_the_same_folder_is_refused(workspace, tmp_path):
+    """Two launches into one folder, 1 s apart: one trains, the other is refused by the lock on all ranks."""
+    run = tmp_path / "run"
+    args = ("--max-steps", 40, "--checkpoint-every", 40)
+    runs = []
+    for _ in range(2):
+        runs.append(
+            subprocess.Popen(
+                _command(workspace, run, *args),
+                env=e2e._env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        time.sleep(1.0)
+    results = []
+    for process in runs:
+        out, err = process.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    winners = [result for result in results if result.returncode == 0]
+    losers = [result for result in results if result.returncode != 0]
+    assert len(winners) == 1 and len(losers) == 1, [r.stderr[-2000:] for r in results]
+    lines = _error_lines(losers[0])
+    assert len(lines) == 1, losers[0].stderr[-3000:]
+    assert re.search(r"run is in use by another run \(pid \d+ on .*lock .*run\.lock\)", lines[0]), lines[0]
+    assert "use another --output-dir" in lines[0] and "delete the lock file" in lines[0]
+    _every_rank_exited_2(losers[0])
+    assert not (run / runlock.LOCK_NAME).exists()
+    assert _names(run) == ["step_00000040"]
+    assert "is in use" not in _log(run, 0) + _log(run, 1)  # the refused run wrote nothing into the folder
+
+
+def test_a_killed_runs_lock_is_taken_over(workspace, tmp_path):
+    run = tmp_path / "run"
+    killed = subprocess.run(
+        [sys.executable, "-m", "dit_accel.train", *map(str, _single(workspace, run, "--max-steps", 2))],
+        env=e2e._env(DIT_ACCEL_CRASH_BEFORE_COMMIT="2", **{"DIT_ACCEL_EXIT_DIR": ""}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    left = json.loads((run / runlock.LOCK_NAME).read_text())  # os._exit: no exit handler ran
+    assert e2e.run_in_process(_single(workspace, run, "--resume", "auto", "--max-steps", 2)) == 0
+    assert f"took over a stale run lock {run / runlock.LOCK_NAME}" in _log(run)
+    assert f"pid {left['pid']} on this host is no longer running" in _log(run)
+    assert not (run / runlock.LOCK_NAME).exists()
+
+
+def test_stale_and_foreign_locks(tmp_path):
+    lock_path = tmp_path / runlock.LOCK_NAME
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    lock_path.write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead.stdout), "started": "x"}))
+    lock, note = runlock.acquire(tmp_path)
+    assert f"pid {int(dead.stdout)} on this host is no longer running" in note
+    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+    with pytest.raises(UserError, match="in use by another run"):
+        runlock.acquire(tmp_path)  # this process is alive: a second holder is refused
+    runlock.release_all()
+    assert not lock_path.exists()
+
+    lock_path.write_text(json.dumps({"host": "node-elsewhere", "pid": 1, "started": "x"}))
+    with pytest.raises(UserError, match="pid 1 on node-elsewhere.*delete the lock file"):
+        runlock.acquire(tmp_path)  # fresh heartbeat on another host: refused
+    old = time.time() - runlock.STALE_AFTER_S - 60
+    os.utime(lock_path, (old, old))
+    _lock, note = runlock.acquire(tmp_path)
+    assert "heartbeat stopped 11 minutes ago" in note
+    runlock.release_all()
+
+
+# --- a folder that holds checkpoints, without --resume ---------------------------------------------------------
+
+
+def _tree(folder: Path) -> dict:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def _single(workspace, run: Path, *args) -> list:
+    return [
+        "--plan",
+        workspace["plan1"],
+        "--latents",
+        workspace["latents"],
+        "--output-dir",
+        run,
+        *e2e.QUIET,
+        *COMMON,
+        *args,
+    ]
+
+
+def test_a_folder_with_checkpoints_needs_resume(workspace, timeline, tmp_path, capsys):
+    run = tmp_path / "same"
+    assert e2e.run_in_process(_single(workspace, run, "--max-steps", 1, "--checkpoint-every", 1)) == 0
+    capsys.readouterr()
+    for folder in (run, tmp_path / "other"):  # the same plan's checkpoints, and another network's
+        if folder != run:
+            shutil.copytree(timeline["snapshot"], folder / "checkpoints")
+        before = _tree(folder)
+        err = e2e._one_line_error(capsys, _single(workspace, folder, "--max-steps", 2))
+        assert (
+            f"{folder} already holds checkpoints" in err and "--resume auto" in err and "--output-dir" in err
+        )
+        assert _tree(folder) == before  # nothing written, the lock released
+
+
+# --- a full disk -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 24 MiB filesystem (tmpfs), or a skip where this machine cannot mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.decode().strip()}): needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.launched
+def test_a_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(
+    workspace, timeline, small_disk
+):
+    run = small_disk / "run"
+    shutil.copytree(timeline["snapshot"], run / "checkpoints")  # a 2-rank run at step 6
+    size_bytes = lineage.size_bytes(run / "checkpoints" / "step_00000006")
+    filler = small_disk / "filler"
+    with open(filler, "wb") as handle:  # leave room for half a checkpoint
+        handle.write(b"\0" * (shutil.disk_usage(small_disk).free - size_bytes // 2))
+    result = _launch(workspace, run, "--resume", "auto", "--max-steps", 7, "--keep-last", 3)
+    assert result.returncode != 0
+    lines = _error_lines(result)
+    assert len(lines) == 1, result.stderr[-3000:]
+    pattern = (
+        rf"dit_accel.train: error: no space left on {re.escape(str(small_disk))} while saving checkpoint "
+        r"step_00000007: needs about [0-9.e-]+ GiB, [0-9.e-]+ GiB free; free space or point --output-dir at a "
+        r"larger disk$"
+    )
+    assert re.match(pattern, lines[0]), lines[0]
+    _every_rank_exited_2(result)
+    before = ["step_00000002", "step_00000004", "step_00000006"]
+    assert _names(run) == before  # the older checkpoints survive; no step_7.tmp keeps the space
+    assert all(lineage.damage(run / "checkpoints" / name) is None for name in before)
+    # A save killed mid-write leaves its partial folder; the next start removes it before it saves.
+    filler.unlink()
+    leftover = run / "checkpoints" / "step_00000007.tmp"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(
+        b"\0" * (shutil.disk_usage(small_disk).free - size_bytes // 2)
+    )
+    _ok(_launch(workspace, run, "--resume", "auto", "--max-steps", 7, "--keep-last", 3))
+    assert "removed partial checkpoint folders" in _log(run) and "step_00000007.tmp" in _log(run)
+    assert _names(run) == ["step_00000004", "step_00000006", "step_00000007"]

@@ -77,6 +77,7 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
     from accelerate.utils import (
         DistributedDataParallelKwargs,
         GradientAccumulationPlugin,
+        InitProcessGroupKwargs,
         ProjectConfiguration,
     )
 
@@ -112,7 +113,8 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
         ),
         # As planned: with gradient_as_bucket_view DDP's buckets ARE the .grad tensors (4 bytes/param less).
         kwargs_handlers=[
-            DistributedDataParallelKwargs(gradient_as_bucket_view=plan.decision.gradient_as_bucket_view)
+            DistributedDataParallelKwargs(gradient_as_bucket_view=plan.decision.gradient_as_bucket_view),
+            InitProcessGroupKwargs(timeout=process_group_timeout(config.collective_timeout_s)),
         ],
     )
     if fsdp_plugin is not None and not uses_fsdp(accelerator):
@@ -123,6 +125,31 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
             )
         use_fsdp_on_cpu(accelerator, fsdp_plugin, mixed_precision)
     return accelerator
+
+
+def process_group_timeout(collective_timeout_s: float):
+    """The process group's timeout: --collective-timeout-s plus a margin, a backstop behind the watchdog
+    (dit_accel.watchdog), which ends a stuck rank at the timeout itself and names it; a collective that
+    times out raises a bare backend error instead."""
+    from datetime import timedelta
+
+    return timedelta(seconds=collective_timeout_s + max(60.0, 0.1 * collective_timeout_s))
+
+
+LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_peer_message(error: BaseException, run_dir: str) -> str | None:
+    """One line for a collective that failed because another rank's process went away (gloo says so at
+    once; NCCL hangs, which the watchdog ends), where that rank's own error explains the run and this one's
+    traceback is noise; None for any other error."""
+    if not (isinstance(error, RuntimeError) and any(words in str(error) for words in LOST_PEER_WORDS)):
+        return None
+    first_line = str(error).splitlines()[0][:200]
+    return (
+        f"lost contact with another rank in a collective ({first_line}); that rank's error is above, or in "
+        f"{Path(run_dir) / 'logs'}"
+    )
 
 
 def use_fsdp_on_cpu(accelerator, plugin, mixed_precision: str) -> None:

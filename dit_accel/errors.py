@@ -1,11 +1,30 @@
-"""User-facing failures: one line naming the problem and the fix, exit code 2, no traceback."""
+"""User-facing failures and the trainer's exit codes: one line naming the problem and the fix, no traceback.
+
+Exit codes (the same from `python -m dit_accel.train` and `dit-accel train`; plain `accelerate launch` turns
+every failure into 1):
+
+    0  done                              3  stopped itself on a non-finite loss or gradient (NaN/Inf)
+    2  bad input: the one line says why  4  preempted (a signal) after saving that step: requeue it
+    5  a rank stopped making progress for --collective-timeout-s (a hang): ended, nothing saved
+    1  anything else: a traceback, or a rank whose peer died in a collective (the peer's line says why)
+
+Under a launcher a rank's code would be lost (torch elastic reports 1 for any failed worker), so each rank
+writes it, with its one line, to DIT_ACCEL_EXIT_DIR/exit_rankR.json when `dit-accel train` sets that
+variable, and the wrapper exits with it (`exit_code_of_ranks`).
+"""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import sys
+from pathlib import Path
 
 from planner.errors import OneLineError, PlanError
+
+EXIT_DONE, EXIT_USER, EXIT_STOPPED, EXIT_PREEMPTED, EXIT_HUNG = 0, 2, 3, 4, 5
+EXIT_DIR_ENV = "DIT_ACCEL_EXIT_DIR"
 
 
 class UserError(OneLineError):
@@ -25,8 +44,47 @@ def exits_cleanly(prog: str):
                 return main(argv)
             except USER_ERRORS as error:
                 print(f"{prog}: error: {error}", file=sys.stderr)
-                return 2
+                return EXIT_USER
 
         return run
 
     return wrap
+
+
+def write_exit_record(code: int, message: str = "", env: dict | None = None) -> None:
+    """This rank's exit code and one line, for the `dit-accel train` wrapper; nothing without the wrapper."""
+    env = os.environ if env is None else env
+    folder = env.get(EXIT_DIR_ENV)
+    if not folder:
+        return
+    rank = int(env.get("RANK", "0") or 0)
+    path = Path(folder) / f"exit_rank{rank}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps({"rank": rank, "code": int(code), "message": message}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_exit_records(folder: Path) -> dict[int, dict]:
+    records = {}
+    for path in sorted(Path(folder).glob("exit_rank*.json")):
+        try:
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return records
+
+
+def exit_code_of_ranks(launcher_code: int, records: dict[int, dict]) -> int:
+    """The run's exit code: the launcher's when it succeeded or no rank explained its failure; otherwise the
+    most telling rank code (bad input, then a hang, NaN, preemption), never 0 for a failed launch."""
+    if launcher_code == 0:
+        return 0
+    codes = {record["code"] for record in records.values()}
+    for code in (EXIT_USER, EXIT_HUNG, EXIT_STOPPED, EXIT_PREEMPTED):
+        if code in codes:
+            return code
+    return launcher_code

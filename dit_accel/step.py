@@ -204,12 +204,19 @@ def train_micro_step(components: Components, batch: dict) -> torch.Tensor:
     return loss.detach()
 
 
+NON_FINITE = "non-finite"  # a NaN/Inf loss or gradient on some rank: the NaN policy decides
+SCALER_OVERFLOW = "scaler-overflow"  # fp16's GradScaler skipped an overflowing step and lowered its scale
+
+
 @dataclass
 class StepResult:
     applied: bool
     loss: float  # mean over every sample of the global batch, all ranks
     grad_norm: float
     lr: float  # the lr this step used
+    skipped: str | None = None  # why the step was not applied: NON_FINITE or SCALER_OVERFLOW
+    stop_ranks: int = 0  # how many ranks were asked to stop (a preemption signal) before this step's vote
+    stop_signum: int = 0  # the signal that asked, as this rank knows it
 
 
 @dataclass
@@ -219,7 +226,8 @@ class StepCheck:
     grad_norm: torch.Tensor  # this rank's view of the global gradient norm, before clipping
     loss_mean: torch.Tensor  # this rank's mean loss over its micro-steps
     bad: torch.Tensor  # this rank saw a non-finite loss (or gradient norm)
-    stats: torch.Tensor  # over all ranks: [mean loss, number of ranks that saw a non-finite value]
+    stats: torch.Tensor  # over all ranks: [mean loss, ranks that saw a non-finite value, ranks asked to stop,
+    #                      sum of their stop signals]
 
     def all_finite(self) -> bool:
         """The step's one decision made on a value (a device sync); the same on every rank."""
@@ -230,11 +238,12 @@ def _fp16_scaled(components: Components) -> bool:
     return components.accelerator is not None and components.accelerator.scaler is not None
 
 
-def check_step(components: Components, loss_sum: torch.Tensor) -> StepCheck:
+def check_step(components: Components, loss_sum: torch.Tensor, stop_signum: int = 0) -> StepCheck:
     """Clip the gradients and agree across ranks on whether the step is finite, without reading a value.
 
     `loss_sum` is this rank's sum of micro-step mean losses. The gradient norm is measured always and the
-    gradients clipped to --grad-clip when given; one all-reduce carries the loss and the non-finite flag.
+    gradients clipped to --grad-clip when given; one all-reduce carries the loss, the non-finite flag and
+    whether this rank was asked to stop (`stop_signum`, from dit_accel.preemption): no collective of its own.
     """
     accelerator, model = components.accelerator, components.model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -251,7 +260,8 @@ def check_step(components: Components, loss_sum: torch.Tensor) -> StepCheck:
         if _fp16_scaled(components)
         else ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
     )
-    stats = torch.stack([loss_mean, bad.float()])
+    stopping = torch.full_like(loss_mean, float(stop_signum != 0))
+    stats = torch.stack([loss_mean, bad.float(), stopping, torch.full_like(loss_mean, float(stop_signum))])
     if accelerator is not None and accelerator.num_processes > 1:
         stats = accelerator.reduce(stats, reduction="sum")
         stats[0] /= accelerator.num_processes
@@ -274,20 +284,28 @@ def apply_step(components: Components) -> bool:
     return applied
 
 
-def optimizer_step(components: Components, loss_sum: torch.Tensor) -> StepResult:
+def optimizer_step(components: Components, loss_sum: torch.Tensor, stop_signum: int = 0) -> StepResult:
     """After the last micro-step: clip and vote (`check_step`), then apply the step (`apply_step`) or not.
 
     Every rank takes the same decision; a skipped step changes no weight, optimizer moment, EMA or
     lr-schedule position. The tensor work is in the two functions, which `dit-accel verify` traces on
     value-less fake tensors; the decision and the logged numbers are the only values read here.
     """
-    check = check_step(components, loss_sum)
+    check = check_step(components, loss_sum, stop_signum)
     lr = components.scheduler.get_last_lr()[0]
     if check.all_finite():
-        applied = apply_step(components)
+        skipped = None if apply_step(components) else SCALER_OVERFLOW
     else:
-        applied = False
+        skipped = NON_FINITE
         components.optimizer.zero_grad(set_to_none=True)
+    stats = check.stats.tolist()
+    stop_ranks = round(stats[2])
     return StepResult(
-        applied=applied, loss=float(check.stats[0].item()), grad_norm=float(check.grad_norm.item()), lr=lr
+        applied=skipped is None,
+        loss=float(stats[0]),
+        grad_norm=float(check.grad_norm.item()),
+        lr=lr,
+        skipped=skipped,
+        stop_ranks=stop_ranks,
+        stop_signum=stop_signum or (round(stats[3] / stop_ranks) if stop_ranks else 0),
     )

@@ -12,6 +12,8 @@ optimizer step, the NaN policy, logging, checkpoints), finish. Each part lives i
     checkpoint         commit, rotate and load checkpoints
     runlog             logs, metrics and the measured memory against the plan
     faults             test-only fault injection, installed once at start
+    preemption         a stop signal noticed at a step boundary; the rank dies with its launcher
+    watchdog           each rank's heartbeat, and the end of a rank stuck in a collective
 
 The step counter, lr schedule, EMA and logs count optimizer steps; "step 3" is the third one.
 """
@@ -25,23 +27,36 @@ from pathlib import Path
 from dit_accel.checkpoint import PLAN, TRAIN_CONFIG, Checkpointer
 from dit_accel.data.loader import build_dataset, check_data_mode, make_loader
 from dit_accel.data.order import SampleNoise, SampleOrder
-from dit_accel.distributed import check_launch, make_accelerator, set_tf32
-from dit_accel.errors import UserError, exits_cleanly
+from dit_accel.distributed import check_launch, lost_peer_message, make_accelerator, set_tf32
+from dit_accel.errors import (
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+    EXIT_USER,
+    USER_ERRORS,
+    exits_cleanly,
+    write_exit_record,
+)
 from dit_accel.faults import Faults
-from dit_accel.resume import choose_start, restore
+from dit_accel.preemption import StopRequest, die_with_parent, signal_name
+from dit_accel.resume import choose_start, claim_run_folder, restore
+from dit_accel.runlock import release_all as release_run_folder
 from dit_accel.runlog import StepLog, log, parameter_checksum, setup_logging, tracker_config
-from dit_accel.step import build_components, optimizer_step, train_micro_step
-from dit_accel.train_config import TrainConfig, parse_config, save_config
+from dit_accel.step import NON_FINITE, SCALER_OVERFLOW, build_components, optimizer_step, train_micro_step
+from dit_accel.train_config import TrainConfig, parse_config, parse_signals, save_config
+from dit_accel.watchdog import Watchdog
 from planner.planfile import read_plan
-
-EXIT_STOPPED = 3  # the run stopped itself (NaN/Inf); distinct from 2, bad input
 
 
 class TrainingStopped(Exception):
     """The run refused to go on (a non-finite step under --nan-policy abort); the message says how to resume."""
 
 
-def train(config: TrainConfig) -> int:
+class Preempted(Exception):
+    """A rank was asked to stop (dit_accel.preemption); the step is saved, the message says how to go on."""
+
+
+def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
+    stop_request = stop_request or StopRequest()
     # The plan, and everything that can be refused before a process group or a model exists.
     plan = read_plan(config.plan)
     spec = plan.spec()
@@ -57,14 +72,17 @@ def train(config: TrainConfig) -> int:
         accelerator.num_processes,
         accelerator.is_main_process,
     )
+    claim_run_folder(accelerator, config, run_dir)  # RUN/run.lock, before anything is written
     log_path = setup_logging(run_dir, rank, is_main)
     faults = Faults.from_environment(rank)
     d = plan.decision
+    watchdog = Watchdog(run_dir, rank, world_size, d.grad_accum, config.collective_timeout_s)
+    stop_request.closing.append(watchdog.stop)
 
     # The parts: data, where the run starts, model/EMA/optimizer, then the state restored into them.
     dataset = build_dataset(plan, config, spec)
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
-    start = choose_start(config, run_dir, plan, spec, world_size)
+    start = choose_start(config, run_dir, plan, spec, world_size, accelerator=accelerator)
     tf32 = set_tf32(config.tf32, accelerator.device)
     components = build_components(
         plan, config, accelerator, init=start.init, timestep_freq_shift=start.timestep_freq_shift
@@ -102,6 +120,7 @@ def train(config: TrainConfig) -> int:
         keep_last=config.keep_last,
         sidecar=sidecar(components.raw_model),  # the timestep shift travels along
         before_commit=faults.before_commit,
+        parent=start.checkpoint,  # the timeline this run continues (None: a new one)
     )
     steplog = StepLog(run_dir, plan, accelerator, components.device, config.max_steps)
     last_good = start.checkpoint
@@ -145,6 +164,7 @@ def train(config: TrainConfig) -> int:
 
     def stop(reason: str) -> TrainingStopped:
         progress.close()
+        watchdog.stop()
         accelerator.end_training()
         where = (
             f"last good checkpoint: {last_good} (resume with --resume auto)"
@@ -153,17 +173,21 @@ def train(config: TrainConfig) -> int:
         )
         return TrainingStopped(f"{reason}; {where}")
 
+    stop_request.in_loop = True
+    watchdog.start()
     while state["step"] < config.max_steps:
         step = state["step"] + 1  # the optimizer step being taken, 1-based
         loss_sum = 0.0
         for micro_step in range(d.grad_accum):
+            watchdog.at(step, micro_step)
             batch = next(batches)
             with accelerator.accumulate(components.model):
                 assert accelerator.sync_gradients == (micro_step == d.grad_accum - 1), (
                     "accumulation out of step"
                 )
                 loss_sum = loss_sum + train_micro_step(components, batch)
-        result = optimizer_step(components, loss_sum)
+        watchdog.at(step, d.grad_accum)
+        result = optimizer_step(components, loss_sum, stop_signum=stop_request.signum)  # votes on the stop
         state["step"] = step
         state["applied_steps"] += int(result.applied)
         progress.update(1)
@@ -171,8 +195,10 @@ def train(config: TrainConfig) -> int:
         if config.debug_checksums:
             log.info(f"checksum step {step} {parameter_checksum(components.raw_model)}")
 
+        if result.skipped == SCALER_OVERFLOW:  # fp16's GradScaler lowered its scale: routine, not a NaN
+            log.info(f"step {step}: fp16 gradients overflowed; the loss scaler skipped the step")
         # The NaN policy: the step was not applied on any rank; stop, or skip it (boundedly).
-        if not result.applied:
+        if result.skipped == NON_FINITE:
             state["skipped_steps"] += 1
             if config.nan_policy == "abort":
                 raise stop(
@@ -196,7 +222,19 @@ def train(config: TrainConfig) -> int:
         if step % config.checkpoint_every == 0 or step == config.max_steps:
             last_good = checkpointer.save(step, dict(state, **order.position(step)))
             log.info(f"checkpoint {last_good}")
+        if result.stop_ranks and step < config.max_steps:  # preempted: every rank saves this step, then exits
+            if step % config.checkpoint_every:
+                last_good = checkpointer.save(step, dict(state, **order.position(step)))
+            progress.close()
+            watchdog.stop()
+            accelerator.end_training()
+            by = signal_name(result.stop_signum)
+            raise Preempted(
+                f"preempted by {by} at step {step}: saved checkpoint {last_good}; exit {EXIT_PREEMPTED} "
+                f"(requeue and resume with --resume auto)"
+            )
 
+    watchdog.stop()
     progress.close()
     log.info(f"done: step {state['step']}, {state['skipped_steps']} skipped; newest checkpoint {last_good}")
     accelerator.end_training()
@@ -205,20 +243,50 @@ def train(config: TrainConfig) -> int:
 
 @exits_cleanly("dit_accel.train")
 def _main(argv) -> int:
+    if "LOCAL_RANK" in os.environ:  # a launcher's rank: end with the launcher, never train on orphaned
+        die_with_parent()
     argv = list(sys.argv[1:] if argv is None else argv)
-    config = parse_config(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        return train(config)
-    except UserError as error:
-        if int(os.environ.get("RANK", "0")) != 0:  # every rank finds the same problem; rank 0 says it once
-            log.error(str(error), extra={"file_only": True})
-            return 2
+        config = parse_config(argv)
+    except USER_ERRORS as error:
+        write_exit_record(EXIT_USER, str(error))
         raise
+    stop_request = StopRequest().install(parse_signals(config.preempt_signals))
+    try:
+        return train(config, stop_request)
+    except USER_ERRORS as error:
+        write_exit_record(EXIT_USER, str(error))
+        if rank == 0:
+            raise
+        # Set-up errors are every rank's (rank 0 says it once); one in the loop may be this rank's alone.
+        if stop_request.in_loop and not getattr(error, "on_every_rank", False):
+            print(f"dit_accel.train: [rank {rank}] error: {error}", file=sys.stderr)
+        log.error(str(error), extra={"file_only": True})
+        return EXIT_USER
     except TrainingStopped as stopped:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank stops; one says why
+        if rank == 0:  # every rank stops; one says why
             print(f"dit_accel.train: stopped: {stopped}", file=sys.stderr)
         log.error(str(stopped), extra={"file_only": True})
+        write_exit_record(EXIT_STOPPED, str(stopped))
         return EXIT_STOPPED
+    except Preempted as preempted:
+        if rank == 0:
+            print(f"dit_accel.train: {preempted}", file=sys.stderr, flush=True)
+        log.warning(str(preempted), extra={"file_only": True})
+        write_exit_record(EXIT_PREEMPTED, str(preempted))
+        return EXIT_PREEMPTED
+    except RuntimeError as error:
+        message = lost_peer_message(error, config.output_dir)  # another rank died: its error is the story
+        if message is None:
+            raise
+        print(f"dit_accel.train: [rank {rank}] {message}", file=sys.stderr)
+        log.error(message, extra={"file_only": True})
+        write_exit_record(1, message)
+        return 1
+    finally:
+        stop_request.close()
+        release_run_folder()  # RUN/run.lock; a killed run's is taken over by the next (dit_accel.runlock)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -311,7 +311,7 @@ def test_only_the_steps_decision_reads_a_value_so_fake_tensors_run_the_trainer_a
         batch = driver.fake_batch(components.spec, 2, components.device, online=False)
         for _ in range(2):
             check = train.check_step(components, train.train_micro_step(components, batch))
-            assert check.stats.shape == (2,)
+            assert check.stats.shape == (4,)  # loss, non-finite ranks, stopping ranks, signals
             assert train.apply_step(components)
         assert all(param.grad is None for param in components.model.parameters())
         assert all(state["exp_avg"].dtype == torch.float32 for state in components.optimizer.state.values())

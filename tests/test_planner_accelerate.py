@@ -22,7 +22,13 @@ CASES = {
     "zero2": dict(gpus=8, vram="40G", global_batch=256, sharding="zero2"),
     "zero3": dict(gpus=8, vram="40G", global_batch=256, sharding="zero3"),
     "multi-node": dict(
-        gpus=8, nodes=2, vram="80G", global_batch=256, main_process_ip="10.1.2.3", main_process_port=29555
+        gpus=8,
+        nodes=2,
+        vram="80G",
+        global_batch=256,
+        main_process_ip="10.1.2.3",
+        main_process_port=29555,
+        sharding="ddp",  # left to itself the planner shards here: DDP's fp32 all-reduce is slower
     ),
     "multi-node-zero3": dict(gpus=4, nodes=4, vram="24G", global_batch=256, sharding="zero3", resolution=512),
 }
@@ -162,6 +168,8 @@ def test_slurm_script_launches_one_accelerate_per_node_with_its_rank(plans, tmp_
         assert args.training_script_args == [
             "--plan",
             str(folder / "plan.json"),
+            "--resume",
+            "auto",  # a requeued job continues (planner/slurm.py)
             "--data-path",
             "/data/train",
             "--output-dir",

@@ -81,13 +81,16 @@ def _make_plan(out: Path, gpus: int, micro_batch: int, grad_accum: int, global_b
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
+    return make_workspace(tmp_path_factory.mktemp("train"))
+
+
+def make_workspace(root: Path) -> dict:
     """Demo images, a tiny VAE, the latent cache, and plans for 1 and 2 processes (global batch 8)."""
     from diffusers import AutoencoderKL
 
     from dit_accel.data.demo import write_demo_data
     from dit_accel.data.latents import ExtractConfig, extract_latents
 
-    root = tmp_path_factory.mktemp("train")
     torch.manual_seed(0)
     vae = AutoencoderKL(
         in_channels=3,
@@ -151,29 +154,26 @@ def run_in_process(argv: list[str], env: dict | None = None) -> int:
         GradientState._reset_state()
 
 
-def _launch(workspace, out: Path, *args, env=None, processes=2) -> subprocess.CompletedProcess:
+def launch_command(workspace, out: Path, *args, processes=2) -> list[str]:
+    """`accelerate launch` of the trainer on the workspace's plan and latents, as a user types it."""
     plan = workspace[f"plan{processes}"]
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(plan.parent / "accelerate_config.yaml"),
-        "--num_processes",
-        str(processes),
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    launcher += [str(plan.parent / "accelerate_config.yaml"), "--num_processes", str(processes)]
+    trainer = ["-m", "dit_accel.train", "--plan", str(plan), "--latents", str(workspace["latents"])]
+    return [
+        *launcher,
         "--main_process_port",
         "0",
-        "-m",
-        "dit_accel.train",
-        "--plan",
-        str(plan),
-        "--latents",
-        str(workspace["latents"]),
+        *trainer,
         "--output-dir",
         str(out),
         *QUIET,
         *map(str, args),
     ]
+
+
+def _launch(workspace, out: Path, *args, env=None, processes=2) -> subprocess.CompletedProcess:
+    command = launch_command(workspace, out, *args, processes=processes)
     return subprocess.run(command, env=_env(**(env or {})), capture_output=True, text=True, timeout=300)
 
 

@@ -1,0 +1,78 @@
+"""Stopping a rank cleanly when a cluster asks it to, and never outliving the process that started it.
+
+A preempting scheduler (SLURM's `--signal`, Kubernetes, a user's `kill`) sends SIGTERM or SIGUSR1 to the
+launcher or to any rank. The handler here only raises a flag: Python runs it between bytecodes, so it never
+interrupts a collective or a checkpoint being written. The flag travels in the step's existing all-reduce
+(`step.check_step`), every rank learns at the same optimizer-step boundary that some rank was asked to stop,
+and the loop saves that step and exits with `errors.EXIT_PREEMPTED`.
+
+`die_with_parent` sets Linux's parent-death signal: a rank whose launcher is SIGKILLed gets SIGTERM, and so
+saves and stops like a preempted one instead of training on, orphaned, holding its GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StopRequest:
+    """The signal this rank was asked to stop by: set by the handler, read once per step by the loop.
+
+    `install` replaces the handlers for the run's lifetime and `close` puts the old ones back and runs
+    `closing` (the watchdog's stop), so a run in a test's own process leaves nothing behind. `in_loop` tells
+    an error in the loop (one rank's bad sample: each rank says its own) from one in set-up (every rank
+    finds the same, rank 0 says it)."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.in_loop = False
+        self.closing: list = []
+        self._previous: dict = {}
+
+    def install(self, signals: tuple[signal.Signals, ...]) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        if not self.signum:  # the first signal names the stop; a second one changes nothing
+            self.signum = signum
+
+    def close(self) -> None:
+        for action in self.closing:
+            action()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(int(signum)).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent (the launcher) dies; no-op elsewhere.
+
+    Called first thing in a rank, while SIGTERM still has its default action: a launcher that is already gone
+    (died before prctl took effect) is seen by the parent pid changing, and then the rank stops itself."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died between getppid and prctl: nobody will signal us
+        os.kill(os.getpid(), sig)

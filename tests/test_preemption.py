@@ -1,0 +1,318 @@
+"""Preemption, launcher death, hangs and rank errors, with real 2-process `accelerate launch` runs over gloo
+and real signals (os.kill): what a shared cluster does to a long run.
+
+Each launched run is started once (module-scoped fixtures) and several tests read it.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_train_e2e import QUIET, _env, assert_same_state, make_workspace
+
+from dit_accel import checkpoint as ckpt
+from dit_accel.errors import EXIT_HUNG, EXIT_PREEMPTED, EXIT_USER
+
+COMMON = [*QUIET, "--no-tensorboard", "--collective-timeout-s", "60"]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """The end-to-end tests' workspace (tests/test_train_e2e.py), made once for this module."""
+    return make_workspace(tmp_path_factory.mktemp("train"))
+
+
+LONG = ["--max-steps", "1000", "--checkpoint-every", "1000"]  # stopped by a signal long before the end
+
+
+def _trainer_args(workspace, out: Path, *args, plan=None, data=None) -> list[str]:
+    plan = plan or workspace["plan2"]
+    data = data or ["--latents", workspace["latents"]]
+    return [str(a) for a in ("--plan", plan, *data, "--output-dir", out, *COMMON, *args)]
+
+
+def _wrapper(workspace, out: Path, *args, env=None, **kwargs) -> subprocess.Popen:
+    """`dit-accel train ...` (the wrapper around accelerate launch), running."""
+    command = [sys.executable, "-m", "dit_accel.cli", "train", "--main-process-port", "0"]
+    return subprocess.Popen(
+        command + _trainer_args(workspace, out, *args, **kwargs),
+        env=_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _accelerate_launch(workspace, out: Path, *args, env=None) -> subprocess.Popen:
+    plan = workspace["plan2"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(plan.parent / "accelerate_config.yaml"),
+        "--main_process_port",
+        "0",
+        "-m",
+        "dit_accel.train",
+    ]
+    return subprocess.Popen(
+        command + _trainer_args(workspace, out, *args),
+        env=_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited; only its parent's wait is missing
+
+
+def _wait_for_step(out: Path, step: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until every rank has started optimizer step `step` (their heartbeats)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        steps = []
+        for rank in (0, 1):
+            try:
+                steps.append(json.loads((out / "logs" / f"heartbeat_rank{rank}.json").read_text())["step"])
+            except (OSError, ValueError):
+                pass
+        if len(steps) == 2 and min(steps) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout_s} s")
+
+
+def _finish(process: subprocess.Popen, timeout_s: float = 120) -> tuple[int, str]:
+    _out, err = process.communicate(timeout=timeout_s)
+    return process.returncode, err
+
+
+def _stop_step(err: str) -> int:
+    line = next(line for line in err.splitlines() if "preempted by SIG" in line)
+    return int(line.split(" at step ")[1].split(":")[0])
+
+
+def _checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").exists() else []
+
+
+STOP_STEP = 3  # rank 0 sleeps in step 3's first micro-step while the signal comes: the stop is voted there
+HELD = {"DIT_ACCEL_SLEEP_BEFORE_COLLECTIVE": f"{STOP_STEP}:0:3"}
+
+
+def _wait_for_micro_step(out: Path, step: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until rank 0 is held in `step`'s first micro-step (its heartbeat)."""
+    deadline = time.monotonic() + timeout_s
+    beat = out / "logs" / "heartbeat_rank0.json"
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        try:
+            if json.loads(beat.read_text())["step"] == step:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"no step {step} within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def preempted_launcher(workspace, tmp_path_factory):
+    """`dit-accel train`, SIGTERM to its `accelerate launch` child (torch elastic forwards it to the ranks)
+    while step 3 runs; beside it, the same run straight to step 6 (checkpoints at 3 and 6)."""
+    root = tmp_path_factory.mktemp("preempt")
+    out, straight = root / "launcher", root / "straight"
+    wrapper = _wrapper(workspace, out, *LONG, env=HELD)
+    other = _wrapper(workspace, straight, "--max-steps", 2 * STOP_STEP, "--checkpoint-every", STOP_STEP)
+    _wait_for_micro_step(out, STOP_STEP, wrapper)
+    (launcher,) = _children(wrapper.pid)
+    os.kill(launcher, signal.SIGTERM)
+    code, err = _finish(wrapper)
+    assert _finish(other)[0] == 0
+    return {"out": out, "code": code, "err": err, "straight": straight}
+
+
+@pytest.mark.launched
+def test_sigterm_to_the_launcher_saves_the_step_and_exits_4(preempted_launcher):
+    code, err, out = preempted_launcher["code"], preempted_launcher["err"], preempted_launcher["out"]
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    step = _stop_step(err)
+    assert step == STOP_STEP
+    lines = [line for line in err.splitlines() if "preempted by SIG" in line]
+    assert lines == [
+        f"dit_accel.train: preempted by SIGTERM at step {step}: saved checkpoint "
+        f"{out / 'checkpoints' / f'step_{step:08d}'}; exit 4 (requeue and resume with --resume auto)"
+    ]
+    assert _checkpoints(out) == [f"step_{step:08d}"]  # exactly one, at the stop step, complete
+    assert ckpt.read_train_state(out / "checkpoints" / f"step_{step:08d}")["step"] == step
+    assert "Traceback" not in err  # the launcher's SignalException traceback is left out
+
+
+@pytest.mark.launched
+def test_a_preempted_run_resumes_bit_identically(preempted_launcher, workspace, tmp_path):
+    """Nothing is lost: the stop step's checkpoint equals a straight run's at that step, and the run resumed
+    from it to step 6 equals the straight run there."""
+    preempted, straight = preempted_launcher["out"], preempted_launcher["straight"]
+    stop, target = f"step_{STOP_STEP:08d}", f"step_{2 * STOP_STEP:08d}"
+    assert_same_state(straight / "checkpoints" / stop, preempted / "checkpoints" / stop)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(preempted / "checkpoints", resumed / "checkpoints")
+    every = ["--checkpoint-every", STOP_STEP]
+    code, err = _finish(
+        _wrapper(workspace, resumed, "--max-steps", 2 * STOP_STEP, *every, "--resume", "auto")
+    )
+    assert code == 0, err[-3000:]
+    assert_same_state(straight / "checkpoints" / target, resumed / "checkpoints" / target)
+
+
+@pytest.mark.launched
+def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(workspace, tmp_path):
+    """The signal reaches rank 1 only; the vote in the step's all-reduce stops both. Plain `accelerate
+    launch` reports any failed rank as 1; `dit-accel train` gives the ranks' 4 (tested above)."""
+    out = tmp_path / "rank1"
+    launcher = _accelerate_launch(workspace, out, *LONG)
+    _wait_for_step(out, 2, launcher)
+    ranks = sorted(_children(launcher.pid))
+    assert len(ranks) == 2
+    rank1 = next(pid for pid in ranks if "RANK=1\0" in Path(f"/proc/{pid}/environ").read_text())
+    os.kill(rank1, signal.SIGUSR1)
+    code, err = _finish(launcher)
+    assert code == 1, err[-3000:]  # what the shell sees from plain accelerate launch
+    step = _stop_step(err)
+    assert f"preempted by SIGUSR1 at step {step}" in err
+    assert _checkpoints(out) == [f"step_{step:08d}"]
+    for rank in (0, 1):
+        assert "preempted by SIGUSR1" in (out / "logs" / f"rank{rank}.log").read_text()
+
+
+@pytest.mark.launched
+def test_sigterm_to_the_wrapper_is_forwarded_and_its_exit_code_is_the_ranks(workspace, tmp_path):
+    out = tmp_path / "wrapper"
+    wrapper = _wrapper(workspace, out, *LONG)
+    _wait_for_step(out, 2, wrapper)
+    (launcher,) = _children(wrapper.pid)
+    ranks = _children(launcher)
+    os.kill(wrapper.pid, signal.SIGTERM)
+    code, err = _finish(wrapper)
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    assert _checkpoints(out) == [f"step_{_stop_step(err):08d}"]
+    assert not any(map(_alive, [launcher, *ranks]))
+
+
+@pytest.mark.launched
+def test_ranks_end_when_their_launcher_is_killed(workspace, tmp_path):
+    out = tmp_path / "orphans"
+    launcher = _accelerate_launch(workspace, out, *LONG)
+    _wait_for_step(out, 2, launcher)
+    ranks = _children(launcher.pid)
+    assert len(ranks) == 2
+    launcher.kill()  # SIGKILL: no chance to forward anything
+    launcher.communicate(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, ranks)), "ranks outlived their launcher"
+    # They ended as preempted ones do (the parent-death signal is SIGTERM): the step saved.
+    assert len(_checkpoints(out)) == 1
+
+
+@pytest.mark.launched
+def test_a_rank_stuck_before_a_collective_ends_the_run_naming_it(workspace, tmp_path):
+    out = tmp_path / "hang"
+    timeout_s = 4
+    started = time.monotonic()
+    wrapper = _wrapper(
+        workspace,
+        out,
+        *LONG,
+        "--collective-timeout-s",
+        timeout_s,
+        env={"DIT_ACCEL_SLEEP_BEFORE_COLLECTIVE": "2:1:600"},
+    )
+    code, err = _finish(wrapper)
+    took_s = time.monotonic() - started
+    assert code == EXIT_HUNG, err[-3000:]
+    assert "rank 1 stuck at step 2 for " in err and "before a collective" in err, err[-3000:]
+    assert "other ranks are at step 2" in err
+    assert took_s < 60  # set-up (about 10 s here) + the timeout + the watchdog's poll, never the 600 s sleep
+
+
+@pytest.mark.launched
+def test_a_bad_image_only_rank_1_reads_is_shown_on_the_console_and_exits_2(workspace, tmp_path):
+    from dit_accel.data.folder import list_image_folder
+    from dit_accel.data.order import SampleOrder
+
+    plan = json.loads(workspace["plan2"].read_text())
+    plan["decision"]["latents"] = "online"
+    plan_dir = tmp_path / "online_plan"
+    plan_dir.mkdir()
+    (plan_dir / "plan.json").write_text(json.dumps(plan))
+    shutil.copy(workspace["plan2"].parent / "accelerate_config.yaml", plan_dir)
+    images = tmp_path / "images"
+    shutil.copytree(workspace["images"], images)
+    listing, _ = list_image_folder(images)
+    d = plan["decision"]
+    order = SampleOrder(len(listing.paths), plan["global_batch"], d["micro_batch"], d["grad_accum"], 2, 0)
+    rank0 = {i for m in range(d["grad_accum"]) for i, _ in order.micro_batch_items(1, m, 0)}
+    firsts = {listing.labels.index(label) for label in set(listing.labels)}  # set-up decodes these
+    bad = next(i for i, _ in order.micro_batch_items(1, 0, 1) if i not in rank0 | firsts)
+    (images / listing.paths[bad]).write_bytes(b"not an image")
+
+    wrapper = _wrapper(
+        workspace,
+        tmp_path / "bad",
+        "--max-steps",
+        4,
+        plan=plan_dir / "plan.json",
+        data=["--data-path", images, "--vae", workspace["vae"]],
+    )
+    code, err = _finish(wrapper)
+    assert code == EXIT_USER, err[-3000:]
+    line = next(line for line in err.splitlines() if "cannot decode image" in line)
+    assert (
+        line.startswith("dit_accel.train: [rank 1] error: cannot decode image ")
+        and listing.paths[bad] in line
+    )
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_set_up_error_through_the_wrapper_is_one_line_and_exit_2(workspace, tmp_path, capsys):
+    from dit_accel.launch import main
+
+    code = main(["--plan", str(workspace["plan2"]), "--num-processes", "1", "--latents", "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USER and len(err) == 1
+    assert err[0].startswith("dit-accel train: error: --num-processes 1 but ") and "2 processes" in err[0]
+
+
+@pytest.mark.launched
+def test_a_user_error_in_every_rank_through_the_wrapper_is_one_line(workspace, tmp_path):
+    missing = tmp_path / "no_such_checkpoint"
+    code, err = _finish(_wrapper(workspace, tmp_path / "run", "--max-steps", 2, "--resume", missing))
+    assert code == EXIT_USER, err[-3000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(missing) in errors[0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

@@ -207,4 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     if build_parser().parse_known_args(argv)[0].print_command:
         print(shlex.join(["accelerate", "launch", *command[3:]]))
         return 0
+    check_trainer_flags(command)
     return run_launcher(command)
+
+
+def check_trainer_flags(command: list[str]) -> None:
+    """The trainer's own flag checks, here before any process starts: a bad --lr is then one line, not one
+    line per rank inside the launcher's failure report."""
+    from dit_accel.train_config import parse_config
+
+    parse_config(command[command.index("dit_accel.train") + 1 :])

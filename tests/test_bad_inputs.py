@@ -227,6 +227,9 @@ CASES = [
         "--out",
     ),
     ("calibrate steps 0", _dit_accel, ["calibrate", "--plan", "{plan}", "--steps", "0"], "--steps"),
+    # dit-accel train checks the trainer's flags before it starts the launcher: one line, not one per rank
+    ("wrapper lr nan", _dit_accel, ["train", *TRAIN, "--lr", "nan"], "--lr"),
+    ("wrapper seed -1", _dit_accel, ["train", *TRAIN, "--seed", "-1"], "--seed"),
     ("dit-plan gpus 0", _dit_plan, [*TINY[:-4], "--gpus", "0", "--out", "{out}/p"], "--gpus"),
     ("dit-plan port 99999", _dit_plan, [*TINY, "--main-process-port", "99999", "--out", "{out}/p"], "port"),
     ("dit-plan nodes -1", _dit_plan, [*TINY, "--nodes", "-1", "--out", "{out}/p"], "--nodes"),

@@ -444,6 +444,24 @@ def test_the_trainers_nan_stop():
     assert not any(c.name == "exitcode 3" for c in checks)
 
 
+def test_a_hung_rank_named_by_the_watchdog_is_the_root_cause_not_the_gloo_timeouts():
+    """The watchdog's line (dit_accel.watchdog) wins over the collective errors it leaves on other ranks."""
+    line = (
+        "rank 1 stuck at step 2 for 4 s before a collective (micro-step 1 of 2); other ranks are at step 2, "
+        "waiting for it in the collective (rank 0); ended after --collective-timeout-s 4; exit 5 (check that "
+        "rank's node and log; resume with --resume auto)"
+    )
+    text = (
+        f"dit_accel.train: [rank 0] {line}\n"
+        "[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
+        + failure_block(failure_entry(0, 0, 5, 99), failure_entry(1, 1, 5, 100))
+    )
+    checks = diagnose(text)
+    assert checks[1].name == "rank 1 hung" and "stuck at step 2" in checks[1].reason, checks
+    assert "exit code 5" in checks[1].reason and "logs/rank1.log" in checks[1].fix
+    assert [c.name for c in checks] == ["failed ranks", "rank 1 hung"]  # nothing blames the lost gloo peer
+
+
 def test_a_bad_image_in_a_ranks_own_log_names_the_rank_and_the_file(tmp_path, capsys):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

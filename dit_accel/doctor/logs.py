@@ -437,6 +437,10 @@ _DISK_FULL = re.compile(
     r"(?P<line>dit_accel\.train: error: no space left on [^\n]*)"
     r"|(?P<raw>\w*Error: \[Errno 28\] No space left on device[^\n]*)"
 )
+_HUNG = re.compile(
+    r"dit_accel\.train: \[rank \d+\] (?P<line>rank (?P<rank>\d+) stuck at step (?P<step>\d+) [^\n]*"
+    r"--collective-timeout-s[^\n]*)"
+)
 _NAN_STOP = re.compile(r"dit_accel\.train: stopped: (?P<line>[^\n]*non-finite loss or gradient[^\n]*)")
 _USER_ERROR = re.compile(
     r"^(?P<line>(?:dit_accel\.train|dit-accel [\w-]+|dit-plan): error: [^\n]*)", re.MULTILINE
@@ -499,6 +503,20 @@ def find_disk_full(text: str) -> Check | None:
     )
 
 
+def find_hang(text: str) -> Check | None:
+    """The trainer's watchdog ended a rank stuck in (or before) a collective: that rank is the story."""
+    match = _HUNG.search(text)
+    if not match:
+        return None
+    return failed(
+        GROUP,
+        f"rank {match['rank']} hung",
+        f"the watchdog ended the run (exit code 5): {match['line'].strip()[:300]}",
+        f"read logs/rank{match['rank']}.log and that node's health (a stuck GPU, a slow file system, a "
+        "dead NIC), then resume with --resume auto; raise --collective-timeout-s if its steps are just slow",
+    )
+
+
 def find_nan_stop(text: str) -> Check | None:
     match = _NAN_STOP.search(text)
     if not match:
@@ -549,7 +567,7 @@ def find_user_error(text: str) -> Check | None:
 
 def find_causes(raw: str, text: str, failures: list[RankFailure]) -> list[Check]:
     """The run's own explanation of why it stopped: these win over every rank's collateral errors."""
-    first = find_disk_full(text) or find_preemption(text) or find_nan_stop(text)
+    first = find_disk_full(text) or find_preemption(text) or find_hang(text) or find_nan_stop(text)
     causes = [found for found in (first, find_bad_image(raw)) if found]
     if not causes and not any(f.exitcode == 2 for f in failures):  # exit 2 rows quote the line themselves
         causes = [found for found in (find_user_error(text),) if found]

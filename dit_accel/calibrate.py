@@ -9,6 +9,7 @@ result is a calibration file that `dit-plan --calibration FILE` reads in place o
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import time
@@ -152,6 +153,35 @@ def fit_calibration(
     }
 
 
+def planner_mfu(
+    spec, decision, preset, images_per_s: float, half_efficiency_tokens: int | None
+) -> float | None:
+    """The MFU with which the planner's own model (`planner.search.estimate_throughput`: its FLOP count,
+    small-batch efficiency, VAE rate and fixed per-step cost) gives back the measured images/s for this
+    decision on one GPU of this kind: what `dit-plan --calibration` must assume to predict what was measured.
+    Found by bisection, since the rate rises with the MFU; 1.0 where even that is slower than measured."""
+    if preset is None or images_per_s <= 0:
+        return None
+    from planner.hardware import Assumptions
+    from planner.memory import Cluster
+    from planner.search import estimate_throughput
+
+    key = "mfu_fp32" if decision.precision == "fp32" else "mfu_mixed"
+    extra = {"half_efficiency_tokens": half_efficiency_tokens} if half_efficiency_tokens else {}
+    cluster = Cluster(nodes=1, gpus_per_node=1, vram_bytes=preset.memory_bytes, gpu=preset)
+
+    def rate(mfu: float) -> float:
+        return estimate_throughput(spec, decision, cluster, Assumptions(**{key: mfu}, **extra)).images_per_s
+
+    low, high = 1e-6, 1.0
+    if rate(high) <= images_per_s:
+        return high
+    for _ in range(80):
+        middle = (low + high) / 2
+        low, high = (middle, high) if rate(middle) < images_per_s else (low, middle)
+    return (low + high) / 2
+
+
 def planner_assumptions(fitted: dict, precision: str) -> dict:
     """The subset of planner.hardware.CALIBRATABLE this calibration measured, in the planner's units."""
     # the planner's fragmentation is reserved beyond allocated, a fraction it requires to be below 1
@@ -160,8 +190,8 @@ def planner_assumptions(fitted: dict, precision: str) -> dict:
         # cudaMemGetInfo cannot split the context from cuBLAS workspaces: all of it is the context here
         out["cuda_context_bytes"] = fitted["outside_allocator_bytes"]
         out["cublas_workspace_bytes"] = 0
-    if fitted["mfu"]:
-        out["mfu_fp32" if precision == "fp32" else "mfu_mixed"] = min(1.0, fitted["mfu"])
+    if fitted.get("planner_mfu"):
+        out["mfu_fp32" if precision == "fp32" else "mfu_mixed"] = fitted["planner_mfu"]
     if fitted["half_efficiency_tokens"] is not None:
         out["half_efficiency_tokens"] = fitted["half_efficiency_tokens"]
     return out
@@ -331,6 +361,16 @@ def calibrate(
     preset = gpu.get("_preset")
     peak = preset.matmul_peak_flops(decision.precision) if preset else None
     fitted = fit_calibration(fitted_points, step_flops_per_image, peak, spec.tokens)
+    largest_fitted = fitted_points[-1]
+    fitted["planner_mfu"] = planner_mfu(
+        spec,
+        dataclasses.replace(
+            decision, micro_batch=largest_fitted.micro_batch, grad_accum=largest_fitted.grad_accum
+        ),
+        preset,
+        largest_fitted.images_per_s,
+        fitted["half_efficiency_tokens"],
+    )
     planned_micro_batch = decision.micro_batch
     return {
         "schema": SCHEMA,

@@ -98,9 +98,9 @@ def test_measured_figures_replace_the_assumed_ones_and_are_recorded(tmp_path, ca
     assumed = plan["assumptions"]
     assert assumed["cuda_context_bytes"] == CONTEXT and assumed["cublas_workspace_bytes"] == 0
     assert assumed["fragmentation"] == pytest.approx(RESERVED_RATIO - 1)
-    assert assumed["mfu_mixed"] == pytest.approx(written["fit"]["mfu"]) != Assumptions().mfu_mixed
+    assert assumed["mfu_mixed"] == pytest.approx(written["fit"]["planner_mfu"]) != Assumptions().mfu_mixed
     assert assumed["half_efficiency_tokens"] == HALF_TOKENS
-    assert plan["throughput"]["assumed_mfu"] == pytest.approx(written["fit"]["mfu"])
+    assert plan["throughput"]["assumed_mfu"] == pytest.approx(written["fit"]["planner_mfu"])
     # the overhead at the peak is the measured context + NCCL (assumed) + measured fragmentation
     memory = plan["memory"]
     allocated = memory["peak_bytes"] - memory["overhead"]

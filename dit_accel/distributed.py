@@ -66,6 +66,20 @@ def fsdp_plugin_for(plan: Plan, plan_path: str, env: dict | None = None):
     return plugin
 
 
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def use_expandable_segments(env) -> bool:
+    """Let the CUDA caching allocator grow segments in place (`expandable_segments`), unless the user set
+    PYTORCH_CUDA_ALLOC_CONF themselves: a long run's reserved memory then stays close to what it allocates,
+    where fixed-size segments fragment and runs die of OOM on reserved bytes. Returns whether it was set."""
+    if env.get(ALLOCATOR_ENV):
+        return False
+    env[ALLOCATOR_ENV] = EXPANDABLE_SEGMENTS
+    return True
+
+
 def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
     """The Accelerator the plan describes; on a machine without CUDA the same config runs on the CPU.
 
@@ -84,6 +98,8 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
     from planner.rules import PRECISIONS
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        use_expandable_segments(os.environ)  # before the first CUDA allocation
     mixed_precision = PRECISIONS[
         resolve_precision(plan.decision.precision, device_type)
     ].accelerate_mixed_precision

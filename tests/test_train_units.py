@@ -337,3 +337,14 @@ def test_optimizer_step_applies_a_finite_step_and_leaves_everything_as_it_was_on
     for old, new in zip(before[:3], after[:3]):
         assert len(old) == len(new) > 0 and all(torch.equal(a, b) for a, b in zip(old, new))
     assert all(p.grad is None for p in components.model.parameters())
+
+
+def test_cuda_runs_use_expandable_segments_unless_the_user_chose_an_allocator_config():
+    from dit_accel.distributed import ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, use_expandable_segments
+
+    env = {}
+    assert use_expandable_segments(env) is True and env == {ALLOCATOR_ENV: EXPANDABLE_SEGMENTS}
+    mine = {ALLOCATOR_ENV: "max_split_size_mb:512"}
+    assert use_expandable_segments(mine) is False and mine == {ALLOCATOR_ENV: "max_split_size_mb:512"}
+    empty = {ALLOCATOR_ENV: ""}  # set but empty: nothing chosen
+    assert use_expandable_segments(empty) is True and empty[ALLOCATOR_ENV] == EXPANDABLE_SEGMENTS

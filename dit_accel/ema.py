@@ -18,13 +18,25 @@ import torch
 from torch import nn
 
 
+def initial_weight_share(decay: float, warmup: bool, updates: int) -> float:
+    """How much of the EMA is still the weights it started from after `updates` updates: decay^n for the
+    constant decay (0.9999^325 = 0.968: a short run's EMA is nearly its initialisation), 0 with warm-up
+    (its first update copies the weights)."""
+    if warmup and updates > 0:
+        return 0.0
+    return decay**updates
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class EMA:
-    def __init__(self, model: nn.Module, decay: float = 0.9999):
-        self.decay = decay
+    def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = False):
+        self.decay, self.warmup = decay, warmup
+        self.updates = (
+            0  # updates the shadow has had; a resumed run sets it from the checkpoint's applied steps
+        )
         self.shadow: dict[str, torch.Tensor] = {}  # this rank's fp32 shard (the whole tensor when unsharded)
         self.layout: dict[
             str, torch.Tensor
@@ -40,6 +52,14 @@ class EMA:
     def sharded(self) -> bool:
         return bool(self.layout)
 
+    def current_decay(self) -> float:
+        """The decay of the next update: constant (the DiT recipe), or with warm-up diffusers' EMAModel ramp
+        (inv_gamma 1, power 2/3), 1 - (1 + n)^(-2/3) after n updates, capped at `decay`: the first update
+        copies the weights and a short run's EMA already follows them."""
+        if not self.warmup:
+            return self.decay
+        return min(self.decay, 1.0 - (1.0 + self.updates) ** (-2.0 / 3.0))
+
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """shadow <- decay * shadow + (1 - decay) * param, for every trainable parameter (shard by shard)."""
@@ -48,7 +68,8 @@ class EMA:
             if name in self.shadow:
                 shadows.append(self.shadow[name])
                 params.append(_local(param.detach()).to(torch.float32))
-        torch._foreach_lerp_(shadows, params, 1.0 - self.decay)
+        torch._foreach_lerp_(shadows, params, 1.0 - self.current_decay())
+        self.updates += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 tensors by parameter name. Sharded: gathered, a collective that EVERY rank must call."""

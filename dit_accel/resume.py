@@ -179,6 +179,8 @@ def restore(start: Start, accelerator, components, dataset_size: int, seed: int)
         set_seed(seed + accelerator.process_index)  # anything not keyed per sample
         return state
     state.update(ckpt.load_checkpoint(accelerator, start.checkpoint, ema=components.ema))
+    if components.ema is not None:
+        components.ema.updates = state.get("applied_steps", state["step"])  # one EMA update per applied step
     for change in apply_recipe_changes(components, start.checkpoint, state["step"] + 1):
         log.info(change)
     if state.get("dataset_size") != dataset_size:
@@ -216,7 +218,15 @@ def apply_recipe_changes(components, checkpoint: Path, first_step: int) -> list[
         if found[name] != wanted[name]
     ]
     saved = ckpt.read_train_config(checkpoint)
-    for name in ("grad_clip", "ema_decay", "class_dropout", "nan_policy", "max_skipped_steps", "seed"):
+    for name in (
+        "grad_clip",
+        "ema_decay",
+        "ema_warmup",
+        "class_dropout",
+        "nan_policy",
+        "max_skipped_steps",
+        "seed",
+    ):
         if name in saved and saved[name] != getattr(config, name):  # read live from the config
             changes.append(
                 f"--{name.replace('_', '-')} changed on resume: {_shown(saved[name])} -> "

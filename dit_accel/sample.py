@@ -250,7 +250,36 @@ def load_source(path: str | os.PathLike, use_ema: bool = True, device: torch.dev
         if info["weights"] != "diffusers" and config_path.is_file()
         else {}
     )
+    if info["weights"] == "ema":
+        warn_if_ema_is_mostly_initial(Path(info["checkpoint"]), train_config)
     return Source(model, spec, info, train_config)
+
+
+EMA_INITIAL_SHARE_WARNING = 0.1  # above this share of its initial weights, EMA samples look untrained
+
+
+def warn_if_ema_is_mostly_initial(checkpoint: Path, train_config: dict) -> float | None:
+    """Say so when the EMA has seen too few updates to differ from the weights it started from (the
+    recipe's 0.9999 needs ~23k updates to forget 90% of them): such a grid is noise from an untrained
+    network, not a sign of a broken run. Returns the share, or None when the checkpoint does not tell."""
+    from dit_accel import checkpoint as ckpt
+    from dit_accel.ema import initial_weight_share
+
+    try:
+        state = ckpt.read_train_state(checkpoint)
+    except (OSError, ValueError):
+        return None
+    updates = int(state.get("applied_steps", state.get("step", 0)))
+    decay = float(train_config.get("ema_decay", 0.9999))
+    share = initial_weight_share(decay, bool(train_config.get("ema_warmup", False)), updates)
+    if share > EMA_INITIAL_SHARE_WARNING:
+        print(
+            f"dit-accel sample: warning: the EMA weights are still {share:.0%} their initial weights "
+            f"({updates} updates at decay {decay:g}), so samples will look untrained; sample the trained "
+            f"weights with --no-ema, train longer, or train with --ema-warmup",
+            file=sys.stderr,
+        )
+    return share
 
 
 def default_vae_path(source: Source) -> str | None:

@@ -132,7 +132,7 @@ def build_components(
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         autocast_dtype = compute_dtype(precision)
     raw = accelerator.unwrap_model(model) if accelerator is not None else model
-    ema = EMA(raw, config.ema_decay) if decision.ema else None
+    ema = EMA(raw, config.ema_decay, warmup=config.ema_warmup) if decision.ema else None
     vae, latent_shift_scale = None, (0.0, 1.0)
     if decision.latents == "online":
         vae, latent_shift_scale = load_vae(config.vae, device)

@@ -85,6 +85,13 @@ class TrainConfig:
         default=None, metadata={"help": "clip the gradient norm to this value (DiT: off)"}
     )
     ema_decay: float = field(default=0.9999, metadata={"help": "EMA decay per optimizer step, kept in fp32"})
+    ema_warmup: bool = field(
+        default=False,
+        metadata={
+            "help": "ramp the EMA decay up as diffusers' EMAModel warm-up does, min(decay, 1 - (1 + n)^(-2/3)) "
+            "after n updates (off: the DiT recipe's constant decay)"
+        },
+    )
     class_dropout: float = field(
         default=0.1, metadata={"help": "probability of replacing a label by the null class (for guidance)"}
     )

@@ -217,6 +217,27 @@ def assert_same_state(
 # --- one process, in-process -------------------------------------------------------------------------------
 
 
+def test_a_resumed_ema_warmup_continues_its_ramp_exactly(workspace, tmp_path):
+    """The warm-up's position is the number of EMA updates, restored from the checkpoint's applied steps."""
+    common = ["--plan", workspace["plan1"], "--latents", workspace["latents"], *QUIET, "--no-tensorboard"]
+    common += ["--checkpoint-every", 2, "--ema-warmup"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_in_process([*common, "--max-steps", 4, "--output-dir", straight]) == 0
+    assert run_in_process([*common, "--max-steps", 2, "--output-dir", resumed]) == 0
+    assert run_in_process([*common, "--max-steps", 4, "--output-dir", resumed, "--resume", "auto"]) == 0
+    final = "checkpoints/step_00000004"
+    assert_same_state(straight / final, resumed / final)
+    ema = load_file(str(straight / final / ckpt.EMA_WEIGHTS))
+    weights = load_file(str(straight / final / ckpt.MODEL_WEIGHTS))
+    # 4 updates with warm-up: the EMA follows the weights closely, where 0.9999 would barely have moved
+    worst = max((ema[k] - weights[k]).abs().max().item() for k in ema)
+    start = {
+        k: v for k, v in load_file(str(straight / "checkpoints/step_00000002" / ckpt.MODEL_WEIGHTS)).items()
+    }
+    moved = max((weights[k] - start[k]).abs().max().item() for k in weights)
+    assert worst < moved
+
+
 def test_exact_resume_one_process_and_a_killed_checkpoint_is_never_loaded(workspace, tmp_path):
     common = [
         "--plan",

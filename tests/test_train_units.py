@@ -1,5 +1,6 @@
 """The trainer's pure parts, in-process and fast: data order, per-sample randomness, config, lr, EMA."""
 
+import json
 import math
 import random
 
@@ -194,6 +195,38 @@ def test_ema_is_fp32_and_follows_the_decay():
     target = nn.Linear(3, 1)
     ema.copy_to(target)
     assert torch.equal(target.weight, ema.shadow["weight"])
+
+
+def test_ema_warmup_copies_first_then_ramps_to_the_decay_as_diffusers_does():
+    model = nn.Linear(3, 1)
+    ema = EMA(model, decay=0.9, warmup=True)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert ema.current_decay() == 0.0
+    ema.update(model)
+    assert torch.equal(ema.shadow["weight"], model.weight)  # the first update copies the weights
+    decays = []
+    for _ in range(40):
+        decays.append(ema.current_decay())
+        ema.update(model)
+    ramp = [min(0.9, 1 - (1 + n) ** (-2 / 3)) for n in range(1, 41)]
+    assert decays == pytest.approx(ramp) and decays[0] < decays[5] < decays[-1] == 0.9  # capped
+    assert ema.updates == 41
+    assert EMA(model, decay=0.9).current_decay() == 0.9  # without warm-up: the recipe's constant
+
+
+def test_sample_warns_when_the_ema_is_still_mostly_its_initial_weights(tmp_path, capsys):
+    from dit_accel.sample import warn_if_ema_is_mostly_initial
+
+    (tmp_path / "train_state.json").write_text(json.dumps({"step": 325, "applied_steps": 325}))
+    share = warn_if_ema_is_mostly_initial(tmp_path, {"ema_decay": 0.9999})
+    assert share == pytest.approx(0.9999**325) and share > 0.96
+    err = capsys.readouterr().err
+    assert "still 97% their initial weights" in err and "--no-ema" in err and len(err.splitlines()) == 1
+    assert warn_if_ema_is_mostly_initial(tmp_path, {"ema_decay": 0.9}) < 0.1  # 0.9^325: trained
+    assert warn_if_ema_is_mostly_initial(tmp_path, {"ema_decay": 0.9999, "ema_warmup": True}) == 0.0
+    assert capsys.readouterr().err == ""
+    assert warn_if_ema_is_mostly_initial(tmp_path / "nowhere", {}) is None  # no train_state: says nothing
 
 
 def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):

@@ -138,9 +138,36 @@ def mfu_entry(family: str | None, mode: str) -> MFUEntry:
     raise PlanError(f"presets/mfu.yaml: the fallbacks of {family}/{mode} go round in a circle")
 
 
+# A name that is more than one card: the memory differs, so the planner will not pick one silently.
+AMBIGUOUS_GPUS = {"a100": ("a100-40g", "a100-80g"), "v100": ("v100-16g", "v100-32g")}
+# Accelerators dit-plan has no presets for: say so rather than suggest a near-miss NVIDIA name.
+UNSUPPORTED_GPUS = (
+    "mi100",
+    "mi210",
+    "mi250",
+    "mi250x",
+    "mi300",
+    "mi300a",
+    "mi300x",
+    "mi325x",
+    "gaudi",
+    "tpu",
+)
+
+
 def gpu_preset(name: str) -> GPUPreset:
     """A preset by name or alias, case-insensitively; unknown names suggest the closest known one."""
     key = name.strip().lower()
+    if key in AMBIGUOUS_GPUS:
+        raise PlanError(
+            f"--gpu {name} is ambiguous: the {' and '.join(AMBIGUOUS_GPUS[key])} differ in memory",
+            f"pass --gpu {' or --gpu '.join(AMBIGUOUS_GPUS[key])}",
+        )
+    if key.removeprefix("amd-").removeprefix("instinct-") in UNSUPPORTED_GPUS:
+        raise PlanError(
+            f"--gpu {name} has no preset: dit-plan's presets and MFU table are NVIDIA GPUs only",
+            "plan by memory alone with --vram SIZE (and --assume mfu_mixed=... for the throughput)",
+        )
     presets = gpu_presets()
     for preset in presets.values():
         if key == preset.name or key in preset.aliases:

@@ -250,12 +250,16 @@ def load_source(path: str | os.PathLike, use_ema: bool = True, device: torch.dev
         if info["weights"] != "diffusers" and config_path.is_file()
         else {}
     )
-    if info["weights"] == "ema":
-        warn_if_ema_is_mostly_initial(Path(info["checkpoint"]), train_config)
     return Source(model, spec, info, train_config)
 
 
 EMA_INITIAL_SHARE_WARNING = 0.1  # above this share of its initial weights, EMA samples look untrained
+
+
+def warn_about_the_ema(source: Source) -> None:
+    """Once the request is known to be good, just before sampling starts."""
+    if source.info["weights"] == "ema":
+        warn_if_ema_is_mostly_initial(Path(source.info["checkpoint"]), source.train_config)
 
 
 def warn_if_ema_is_mostly_initial(checkpoint: Path, train_config: dict) -> float | None:
@@ -393,11 +397,12 @@ def sample_images(
     settings: SampleSettings,
     spacing: str | None = None,
     device="cpu",
+    progress: bool = False,
 ) -> np.ndarray:
-    """(N, H, W, 3) uint8 images for one batch."""
+    """(N, H, W, 3) uint8 images for one batch; `progress` shows its denoising steps on stderr."""
     from dit_accel.images import to_uint8_nhwc
 
-    latents = sample_latents(model, spec, labels, indices, settings, spacing, device)
+    latents = sample_latents(model, spec, labels, indices, settings, spacing, device, progress=progress)
     return to_uint8_nhwc(decoder(latents))
 
 
@@ -520,8 +525,13 @@ def sample_grid(args) -> int:
     decoder = load_decoder(source.spec, args.vae or default_vae_path(source), device)
     settings = _settings(args, default_cfg=4.0)
     labels = grid_labels(_classes(args, source.spec, for_grid=True), args.per_class)
+    warn_about_the_ema(source)
+    from tqdm.auto import tqdm
+
     batches = []
-    for start in range(0, len(labels), args.batch_size):
+    starts = range(0, len(labels), args.batch_size)
+    # a grid on a CPU takes minutes: the batches and each one's denoising steps show on stderr
+    for start in tqdm(starts, desc=f"grid of {len(labels)}", unit="batch", file=sys.stderr):
         indices = range(start, min(start + args.batch_size, len(labels)))
         batches.append(
             sample_images(
@@ -533,6 +543,7 @@ def sample_grid(args) -> int:
                 settings,
                 args.spacing,
                 device,
+                progress=True,
             )
         )
     images = np.concatenate(batches)
@@ -582,6 +593,7 @@ def sample_eval_batch(args) -> int:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         job.check_or_write_settings(fingerprint, write=True)
+        warn_about_the_ema(source)
     accelerator.wait_for_everyone()
 
     mine = job.batches_for_rank(accelerator.process_index, accelerator.num_processes)

@@ -214,7 +214,10 @@ def test_grid_and_singles_are_written_and_deterministic(run, tmp_path, capsys):
         "4",
     ]  # no --vae: the run's latent cache names it
     assert sample_main([*common, "--seed", "1", "--out", tmp_path / "a" / "grid.png"]) == 0
-    assert "ddpm 6 steps, cfg 4.0, model weights" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "ddpm 6 steps, cfg 4.0, model weights" in captured.out
+    assert "grid of 6" in captured.err and "2/2" in captured.err  # progress: 6 samples in 2 batches
+    assert "sampling" in captured.err  # and each batch's denoising steps
     singles = sorted((tmp_path / "a" / "grid_images").iterdir())
     assert [p.name for p in singles] == [
         "000000_class0.png",

@@ -96,7 +96,9 @@ def test_presets_carry_datasheet_rates_and_sources():
     for preset in presets.values():
         assert preset.source and preset.memory_bytes > 10 * GiB
         assert preset.peak_flops["fp16"] >= preset.peak_flops["fp32"]
-    assert gpu_preset("A100").name == "a100-40g" and gpu_preset("4090").name == "rtx4090"
+    assert gpu_preset("A100-40GB").name == "a100-40g" and gpu_preset("4090").name == "rtx4090"
+    with pytest.raises(PlanError, match="ambiguous"):  # two cards of different memory: never a silent pick
+        gpu_preset("A100")
     assert gpu_preset("a100-80g").matmul_peak_flops("bf16") == 312e12
     assert gpu_preset("a100-80g").matmul_peak_flops("fp32") == 156e12  # TF32
     assert gpu_preset("v100-32g").matmul_peak_flops("fp32") == 15.7e12  # no TF32 on Volta

@@ -162,10 +162,13 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         file=sys.stderr,
     )
 
-    def stop(reason: str) -> TrainingStopped:
+    def finish() -> None:  # every way out of the loop: done, stopped or preempted
         progress.close()
         watchdog.stop()
         accelerator.end_training()
+
+    def stop(reason: str) -> TrainingStopped:
+        finish()
         where = (
             f"last good checkpoint: {last_good} (resume with --resume auto)"
             if last_good
@@ -219,25 +222,19 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         if step % config.log_every == 0 or step == config.max_steps:
             loss = steplog.write(step, result, state["skipped_steps"])
             progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        if step % config.checkpoint_every == 0 or step == config.max_steps:
+        preempted = bool(result.stop_ranks) and step < config.max_steps  # every rank saves this step, exits
+        if preempted or step % config.checkpoint_every == 0 or step == config.max_steps:
             last_good = checkpointer.save(step, dict(state, **order.position(step)))
             log.info(f"checkpoint {last_good}")
-        if result.stop_ranks and step < config.max_steps:  # preempted: every rank saves this step, then exits
-            if step % config.checkpoint_every:
-                last_good = checkpointer.save(step, dict(state, **order.position(step)))
-            progress.close()
-            watchdog.stop()
-            accelerator.end_training()
-            by = signal_name(result.stop_signum)
+        if preempted:
+            finish()
             raise Preempted(
-                f"preempted by {by} at step {step}: saved checkpoint {last_good}; exit {EXIT_PREEMPTED} "
-                f"(requeue and resume with --resume auto)"
+                f"preempted by {signal_name(result.stop_signum)} at step {step}: saved checkpoint {last_good}; "
+                f"exit {EXIT_PREEMPTED} (requeue and resume with --resume auto)"
             )
 
-    watchdog.stop()
-    progress.close()
     log.info(f"done: step {state['step']}, {state['skipped_steps']} skipped; newest checkpoint {last_good}")
-    accelerator.end_training()
+    finish()
     return 0
 
 

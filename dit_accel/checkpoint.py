@@ -144,16 +144,17 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
                 "resume from an older checkpoint (--resume auto skips damaged ones) or restore the file",
             )
         return checkpoint
-    line = current_lineage(output_dir)
-    for node in line:
+    newest_problem = None
+    for node in current_lineage(output_dir):
         problem = lineage.damage(node.path)
         if problem is None:
             return node.path
         log.warning(f"--resume auto skips damaged checkpoint {node.path.name}: {problem}")
-    if line:  # never start over at step 0 silently in a folder of damaged checkpoints
+        newest_problem = newest_problem or problem
+    if newest_problem:  # never start over at step 0 silently in a folder of damaged checkpoints
         raise UserError(
             f"every checkpoint of the current timeline in {checkpoints_dir(output_dir)} is damaged (newest: "
-            f"{lineage.damage(line[0].path)})",
+            f"{newest_problem})",
             "restore the files, pass --resume PATH to another checkpoint, or use another --output-dir",
         )
     return None
@@ -423,13 +424,14 @@ class Checkpointer:
             self.accelerator, self.run_dir, step, train_state=train_state, parent=self.parent, **self.settings
         )
         self.parent = marker_id(final)
-        abandoned = [path.name for path in abandoned_checkpoints(self.run_dir)]
-        if abandoned and abandoned != self._abandoned_logged and self.accelerator.is_main_process:
-            log.info(
-                f"kept {len(abandoned)} checkpoints of abandoned branches (not on this run's timeline; delete "
-                f"them when no longer needed): {', '.join(abandoned)}"
-            )
-        self._abandoned_logged = abandoned
+        if self.accelerator.is_main_process:  # the one that logs reads the markers; the others need not
+            abandoned = [path.name for path in abandoned_checkpoints(self.run_dir)]
+            if abandoned and abandoned != self._abandoned_logged:
+                log.info(
+                    f"kept {len(abandoned)} checkpoints of abandoned branches (not on this run's timeline; "
+                    f"delete them when no longer needed): {', '.join(abandoned)}"
+                )
+            self._abandoned_logged = abandoned
         return final
 
 

@@ -105,14 +105,19 @@ def hash_file(path: Path, sync: bool = False) -> dict:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def build_manifest(folder: Path) -> dict:
-    """{relative path: {bytes, sha256}} of every file under `folder`, each fsynced on the way. Files are
-    hashed in parallel threads (hashlib releases the GIL): a DiT-XL/2 checkpoint is about 11 GB."""
+def hash_files(paths: list[Path], sync: bool = False) -> list[dict]:
+    """`hash_file` of each path, in parallel threads (hashlib releases the GIL): a DiT-XL/2 checkpoint is
+    about 11 GB, written and verified on the main process while the other ranks wait."""
     from concurrent.futures import ThreadPoolExecutor
 
-    paths = sorted(Path(root) / name for root, _dirs, files in os.walk(folder) for name in files)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        hashed = list(pool.map(lambda path: hash_file(path, sync=True), paths))
+        return list(pool.map(lambda path: hash_file(path, sync=sync), paths))
+
+
+def build_manifest(folder: Path) -> dict:
+    """{relative path: {bytes, sha256}} of every file under `folder`, each fsynced on the way."""
+    paths = sorted(Path(root) / name for root, _dirs, files in os.walk(folder) for name in files)
+    hashed = hash_files(paths, sync=True)
     return {path.relative_to(folder).as_posix(): entry for path, entry in zip(paths, hashed)}
 
 
@@ -131,13 +136,9 @@ def damage(folder: Path) -> str | None:
             return (
                 f"{path} has {size:,} bytes, its manifest says {expected['bytes']:,} (truncated or replaced)"
             )
-    from concurrent.futures import ThreadPoolExecutor
-
     names = sorted(manifest)
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(lambda name: hash_file(folder / name)["sha256"], names))
-    for name, digest in zip(names, digests):
-        if digest != manifest[name]["sha256"]:
+    for name, found in zip(names, hash_files([folder / name for name in names])):
+        if found["sha256"] != manifest[name]["sha256"]:
             return f"{folder / name} does not match its sha256 in {folder / MARKER} (corrupted or edited)"
     return None
 

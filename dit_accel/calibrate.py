@@ -156,30 +156,23 @@ def fit_calibration(
 def planner_mfu(
     spec, decision, preset, images_per_s: float, half_efficiency_tokens: int | None
 ) -> float | None:
-    """The MFU with which the planner's own model (`planner.search.estimate_throughput`: its FLOP count,
-    small-batch efficiency, VAE rate and fixed per-step cost) gives back the measured images/s for this
-    decision on one GPU of this kind: what `dit-plan --calibration` must assume to predict what was measured.
-    Found by bisection, since the rate rises with the MFU; 1.0 where even that is slower than measured."""
+    """The MFU with which the planner's own model (its FLOP count, small-batch efficiency, VAE rate and fixed
+    per-step cost) gives back the measured images/s for this decision on one GPU of this kind: what
+    `dit-plan --calibration` must assume to predict what was measured (`planner.search.implied_mfu`, the
+    model's inverse). At most 1.0, also where even that would be slower than measured."""
     if preset is None or images_per_s <= 0:
         return None
+    from planner.errors import PlanError
     from planner.hardware import Assumptions
     from planner.memory import Cluster
-    from planner.search import estimate_throughput
+    from planner.search import implied_mfu
 
-    key = "mfu_fp32" if decision.precision == "fp32" else "mfu_mixed"
     extra = {"half_efficiency_tokens": half_efficiency_tokens} if half_efficiency_tokens else {}
     cluster = Cluster(nodes=1, gpus_per_node=1, vram_bytes=preset.memory_bytes, gpu=preset)
-
-    def rate(mfu: float) -> float:
-        return estimate_throughput(spec, decision, cluster, Assumptions(**{key: mfu}, **extra)).images_per_s
-
-    low, high = 1e-6, 1.0
-    if rate(high) <= images_per_s:
-        return high
-    for _ in range(80):
-        middle = (low + high) / 2
-        low, high = (middle, high) if rate(middle) < images_per_s else (low, middle)
-    return (low + high) / 2
+    try:
+        return min(1.0, implied_mfu(spec, decision, cluster, Assumptions(**extra), images_per_s))
+    except PlanError:  # faster than the fixed per-step cost alone allows
+        return 1.0
 
 
 def planner_assumptions(fitted: dict, precision: str) -> dict:

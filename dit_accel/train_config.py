@@ -201,16 +201,12 @@ class TrainConfig:
                 raise UserError(
                     f"--{_flag(name)} {value}: {existing} is a file, not a folder", "pass a folder"
                 )
-        if self.max_bad_images < 0:
-            raise UserError(
-                f"--max-bad-images must not be negative, got {self.max_bad_images}", "pass 0 or more"
-            )
         if self.skip_bad_images and not self.data_path:
             raise UserError(
                 "--skip-bad-images is for an image folder (--data-path)",
                 "drop it: a latent cache holds only images that decoded (extract-latents has its own flag)",
             )
-        for name in ("warmup_steps", "num_workers", "max_skipped_steps"):
+        for name in ("warmup_steps", "num_workers", "max_skipped_steps", "max_bad_images"):
             if (getattr(self, name) or 0) < 0:
                 raise UserError(
                     f"--{_flag(name)} must not be negative, got {getattr(self, name)}", "pass 0 or more"

@@ -285,6 +285,7 @@ def test_a_second_run_into_the_same_folder_is_refused(workspace, tmp_path):
     assert "is in use" not in _log(run, 0) + _log(run, 1)  # the refused run wrote nothing into the folder
 
 
+@pytest.mark.launched  # the killed run is a real subprocess
 def test_a_killed_runs_lock_is_taken_over(workspace, tmp_path):
     run = tmp_path / "run"
     killed = subprocess.run(
@@ -347,6 +348,7 @@ def _single(workspace, run: Path, *args) -> list:
     ]
 
 
+@pytest.mark.launched  # reads the launched timeline's checkpoints
 def test_a_folder_with_checkpoints_needs_resume(workspace, timeline, tmp_path, capsys):
     run = tmp_path / "same"
     assert e2e.run_in_process(_single(workspace, run, "--max-steps", 1, "--checkpoint-every", 1)) == 0

@@ -238,6 +238,7 @@ def test_a_resumed_ema_warmup_continues_its_ramp_exactly(workspace, tmp_path):
     assert worst < moved
 
 
+@pytest.mark.launched  # the killed run is a real subprocess
 def test_exact_resume_one_process_and_a_killed_checkpoint_is_never_loaded(workspace, tmp_path):
     common = [
         "--plan",

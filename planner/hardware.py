@@ -200,8 +200,12 @@ class Assumptions:
         64 * MiB
     )  # PyTorch's default CUBLAS_WORKSPACE_CONFIG :4096:8 (32 MiB) + cuBLASLt
     nccl_buffer_bytes: int = 512 * MiB  # per rank when world_size > 1: NCCL_BUFFSIZE 4 MiB x channels x peers
+    # --- PyTorch's caching allocator: reserved beyond allocated (planner/allocator.py) -----------------
+    # "expandable": PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the trainer sets on CUDA unless the
+    # user set that variable; "fixed": PyTorch's default segments (a run launched with its own allocator config)
+    allocator_segments: str = "expandable"
     fragmentation: float = (
-        0.05  # caching allocator: reserved beyond allocated, as a fraction of allocated at the peak
+        0.0  # 0 = the allocator model; > 0: measured reserved / allocated - 1 (calibration)
     )
     # --- how the trainer runs the step (the plan records these, the trainer follows them) ------------
     autocast_device: str = "cuda"  # "cuda" | "cpu": whose autocast op lists decide the saved dtypes
@@ -282,6 +286,10 @@ class Assumptions:
             raise PlanError(f"--assume fsdp_efficiency must be in (0, 1], got {self.fsdp_efficiency}")
         if self.autocast_device not in ("cuda", "cpu"):
             raise PlanError(f"--assume autocast_device must be cuda or cpu, got {self.autocast_device!r}")
+        if self.allocator_segments not in ("expandable", "fixed"):
+            raise PlanError(
+                f"--assume allocator_segments must be expandable or fixed, got {self.allocator_segments!r}"
+            )
         if self.attention not in ("fused", "math"):
             raise PlanError(f"--assume attention must be fused or math, got {self.attention!r}")
 

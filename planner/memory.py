@@ -16,8 +16,10 @@ CPU-autocast variant of these moments to that trace (docs/planner-accuracy.md).
   end_of_backward     inside block 0's backward: nearly every gradient, block 0's (recomputed) set
   optimizer_step      weights + grads + AdamW states + the optimizer's temporaries
 
-Everything a tensor trace cannot see (DDP buckets, FSDP gather buffers, CUDA context, NCCL, fragmentation)
-is added from its own formula.
+Everything a tensor trace cannot see (DDP buckets, FSDP gather buffers, CUDA context, NCCL) is added from its
+own formula. `allocator` is what PyTorch's caching allocator reserves beyond the tensors' bytes (rounding and
+fragmentation, planner/allocator.py): the reserved peak is the allocated bytes plus it, and `overhead` (CUDA
+context, cuBLAS, NCCL) is memory outside that allocator. The budget is held to reserved + overhead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner import vae
+from planner.allocator import reserved_bytes
 from planner.errors import PlanError
 from planner.hardware import Assumptions, GPUPreset
 from planner.rules import SHARDING_MODES
@@ -39,8 +42,11 @@ COMPONENTS = (
     "autocast_cache",
     "vae",
     "temporaries",
+    "allocator",
     "overhead",
 )
+# the tensors themselves: what torch.cuda.max_memory_allocated counts
+ALLOCATED = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries")
 PHASES = (
     "vae_encode",
     "last_block_forward",
@@ -340,7 +346,24 @@ class MemoryEstimate:
 
     @property
     def peak_bytes(self) -> int:
+        """Reserved peak + the memory outside the allocator: what the budget holds."""
         return sum(self.components.values())
+
+    @property
+    def allocated_peak_bytes(self) -> int:
+        """The largest moment's tensor bytes (torch.cuda.max_memory_allocated's figure)."""
+        return max(sum(parts[name] for name in ALLOCATED) for parts in self.phases.values())
+
+    @property
+    def reserved_peak_bytes(self) -> int:
+        """The caching allocator's peak (torch.cuda.max_memory_reserved's figure): never released in a step."""
+        return max(
+            sum(parts[name] for name in ALLOCATED) + parts["allocator"] for parts in self.phases.values()
+        )
+
+    @property
+    def overhead_bytes(self) -> int:
+        return self.components["overhead"]
 
     def phase_bytes(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -351,7 +374,8 @@ class MemoryEstimate:
 
 
 def _shards(decision: Decision, cluster: Cluster) -> int:
-    return cluster.world_size if decision.sharded else 1
+    """The GPUs that share one copy of the sharded states: all of them (zero2/zero3), one node's (hsdp)."""
+    return SHARDING_MODES[decision.sharding].shard_degree(cluster.nodes, cluster.gpus_per_node)
 
 
 def _eb(decision: Decision, assumptions: Assumptions) -> ElementBytes:
@@ -419,7 +443,7 @@ def grads_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """
     alive = FP32_BYTES * live_gradient_params(spec, decision, moment)
     if decision.sharded:
-        return alive // cluster.world_size
+        return alive // _shards(decision, cluster)
     buckets = FP32_BYTES * spec.params_trainable if cluster.world_size > 1 else 0
     if buckets and decision.gradient_as_bucket_view:
         return buckets
@@ -571,13 +595,43 @@ def temporaries_bytes(spec, decision, cluster, assumptions, moment) -> int:
     return 0
 
 
-def overhead_bytes(cluster: Cluster, assumptions: Assumptions, allocated_bytes: int) -> int:
-    """Memory outside the tensors: CUDA context, cuBLAS workspaces, NCCL buffers (multi-GPU only), and the
-    caching allocator's fragmentation as a fraction of what it has allocated."""
+def overhead_bytes(cluster: Cluster, assumptions: Assumptions) -> int:
+    """Memory outside PyTorch's caching allocator: CUDA context, cuBLAS workspaces, NCCL buffers (multi-GPU
+    only)."""
     fixed = assumptions.cuda_context_bytes + assumptions.cublas_workspace_bytes
     if cluster.world_size > 1:
         fixed += assumptions.nccl_buffer_bytes
-    return int(fixed + assumptions.fragmentation * allocated_bytes)
+    return int(fixed)
+
+
+def allocator_bytes(spec, decision, cluster, assumptions, parts: dict[str, int], moment: str = "") -> int:
+    """What the caching allocator reserves beyond the tensors `parts` at one moment (planner/allocator.py):
+    the persistent tensors' block rounding and the fragmentation the transient ones leave."""
+    shards = _shards(decision, cluster)
+    buckets = FP32_BYTES * spec.params_trainable if cluster.world_size > 1 and not decision.sharded else 0
+    persistent = (
+        FP32_BYTES * spec.params_trainable // shards
+        + buffer_bytes(spec)
+        + optimizer_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+        + ema_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+        + vae_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+        + buckets
+    )
+    allocated = sum(parts[name] for name in ALLOCATED)
+    vae_weights = vae_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+    encoder_working = vae_bytes(spec, decision, cluster, assumptions, "vae_encode") - vae_weights
+    reserved = reserved_bytes(
+        spec,
+        allocated,
+        persistent,
+        segments=assumptions.allocator_segments,
+        shards=shards,
+        persistent_copies=4 if decision.ema else 3,
+        bucket_bytes=buckets,
+        earlier_working_bytes=encoder_working if moment != "vae_encode" else 0,
+        measured_fragmentation=assumptions.fragmentation,
+    )
+    return reserved - allocated
 
 
 _COMPONENT_FUNCTIONS = {
@@ -595,12 +649,13 @@ _COMPONENT_FUNCTIONS = {
 def phase_components(
     spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions, phase: str
 ) -> dict[str, int]:
-    """Every component at one moment, overhead last (it depends on the rest)."""
+    """Every component at one moment, the allocator's share last but one (it depends on the tensors)."""
     parts = {
         name: int(fn(spec, decision, cluster, assumptions, phase))
         for name, fn in _COMPONENT_FUNCTIONS.items()
     }
-    parts["overhead"] = overhead_bytes(cluster, assumptions, sum(parts.values()))
+    parts["allocator"] = allocator_bytes(spec, decision, cluster, assumptions, parts, phase)
+    parts["overhead"] = overhead_bytes(cluster, assumptions)
     return {name: parts[name] for name in COMPONENTS}
 
 

@@ -191,6 +191,7 @@ def make_plan(
     round_global_batch: bool = False,
     adamw: str = "fused",
     gradient_as_bucket_view: bool = True,
+    compile: bool = True,
     depth: int | None = None,
     hidden: int | None = None,
     heads: int | None = None,
@@ -343,10 +344,16 @@ def make_plan(
             "mixed_precision": PRECISIONS[decision.precision].accelerate_mixed_precision,
             "fsdp_sharding_strategy": SHARDING_MODES[decision.sharding].fsdp1_strategy,
             "sync_each_batch": decision.sharded,  # FSDP: reduce-scatter every micro-step, grads stay sharded
+            # torch.compile per block on CUDA (dit_accel.compile); the memory model is the eager one, an upper
+            # bound on the CPU measurements (docs/planner-accuracy.md, "Compiled blocks")
+            "compile": bool(compile),
         },
         "memory": {
             **{name: memory.components[name] for name in COMPONENTS},
-            "peak_bytes": memory.peak_bytes,
+            "peak_bytes": memory.peak_bytes,  # reserved peak + overhead: what the budget holds
+            "allocated_peak_bytes": memory.allocated_peak_bytes,  # the tensors (max_memory_allocated)
+            "reserved_peak_bytes": memory.reserved_peak_bytes,  # the caching allocator (max_memory_reserved)
+            "allocator_segments": assumed.allocator_segments,
             "budget_bytes": budget_bytes,
             "vram_bytes": vram_bytes,
             "headroom_bytes": headroom_bytes,

@@ -61,6 +61,9 @@ class PlanMemory:
     peak_bytes: int
     budget_bytes: int
     peak_phase: str | None = None
+    # the caching allocator's peaks (plans written before the reserved model lack them: None)
+    allocated_peak_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
 
     @property
     def overhead_bytes(self) -> int:
@@ -68,9 +71,11 @@ class PlanMemory:
 
     @property
     def tensor_bytes(self) -> int:
-        """The peak less the overheads no tensor shows (CUDA context, NCCL, fragmentation): what
-        `torch.cuda.max_memory_allocated` is held to."""
-        return self.peak_bytes - self.overhead_bytes
+        """The peak less what no tensor shows (CUDA context, NCCL, the allocator's rounding and
+        fragmentation): what `torch.cuda.max_memory_allocated` is held to."""
+        if self.allocated_peak_bytes is not None:
+            return self.allocated_peak_bytes
+        return self.peak_bytes - self.overhead_bytes - self.components.get("allocator", 0)
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class Plan:
     decision: Decision
     memory: PlanMemory | None
     throughput: PlanThroughput
+    compile: bool = False  # decision.compile: torch.compile per block on CUDA; False for plans before it
     inputs: dict = field(default_factory=dict)  # what the plan was made from, as given
     host: dict = field(default_factory=dict)  # the per-node host RAM estimate, as written
     assumptions: dict = field(default_factory=dict)
@@ -232,6 +238,13 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
         adamw=d.get("adamw", str, "fused", choices=("fused", "foreach", "single")),
         gradient_as_bucket_view=d.get("gradient_as_bucket_view", bool, False),
     )
+    if SHARDING_MODES[decision.sharding].within_node and not (
+        cluster.nodes > 1 and cluster.gpus_per_node > 1
+    ):  # hsdp's mesh is nodes x GPUs per node: both known, both more than one
+        top.fail(
+            f"decision.sharding hsdp needs several nodes of several GPUs, the cluster is {cluster.nodes} "
+            f"node(s) of {cluster.gpus_per_node or 'unknown'} GPU(s)"
+        )
     global_batch = top.get("global_batch", int, minimum=1)
     if decision.micro_batch * decision.grad_accum * cluster.world_size != global_batch:
         top.fail(
@@ -251,6 +264,8 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
             peak_bytes=mem.get("peak_bytes", int, minimum=0),
             budget_bytes=mem.get("budget_bytes", int, 0),
             peak_phase=mem.get("peak_phase", str, None),
+            allocated_peak_bytes=mem.get("allocated_peak_bytes", int, None, minimum=0),
+            reserved_peak_bytes=mem.get("reserved_peak_bytes", int, None, minimum=0),
         )
     t = top.section("throughput", optional=True) or _Reader({}, "throughput", origin)
     throughput = PlanThroughput(
@@ -274,6 +289,7 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
         decision=decision,
         memory=memory,
         throughput=throughput,
+        compile=d.get("compile", bool, False),  # older plans were sized and run eager
         inputs=top.get("inputs", dict, {}),
         host=top.get("host", dict, {}),
         assumptions=top.get("assumptions", dict, {}),

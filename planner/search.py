@@ -91,7 +91,11 @@ def comm_bytes_per_gpu(spec: DiTSpec, decision: Decision, cluster: Cluster) -> f
     zero2: every micro-step an all-gather of the parameters and a reduce-scatter of the gradients, both in
            the compute dtype (Accelerate's FSDP mixed-precision policy).
     zero3: the same with a second all-gather in backward.
+    hsdp:  zero3's collectives inside the node, plus an all-reduce of the gradient shard across the nodes
+           (`hsdp_comm_bytes_per_gpu`).
     """
+    if decision.sharding == "hsdp":
+        return sum(hsdp_comm_bytes_per_gpu(spec, decision, cluster))
     n = cluster.world_size
     if n == 1:
         return 0.0
@@ -104,6 +108,29 @@ def comm_bytes_per_gpu(spec: DiTSpec, decision: Decision, cluster: Cluster) -> f
     return decision.grad_accum * collectives * share * width * params
 
 
+def hsdp_comm_bytes_per_gpu(spec: DiTSpec, decision: Decision, cluster: Cluster) -> tuple[float, float]:
+    """(inside the node, across nodes) bytes each GPU sends per optimizer step under hsdp, every micro-step
+    (sync_each_batch): two all-gathers and a reduce-scatter over the node's g GPUs, then an all-reduce of
+    the 1/g gradient shard among the N GPUs that hold the same shard, one per node, all in the compute dtype."""
+    g, nodes = cluster.gpus_per_node, cluster.nodes
+    width = element_bytes(decision.precision).compute
+    params = spec.params_trainable
+    inside = 3 * (g - 1) / g * width * params
+    across = 2 * (nodes - 1) / nodes * width * params / g
+    return decision.grad_accum * inside, decision.grad_accum * across
+
+
+def comm_time_s(spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions) -> float:
+    """Seconds of communication per optimizer step, before overlap: each collective's bytes at the bus
+    bandwidth of the links it crosses (a ring over several nodes runs at the inter-node rate)."""
+    if decision.sharding == "hsdp":
+        inside, across = hsdp_comm_bytes_per_gpu(spec, decision, cluster)
+        return inside / intra_node_bandwidth(cluster, assumptions) + across / bus_bandwidth(
+            cluster, assumptions
+        )
+    return comm_bytes_per_gpu(spec, decision, cluster) / bus_bandwidth(cluster, assumptions)
+
+
 def peak_flops(cluster: Cluster, precision: str, assumptions: Assumptions) -> float:
     """The matmul peak of `precision` (bf16, fp16, tf32, ieee-fp32, or fp32 = TF32 where there is TF32)."""
     if cluster.gpu is not None:
@@ -114,8 +141,14 @@ def peak_flops(cluster: Cluster, precision: str, assumptions: Assumptions) -> fl
 
 
 def bus_bandwidth(cluster: Cluster, assumptions: Assumptions) -> float:
+    """The bus bandwidth of a collective over every GPU: the inter-node rate as soon as it crosses nodes."""
     if cluster.nodes > 1:
         return assumptions.inter_node_busbw_bytes_per_s
+    return intra_node_bandwidth(cluster, assumptions)
+
+
+def intra_node_bandwidth(cluster: Cluster, assumptions: Assumptions) -> float:
+    """The bus bandwidth of a collective among one node's GPUs (NVLink / PCIe)."""
     if assumptions.intra_node_busbw_bytes_per_s:
         return assumptions.intra_node_busbw_bytes_per_s
     return cluster.gpu.intra_node_busbw_bytes_per_s if cluster.gpu else FALLBACK_BUSBW_BYTES_PER_S
@@ -171,11 +204,7 @@ def estimate_throughput(
     vae_peak = peak_flops(cluster, vae_matmul(matmul), assumptions)
     vae_mfus = mfu_range(cluster, "fp32", vae_matmul(matmul), assumptions)[:3] if vae_flops else (1, 1, 1)
     fixed_s = fixed_step_time(spec, decision, cluster, assumptions)
-    comm_s = (
-        assumptions.comm_exposed_fraction
-        * comm_bytes_per_gpu(spec, decision, cluster)
-        / bus_bandwidth(cluster, assumptions)
-    )
+    comm_s = assumptions.comm_exposed_fraction * comm_time_s(spec, decision, cluster, assumptions)
 
     def times(mfu, vae_mfu):
         compute = images * dit_image_flops(spec, decision) / (peak * mfu * efficiency * sharded)
@@ -224,9 +253,7 @@ def implied_mfu(
     rest = (
         step_s
         - fixed_step_time(spec, decision, cluster, assumptions)
-        - assumptions.comm_exposed_fraction
-        * comm_bytes_per_gpu(spec, decision, cluster)
-        / bus_bandwidth(cluster, assumptions)
+        - assumptions.comm_exposed_fraction * comm_time_s(spec, decision, cluster, assumptions)
     )
     sharded = assumptions.fsdp_efficiency if decision.sharded else 1.0
     efficiency = small_batch_efficiency(spec, decision.micro_batch, assumptions)
@@ -340,16 +367,28 @@ def check_global_batch(global_batch: int, world_size: int) -> None:
 
 
 def sharding_levels(space: SearchSpace, cluster: Cluster) -> list[str]:
-    """Allowed sharding, most sharded first. One GPU has nothing to shard over."""
+    """Allowed sharding, most sharded first. One GPU has nothing to shard over; hsdp (zero3 inside each node,
+    replicated across nodes) is a level only with several nodes of several GPUs. It comes right after zero3:
+    the same collectives, the gathers inside the node, so never slower; then zero2 and ddp, each taken only
+    where the estimate says it is not slower (across slow links it rarely is)."""
+    hsdp_fits = cluster.nodes > 1 and cluster.gpus_per_node > 1
     if space.sharding != "auto":
         if space.sharding not in SHARDINGS:
-            raise PlanError(f"--sharding must be auto, ddp, zero2 or zero3, got {space.sharding!r}")
+            raise PlanError(f"--sharding must be auto, {', '.join(SHARDINGS)}, got {space.sharding!r}")
         if space.sharding != "ddp" and cluster.world_size == 1:
             raise PlanError(
                 f"--sharding {space.sharding} needs more than one GPU: use --sharding ddp or add --gpus"
             )
+        if space.sharding == "hsdp" and not hsdp_fits:
+            raise PlanError(
+                f"--sharding hsdp shards inside a node and replicates across nodes, but the plan has "
+                f"{cluster.nodes} node(s) of {cluster.gpus_per_node} GPU(s): use --sharding zero3 (or zero2), "
+                f"or plan several nodes of several GPUs (--nodes N --gpus-per-node G)"
+            )
         return [space.sharding]
-    return ["ddp"] if cluster.world_size == 1 else ["zero3", "zero2", "ddp"]
+    if cluster.world_size == 1:
+        return ["ddp"]
+    return ["zero3", "hsdp", "zero2", "ddp"] if hsdp_fits else ["zero3", "zero2", "ddp"]
 
 
 def checkpoint_range(space: SearchSpace, spec: DiTSpec) -> tuple[int, int]:

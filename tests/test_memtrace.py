@@ -255,14 +255,21 @@ def test_verify_prints_the_trace_beside_the_planner_and_what_it_cannot_see(tmp_p
     out_json = tmp_path / "verify.json"
     assert memtrace.main([str(plan_path), "--device-autocast", "cpu", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    expected = trace_training_step(tiny_plan(checkpointed_blocks=2, precision="bf16"), autocast_device="cpu")
+    expected = trace_training_step(
+        tiny_plan(checkpointed_blocks=2, precision="bf16"), autocast_device="cpu", replay_at_depth=True
+    )
     assert f"traced peak: {expected.peak_bytes / 2**30:.3f} GiB" in out
     for name in memtrace_compare.COMPARED:
         assert name in out
-    assert "CUDA context" in out and "NCCL" in out and "fragmentation" in out and "autocast" in out
+    assert "CUDA context" in out and "NCCL" in out and "autocast" in out
+    assert "reserved peak, expandable segments" in out and "reserved peak, fixed segments" in out
     saved = json.loads(out_json.read_text())
     assert saved["trace"]["peak_bytes"] == expected.peak_bytes
     assert set(saved["planner"]["components"]) == set(memtrace_compare.COMPARED)
+    # the replayed reserved peaks are the traced step's own, and never below what its tensors held at once
+    for mode in ("expandable", "fixed"):
+        replayed = saved["reserved"][mode]["replayed_peak_bytes"]
+        assert replayed == expected.allocator[mode]["reserved_peak_bytes"] >= expected.peak_bytes
 
 
 def test_verify_refuses_a_missing_or_foreign_plan_in_one_line(tmp_path, capsys):

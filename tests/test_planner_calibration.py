@@ -101,12 +101,13 @@ def test_measured_figures_replace_the_assumed_ones_and_are_recorded(tmp_path, ca
     assert assumed["mfu_mixed"] == pytest.approx(written["fit"]["planner_mfu"]) != Assumptions().mfu_mixed
     assert assumed["half_efficiency_tokens"] == HALF_TOKENS
     assert plan["throughput"]["assumed_mfu"] == pytest.approx(written["fit"]["planner_mfu"])
-    # the overhead at the peak is the measured context + NCCL (assumed) + measured fragmentation
+    # the overhead at the peak is the measured context + NCCL (assumed); the allocator's reserve beyond the
+    # tensors is the measured fragmentation, in place of the allocator model
     memory = plan["memory"]
-    allocated = memory["peak_bytes"] - memory["overhead"]
-    assert memory["overhead"] == pytest.approx(
-        CONTEXT + Assumptions().nccl_buffer_bytes + (RESERVED_RATIO - 1) * allocated, abs=2
-    )
+    assert memory["overhead"] == CONTEXT + Assumptions().nccl_buffer_bytes
+    allocated = memory["peak_bytes"] - memory["overhead"] - memory["allocator"]
+    assert memory["allocator"] == pytest.approx((RESERVED_RATIO - 1) * allocated, abs=2)
+    assert memory["reserved_peak_bytes"] == allocated + memory["allocator"]
     record = plan["calibration"]
     assert record["file"] == str(calibration_file) and record["gpu"] == "NVIDIA H200"
     assert record["created"] == written["created"] and record["not_applied"] == {}
@@ -118,6 +119,7 @@ def test_measured_figures_replace_the_assumed_ones_and_are_recorded(tmp_path, ca
     uncalibrated = plan_with(tmp_path, capsys, "--gpu", "h200", name="plain")[1]
     assert uncalibrated["calibration"] is None
     assert uncalibrated["memory"]["overhead"] != memory["overhead"]
+    assert uncalibrated["memory"]["allocator"] != memory["allocator"]
 
 
 def test_assume_still_overrides_a_calibrated_figure(tmp_path, capsys, calibration_file):

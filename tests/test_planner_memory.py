@@ -9,7 +9,7 @@ from planner import vae
 from planner.errors import PlanError
 from planner.hardware import CALIBRATABLE, Assumptions, gpu_preset, gpu_presets
 from planner.memory import (
-    COMPONENTS,
+    ALLOCATED,
     Cluster,
     Decision,
     backward_temporary_bytes,
@@ -185,19 +185,15 @@ def test_single_gpu_has_no_buckets_nor_nccl():
     one = memory(cluster=Cluster(1, 1, 80 * 10**9)).phases["optimizer_step"]
     eight = memory().phases["optimizer_step"]
     assert one["grads"] == 4 * P and eight["grads"] == 8 * P
-    a = Assumptions()
-    assert eight["overhead"] - one["overhead"] == pytest.approx(
-        a.nccl_buffer_bytes
-        + a.fragmentation * (sum(eight.values()) - eight["overhead"] - sum(one.values()) + one["overhead"]),
-        abs=2,
-    )
+    # the overhead is memory outside the caching allocator: NCCL's buffers are the only difference
+    assert eight["overhead"] - one["overhead"] == Assumptions().nccl_buffer_bytes
 
 
 def test_bucket_view_fused_adamw_and_no_ema_each_save_four_bytes_per_param():
     base = memory().phases["optimizer_step"]
     for change in (dict(gradient_as_bucket_view=True), dict(adamw="fused"), dict(ema=False)):
         other = memory(decision(**change)).phases["optimizer_step"]
-        saved = sum(base[k] - other[k] for k in COMPONENTS if k != "overhead")
+        saved = sum(base[k] - other[k] for k in ALLOCATED)  # the tensors, not the allocator's share
         assert saved == 4 * P, change
 
 
@@ -300,19 +296,23 @@ def test_peak_is_the_larger_moment():
     assert sum(fat.components.values()) == fat.peak_bytes
 
 
-def test_fragmentation_and_fixed_overheads_are_added():
+def test_the_allocators_reserve_and_the_fixed_overheads_are_added():
     base = memory()
     none = memory(
-        assumptions=Assumptions(
-            fragmentation=0.0, cuda_context_bytes=0, cublas_workspace_bytes=0, nccl_buffer_bytes=0
-        )
+        assumptions=Assumptions(cuda_context_bytes=0, cublas_workspace_bytes=0, nccl_buffer_bytes=0)
     )
-    assert none.components["overhead"] == 0
-    allocated = base.peak_bytes - base.components["overhead"]
+    assert none.components["overhead"] == 0 and none.components["allocator"] == base.components["allocator"]
     a = Assumptions()
-    assert base.components["overhead"] == int(
-        a.cuda_context_bytes + a.cublas_workspace_bytes + a.nccl_buffer_bytes + a.fragmentation * allocated
+    assert (
+        base.components["overhead"] == a.cuda_context_bytes + a.cublas_workspace_bytes + a.nccl_buffer_bytes
     )
+    # peak = reserved + overhead, reserved = allocated + the allocator's share (at the peak moment)
+    assert base.peak_bytes == base.reserved_peak_bytes + base.components["overhead"]
+    allocated = sum(base.components[name] for name in ALLOCATED)
+    assert base.reserved_peak_bytes == allocated + base.components["allocator"] > allocated
+    # a measured fragmentation (a calibration) replaces the model
+    measured = memory(assumptions=Assumptions(fragmentation=0.1))
+    assert measured.components["allocator"] == pytest.approx(0.1 * allocated, abs=1)
 
 
 # --- the VAE -------------------------------------------------------------------------------------------

@@ -9,8 +9,14 @@ from dataclasses import dataclass
 from dit_accel.memtrace.tracker import TraceResult
 from planner.planfile import Plan
 
-# Planner components a tensor trace can check; "overhead" (CUDA context, NCCL, fragmentation) it cannot.
+# Planner components a tensor trace can check; "overhead" (CUDA context, cuBLAS, NCCL) it cannot, and
+# "allocator" (reserved beyond allocated) is checked against the trace's replay through the allocator model.
 COMPARED = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries")
+# the planner's reserved peak against the replayed one, by allocator mode: the fragmentation terms are
+# calibrated on the verify grid's replays (docs/planner-accuracy.md); expandable segments (the trainer's
+# default on CUDA) are modelled closely, fixed segments only roughly
+RESERVED_TOLERANCE = {"expandable": 0.03, "fixed": 0.20}
+SEGMENT_MODES = ("expandable", "fixed")
 
 
 def traced_optimizer_kind(plan: Plan, device: str) -> str:
@@ -20,9 +26,12 @@ def traced_optimizer_kind(plan: Plan, device: str) -> str:
     return plan.decision.adamw or "fused" if device == "cuda" else "single"
 
 
-def planner_phases(plan: Plan, autocast_device: str, sharding: str = "ddp", world_size: int = 1) -> dict:
+def planner_phases(
+    plan: Plan, autocast_device: str, sharding: str = "ddp", world_size: int = 1, segments: str | None = None
+) -> dict:
     """The planner's components at each moment of this plan's step, for `world_size` processes of `sharding`
-    on one node, with the AdamW a trace on `autocast_device` runs."""
+    on one node, with the AdamW a trace on `autocast_device` runs. `segments`: the allocator mode of the
+    reserved model, with its modelled fragmentation (not a measured one the plan may carry)."""
     from planner.hardware import Assumptions
     from planner.memory import Cluster, step_memory
 
@@ -32,6 +41,8 @@ def planner_phases(plan: Plan, autocast_device: str, sharding: str = "ddp", worl
     assumptions = Assumptions()
     recorded = {key: value for key, value in plan.assumptions.items() if hasattr(assumptions, key)}
     assumptions = assumptions.replace(**recorded).replace(autocast_device=autocast_device)
+    if segments is not None:
+        assumptions = assumptions.replace(allocator_segments=segments, fragmentation=0.0)
     cluster = Cluster(nodes=1, gpus_per_node=world_size, vram_bytes=plan.cluster.vram_bytes or 2**50)
     return step_memory(plan.spec(), decision, cluster, assumptions).phases
 
@@ -48,14 +59,34 @@ def planner_estimate(plan: Plan, autocast_device: str) -> tuple[int, dict[str, i
     return best, {name: phases[best_phase][name] for name in COMPARED}, best_phase
 
 
+def planner_reserved_peak(plan: Plan, autocast_device: str, segments: str) -> int:
+    """The planner's reserved peak (tensors + the allocator's share, no overhead) of the step as one process
+    traces it, with `segments`."""
+    phases = planner_phases(plan, autocast_device, segments=segments)
+    return max(sum(parts[name] for name in COMPARED) + parts["allocator"] for parts in phases.values())
+
+
+def reserved_rows(result: TraceResult, plan: Plan) -> list:
+    """(segments, replayed reserved peak, planner's, relative error) for both allocator modes; none when the
+    trace was not replayed at the plan's depth."""
+    rows = []
+    for mode in SEGMENT_MODES:
+        if mode in result.allocator:
+            replayed = result.allocator[mode]["reserved_peak_bytes"]
+            planned = planner_reserved_peak(plan, result.autocast_device, mode)
+            rows.append((mode, replayed, planned, relative_error(planned, replayed)))
+    return rows
+
+
 @dataclass
 class Comparison:
-    """Traced vs planned bytes, component by component, and the peak."""
+    """Traced vs planned bytes, component by component, and the peak; the replayed reserved peaks."""
 
     rows: list  # (name, traced_bytes, planned_bytes or None, relative error or None)
     traced_peak_bytes: int
     planned_peak_bytes: int
     planned_phase: str
+    reserved: list = dataclasses.field(default_factory=list)  # `reserved_rows`
 
     @property
     def peak_error(self) -> float:
@@ -88,7 +119,11 @@ def compare(result: TraceResult, plan: Plan) -> Comparison:
     ]
     rows.append(("batch (inputs, noise, labels)", result.components.get("batch", 0), None, None))
     return Comparison(
-        rows=rows, traced_peak_bytes=result.peak_bytes, planned_peak_bytes=planned_peak, planned_phase=phase
+        rows=rows,
+        traced_peak_bytes=result.peak_bytes,
+        planned_peak_bytes=planned_peak,
+        planned_phase=phase,
+        reserved=reserved_rows(result, plan),
     )
 
 

@@ -33,7 +33,8 @@ UNSEEN = (
     "cuBLAS/cuDNN workspaces and memory inside kernels",
     "NCCL buffers (hundreds of MB per communicator) and DDP gradient buckets (4 bytes/param unless "
     "gradient_as_bucket_view=True): no process group is traced",
-    "the caching allocator's block rounding and fragmentation (reserved > allocated)",
+    "the caching allocator's rounding and fragmentation: not seen by the trace, but replayed from its "
+    "allocations and frees through a model of the allocator (the reserved rows)",
     "CPU-vs-CUDA autocast: the two cast different ops (CUDA keeps layer_norm in fp32); a CPU trace "
     "of bf16/fp16 is a proxy for the GPU",
 )
@@ -64,7 +65,9 @@ class StorageTracker(TorchDispatchMode):
         self.window_peaks: dict[Hashable, tuple[int, dict[str, int]]] = {}
         self.phase = "forward"  # "forward" | "optimizer" (set by the driver); backward is read from autograd
         self.in_vae = 0
-        self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref]
+        self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref, event key]
+        # every storage's allocation (key, nbytes) and free (key, None), in order: the allocator replays them
+        self.events: list[tuple[int, int | None]] = []
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def _storage(self, tensor: torch.Tensor):
@@ -78,7 +81,9 @@ class StorageTracker(TorchDispatchMode):
         if info is None:
             nbytes = storage.nbytes()
             ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
-            self._info[key] = [nbytes, component, ref]
+            event_key = len(self.events)  # unique, where id() is reused once a storage is gone
+            self._info[key] = [nbytes, component, ref, event_key]
+            self.events.append((event_key, nbytes))
             self.current[component] += nbytes
             self.total_bytes += nbytes
             self._note_peak()
@@ -94,6 +99,7 @@ class StorageTracker(TorchDispatchMode):
     def _release(self, key: int) -> None:
         info = self._info.pop(key, None)
         if info is not None:
+            self.events.append((info[3], None))
             self.current[info[1]] -= info[0]
             self.total_bytes -= info[0]
 
@@ -106,6 +112,20 @@ class StorageTracker(TorchDispatchMode):
         best = self.window_peaks.get(self.window)
         if best is None or total >= best[0]:
             self.window_peaks[self.window] = (total, dict(self.current))
+
+    def allocator_peaks(self) -> dict[str, dict[str, int]]:
+        """The recorded allocations and frees replayed through the caching-allocator model, in both modes:
+        {"fixed" | "expandable": {requested_peak_bytes, allocated_peak_bytes, reserved_peak_bytes}}."""
+        from dit_accel.memtrace.allocator import replay_both
+
+        return {
+            mode: {
+                "requested_peak_bytes": peaks.requested_peak_bytes,
+                "allocated_peak_bytes": peaks.allocated_peak_bytes,
+                "reserved_peak_bytes": peaks.reserved_peak_bytes,
+            }
+            for mode, peaks in replay_both(self.events).items()
+        }
 
     def set_window(self, window: Hashable) -> None:
         self.window = window
@@ -159,6 +179,11 @@ class TraceResult:
     sharding: str = "ddp"
     world_size: int = 1
     peak_moment: str = ""  # sharded: the planner's moment (planner.memory.PHASES) that the traced peak is
+    # the step's allocations and frees replayed through the caching-allocator model (`allocator_peaks`),
+    # by mode; `allocator_depths`: "traced" (replayed at the plan's depth) or "not replayed" (an extrapolated
+    # trace without `replay_at_depth`: reserved bytes do not extrapolate per block)
+    allocator: dict = field(default_factory=dict)
+    allocator_depths: str = "traced"
 
     def to_json(self) -> dict:
         values = {

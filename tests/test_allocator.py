@@ -1,0 +1,156 @@
+"""The caching-allocator model (dit_accel/memtrace/allocator.py) against cases worked by hand from the rules
+of c10/cuda/CUDACachingAllocator.cpp, and the planner's analytic reserved model against it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dit_accel.memtrace.allocator import CachingAllocator, replay, replay_both, round_request, segment_bytes
+
+MiB = 1 << 20
+
+
+def test_requests_round_up_to_512_bytes():
+    assert [round_request(n) for n in (1, 511, 512, 513, 1000, 1024)] == [512, 512, 512, 1024, 1024, 1024]
+    allocator = CachingAllocator()
+    allocator.malloc(1000)
+    peaks = allocator.peaks()
+    assert (peaks.requested_peak_bytes, peaks.allocated_peak_bytes) == (1000, 1024)
+
+
+def test_segment_sizes_of_the_two_pools():
+    assert segment_bytes(512) == segment_bytes(MiB) == 2 * MiB  # small pool: 2 MiB segments
+    assert segment_bytes(MiB + 512) == segment_bytes(10 * MiB - 512) == 20 * MiB  # 1-10 MiB: 20 MiB
+    assert segment_bytes(10 * MiB) == 10 * MiB and segment_bytes(11 * MiB + 1) == 12 * MiB  # own, 2 MiB
+
+
+def test_small_and_large_pools_do_not_share_segments():
+    allocator = CachingAllocator()
+    allocator.malloc(1000)  # small pool: a 2 MiB segment, the rest split off and cached
+    allocator.malloc(MiB)  # still small: fits the 2 MiB segment's free rest
+    assert allocator.reserved == 2 * MiB
+    allocator.malloc(MiB + 1)  # large pool: never from the small segment, a new 20 MiB one
+    assert allocator.reserved == 22 * MiB and allocator.segments == 2
+
+
+def test_a_large_block_is_split_only_for_a_remainder_over_1_mib():
+    allocator = CachingAllocator()
+    allocator.malloc(5 * MiB)  # a 20 MiB segment: 15 MiB split off
+    allocator.malloc(15 * MiB)  # exactly the cached rest: no new segment
+    assert (allocator.reserved, allocator.segments) == (20 * MiB, 1)
+    allocator.malloc(int(11.5 * MiB))  # own segment of 12 MiB; the 0.5 MiB rest stays with the block
+    assert allocator.reserved == 32 * MiB
+    assert allocator.allocated == 5 * MiB + 15 * MiB + 12 * MiB  # torch counts the whole block
+
+
+def test_freed_neighbours_coalesce():
+    allocator = CachingAllocator()
+    a, b = allocator.malloc(5 * MiB), allocator.malloc(5 * MiB)  # [a 5][b 5][free 10] in one segment
+    allocator.free(a)
+    allocator.free(b)  # one free 20 MiB block again
+    allocator.malloc(18 * MiB)  # fits it (a new segment would be 18 MiB)
+    assert (allocator.reserved, allocator.segments) == (20 * MiB, 1)
+
+
+def test_best_fit_takes_the_smallest_block_that_fits():
+    allocator = CachingAllocator()
+    big, small = allocator.malloc(40 * MiB), allocator.malloc(12 * MiB)
+    allocator.free(big)
+    allocator.free(small)
+    allocator.malloc(12 * MiB)  # the 12 MiB block, not a split of the 40 MiB one
+    allocator.malloc(40 * MiB)
+    assert allocator.reserved == 52 * MiB and allocator.segments == 2
+
+
+def test_fragmentation_reserved_exceeds_allocated():
+    # two 100 MiB tensors freed, then a 210 MiB one: neither cached segment fits it
+    events = [("a", 100 * MiB), ("b", 100 * MiB), ("a", None), ("b", None), ("c", 210 * MiB)]
+    fixed = replay(events)
+    assert fixed.requested_peak_bytes == 210 * MiB
+    assert fixed.reserved_peak_bytes == 410 * MiB  # 100 + 100 cached + 210 new
+    assert fixed.fragmentation == pytest.approx(200 / 210)
+
+
+def test_expandable_segments_grow_in_place():
+    events = [("a", 100 * MiB), ("b", 100 * MiB), ("a", None), ("b", None), ("c", 210 * MiB)]
+    peaks = replay_both(events)
+    # one virtual segment: the freed 200 MiB merge at its end, 20 MiB more pages are mapped for c
+    assert peaks["expandable"].reserved_peak_bytes == 220 * MiB
+    assert peaks["fixed"].reserved_peak_bytes == 410 * MiB
+
+
+def test_expandable_segments_map_20_mib_pages_for_the_large_pool_and_2_mib_for_the_small():
+    peaks = replay([("x", 3 * MiB), ("y", 1000)], expandable_segments=True)
+    assert peaks.reserved_peak_bytes == 20 * MiB + 2 * MiB
+
+
+def test_expandable_segments_still_fragment_around_a_live_block():
+    # a hole below a live block cannot take a larger request: it is mapped past the live block
+    events = [("a", 100 * MiB), ("b", 100 * MiB), ("a", None), ("c", 110 * MiB)]
+    assert replay(events, expandable_segments=True).reserved_peak_bytes == 320 * MiB
+    assert replay(events).reserved_peak_bytes == 310 * MiB
+
+
+def test_zero_byte_requests_and_unknown_frees_allocate_nothing():
+    peaks = replay([("empty", 0), ("empty", None), ("before the trace", None)])
+    assert (peaks.requested_peak_bytes, peaks.reserved_peak_bytes) == (0, 0)
+
+
+# --- the planner's analytic reserved model (planner/allocator.py) ----------------------------------------
+
+
+def test_the_planners_parameter_tensors_are_the_models():
+    from planner import allocator
+    from planner.spec import model_spec
+
+    for name in ("DiT-S/2", "DiT-XL/2"):
+        spec = model_spec(name, 256)
+        assert sum(allocator.parameter_elements(spec)) == spec.params_trainable
+
+
+def test_the_planners_block_rounding_follows_the_segments():
+    from planner import allocator
+
+    # fixed segments: a tensor of 10 MiB or more is a segment of its own, rounded up to 2 MiB
+    assert allocator.block_bytes(int(30.375 * MiB), "fixed") == 32 * MiB
+    assert allocator.block_bytes(int(30.375 * MiB), "expandable") == int(30.375 * MiB)
+    assert allocator.block_bytes(5 * MiB + 1, "fixed") == 5 * MiB + 512  # shares a 20 MiB segment
+
+
+def test_the_planners_rounding_matches_a_replay_of_the_parameters():
+    """The fixed-segment rounding of one copy of the parameters equals the allocator model's replay of
+    allocating them one by one (every tensor from 10 MiB is its own rounded segment; smaller ones pack)."""
+    from planner import allocator
+    from planner.spec import model_spec
+
+    spec = model_spec("DiT-XL/2", 256)
+    sizes = [4 * n for n in allocator.parameter_elements(spec)]
+    big = [size for size in sizes if size >= 10 * MiB]
+    replayed = replay([(index, size) for index, size in enumerate(big)])
+    small_rounding = sum(round_request(size) - size for size in sizes if size < 10 * MiB)
+    assert replayed.reserved_peak_bytes - sum(big) + small_rounding == allocator.parameter_rounding_bytes(
+        spec, 4, 1, "fixed"
+    )
+    assert replayed.reserved_peak_bytes - sum(big) > 100 * MiB  # 28 blocks of 2 MiB-rounded matrices
+
+
+def test_the_search_fits_the_reserved_peak_and_the_overhead():
+    from planner.hardware import Assumptions
+    from planner.memory import ALLOCATED, Cluster, Decision, step_memory
+    from planner.spec import model_spec
+
+    spec = model_spec("DiT-XL/2", 256)
+    decision = Decision(32, 1, 0, "bf16", "ddp", "precomputed")
+    cluster = Cluster(1, 8, 80 * 10**9)
+    estimate = step_memory(spec, decision, cluster, Assumptions())
+    parts = estimate.components
+    allocated = sum(parts[name] for name in ALLOCATED)
+    assert estimate.reserved_peak_bytes == allocated + parts["allocator"]
+    assert estimate.peak_bytes == estimate.reserved_peak_bytes + parts["overhead"]
+    # a budget that holds the allocated bytes and the overhead, but not the reserve, does not fit
+    tight = step_memory(spec, decision, cluster, Assumptions(), budget_bytes=allocated + parts["overhead"])
+    assert not tight.fits
+    # fixed segments reserve more than expandable ones for the same tensors
+    fixed = step_memory(spec, decision, cluster, Assumptions(allocator_segments="fixed"))
+    assert fixed.reserved_peak_bytes > estimate.reserved_peak_bytes
+    assert fixed.allocated_peak_bytes == estimate.allocated_peak_bytes

@@ -1,5 +1,5 @@
-"""The distributed set-up a plan describes: the Accelerator (DDP or FSDP2, precision, accumulation), the
-launch checked against the plan, and FSDP2's per-block units.
+"""The distributed set-up a plan describes: the Accelerator (DDP or FSDP2, precision, accumulation; hsdp's 2-D
+device mesh), the launch checked against the plan, and FSDP2's per-block units.
 
 Which launches run which plan is decided by `planner.rules.launch_problems`, the same function
 `dit-accel doctor` applies to the Accelerate YAML before the launch.
@@ -50,7 +50,11 @@ def fsdp_plugin_for(plan: Plan, plan_path: str, env: dict | None = None):
     env = os.environ if env is None else env
     launched = int(env.get("WORLD_SIZE", "1") or 1)  # against the plan's world size: check_launch
     problems = launch_problems(
-        plan.decision.sharding, plan.decision.precision, LaunchSettings.from_environment(env), launched
+        plan.decision.sharding,
+        plan.decision.precision,
+        LaunchSettings.from_environment(env),
+        launched,
+        plan.cluster.nodes,
     )
     if problems:
         raise UserError(
@@ -64,6 +68,27 @@ def fsdp_plugin_for(plan: Plan, plan_path: str, env: dict | None = None):
     plugin = FullyShardedDataParallelPlugin()  # every field from the launcher's FSDP_* environment
     plugin.auto_wrap_policy = None
     return plugin
+
+
+def parallelism_config_for(plan: Plan, empty: bool = False):
+    """hsdp: Accelerate's ParallelismConfig of the plan's 2-D mesh, (dp_replicate = nodes, dp_shard = GPUs per
+    node); None otherwise. Its `get_device_mesh` builds the mesh with torch's init_device_mesh, rank r at
+    (r // G, r % G): torchrun numbers the ranks node by node, so each shard group is one node's GPUs.
+
+    `empty`: the same config with every size 1 (no mesh). A CPU Accelerator is MULTI_CPU, which Accelerate
+    refuses a mesh for (it checks before `use_fsdp_on_cpu` switches it to FSDP), so on a CPU it is made with
+    the empty one, which also keeps it from building one from the launcher's PARALLELISM_CONFIG_*
+    environment, and `use_fsdp_on_cpu` installs the real one."""
+    if not plan.sharding.within_node:
+        return None
+    from accelerate.utils import ParallelismConfig
+
+    from planner.rules import hsdp_mesh
+
+    sizes = {} if empty else hsdp_mesh(plan.cluster.nodes, plan.world_size)
+    return ParallelismConfig(
+        **{f"{name}_size": sizes.get(name, 1) for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    )
 
 
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -123,6 +148,7 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
             num_steps=plan.decision.grad_accum, sync_each_batch=fsdp_plugin is not None
         ),
         fsdp_plugin=fsdp_plugin,
+        parallelism_config=parallelism_config_for(plan, empty=device_type == "cpu"),
         log_with=log_with,
         project_config=ProjectConfiguration(
             project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")
@@ -139,7 +165,7 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
                 f"{config.plan} shards the model but accelerate set up {accelerator.distributed_type}",
                 "launch with the plan's accelerate_config.yaml",
             )
-        use_fsdp_on_cpu(accelerator, fsdp_plugin, mixed_precision)
+        use_fsdp_on_cpu(accelerator, fsdp_plugin, mixed_precision, parallelism_config_for(plan))
     return accelerator
 
 
@@ -168,7 +194,7 @@ def lost_peer_message(error: BaseException, run_dir: str) -> str | None:
     )
 
 
-def use_fsdp_on_cpu(accelerator, plugin, mixed_precision: str) -> None:
+def use_fsdp_on_cpu(accelerator, plugin, mixed_precision: str, parallelism=None) -> None:
     """Switch a CPU Accelerator to FSDP, which accelerate 1.15 never does by itself.
 
     AcceleratorState turns a launch into FSDP only inside its GPU-family branch (MULTI_GPU, MULTI_XPU, ...); a
@@ -176,7 +202,9 @@ def use_fsdp_on_cpu(accelerator, plugin, mixed_precision: str) -> None:
     its plugin with sync_module_states asks for a GPU's current_device.) torch's `fully_shard` itself runs on a
     CPU mesh over gloo, so here the state is set to FSDP by hand, and from then on accelerate's own FSDP2 code
     (prepare, gradient clipping, sync, save_state/load_state) runs exactly as on GPUs: that is what the CPU
-    tests exercise. Nothing else changes: the device stays the CPU and the process group gloo.
+    tests exercise. Nothing else changes: the device stays the CPU and the process group gloo. An hsdp plan's
+    `parallelism` (its ParallelismConfig) is installed here too, its mesh built on the CPU: gloo runs FSDP2's
+    HSDP collectives (reduce-scatter inside the shard group, all-reduce across the replicas) as they are.
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
@@ -184,6 +212,10 @@ def use_fsdp_on_cpu(accelerator, plugin, mixed_precision: str) -> None:
     if mixed_precision != "no":
         plugin.set_mixed_precision(mixed_precision)  # what AcceleratorState does for GPU launches
     accelerator.state.fsdp_plugin = plugin
+    if parallelism is not None:
+        parallelism.get_device_mesh("cpu")
+        accelerator.state.parallelism_config = parallelism
+        accelerator.state.device_mesh = parallelism.device_mesh
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
@@ -215,6 +247,7 @@ def shard_blocks(model: nn.Module, plugin) -> None:
     kwargs = {
         "reshard_after_forward": plugin.reshard_after_forward,
         "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": fsdp_mesh(),
     }
     for block in model.transformer_blocks:
         embedder = block.norm1.emb
@@ -222,6 +255,19 @@ def shard_blocks(model: nn.Module, plugin) -> None:
             module for module in _children_without(block, embedder) if any(True for _ in module.parameters())
         ]
         fully_shard(layers, **kwargs)
+
+
+def fsdp_mesh():
+    """The mesh Accelerate shards the root unit over (`fsdp2_prepare_model`: its ParallelismConfig's FSDP
+    dimensions, (dp_replicate, dp_shard) under hsdp), so that every block unit uses the same one; None (all
+    ranks, one dimension) without a ParallelismConfig."""
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState()
+    mesh, config = getattr(state, "device_mesh", None), getattr(state, "parallelism_config", None)
+    if mesh is None or config is None:
+        return None
+    return mesh[tuple(config.fsdp_dim_names)]
 
 
 def _children_without(module: nn.Module, excluded: nn.Module) -> list[nn.Module]:

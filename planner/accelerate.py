@@ -6,14 +6,20 @@ travels in plan.json.
 Sharded plans use FSDP2 (`fully_shard`, per-parameter DTensor shards): zero2 is `reshard_after_forward:
 false` (gathered parameters stay until the end of backward, like SHARD_GRAD_OP), zero3 is `true`
 (FULL_SHARD). The value is written explicitly: the launcher's default is true, i.e. zero3 whatever was
-meant. No auto-wrap: every block's embedder is the one shared CombinedTimestepLabelEmbeddings, and a
-parameter seen by two FSDP units is an error, so the trainer shards each block's own layers as one unit
-and leaves the embedder to the root unit (docs/training.md, "Sharded plans").
+meant. hsdp is zero3 inside each node, replicated across nodes: FSDP2 on a 2-D device mesh, which Accelerate
+1.15 configures with its ParallelismConfig (`parallelism_config`: dp_replicate_size = nodes, dp_shard_size =
+GPUs per node; FSDP1's HYBRID_SHARD strategy does not exist for FSDP2).
+
+No auto-wrap: every block's embedder is the one shared CombinedTimestepLabelEmbeddings, and a parameter seen
+by two FSDP units is an error, so the trainer shards each block's own layers as one unit and leaves the
+embedder to the root unit (docs/training.md, "Sharded plans").
 """
 
 from __future__ import annotations
 
 import yaml
+
+from planner.rules import SHARDING_MODES, hsdp_mesh
 
 
 def accelerate_config(plan: dict) -> dict:
@@ -49,12 +55,16 @@ def accelerate_config(plan: dict) -> dict:
     if distributed_type == "FSDP":
         config["fsdp_config"] = {
             "fsdp_version": 2,
-            "fsdp_reshard_after_forward": decision["sharding"] == "zero3",
+            "fsdp_reshard_after_forward": SHARDING_MODES[decision["sharding"]].reshard_after_forward,
             "fsdp_auto_wrap_policy": "NO_WRAP",  # dit_accel shards per block itself, the shared embedder in the root
             "fsdp_offload_params": False,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": False,  # every rank builds the same weights from the run's seed
             "fsdp_activation_checkpointing": False,  # dit_accel checkpoints the planned blocks itself
+        }
+    if SHARDING_MODES[decision["sharding"]].within_node:  # hsdp: Accelerate's ParallelismConfig, 2-D mesh
+        config["parallelism_config"] = {
+            f"parallelism_config_{name}_size": size for name, size in hsdp_mesh(nodes, world).items()
         }
     return config
 

@@ -46,10 +46,17 @@ class ShardingMode:
         str | None
     )  # the FSDP1 / DeepSpeed-style name of the same layout, for people who know those
     description: str
+    within_node: bool = False  # shards over one node's GPUs and replicates the shards across nodes (HSDP)
 
     @property
     def uses_fsdp(self) -> bool:
         return self.reshard_after_forward is not None
+
+    def shard_degree(self, nodes: int, gpus_per_node: int) -> int:
+        """How many GPUs share one copy of the sharded states: 1 (DDP), one node's GPUs (HSDP) or all."""
+        if not self.uses_fsdp:
+            return 1
+        return gpus_per_node if self.within_node else nodes * gpus_per_node
 
 
 SHARDING_MODES = {
@@ -67,6 +74,14 @@ SHARDING_MODES = {
         True,
         "FULL_SHARD",
         "FSDP2, parameters gathered per block in forward and again in backward",
+    ),
+    "hsdp": ShardingMode(
+        "hsdp",
+        "parameters, gradients, AdamW state, within each node (replicated across nodes)",
+        True,
+        "HYBRID_SHARD",
+        "FSDP2 on a (node, GPU) mesh: zero3 inside each node, the gradient shards all-reduced across nodes",
+        within_node=True,
     ),
 }
 
@@ -105,6 +120,22 @@ def _flag(value, default: bool) -> bool | str:
     return True if text in _TRUE else False if text in _FALSE else text
 
 
+PARALLEL_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # ParallelismConfig's, in its mesh order
+
+
+def _size(value) -> int | str:
+    """A ParallelismConfig size as the launcher passes it on (an int); anything else as the string given."""
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return str(value)
+
+
+def hsdp_mesh(nodes: int, world_size: int) -> dict:
+    """The ParallelismConfig sizes of an hsdp plan: the nodes replicate, each node's GPUs shard."""
+    return {"dp_replicate": nodes, "dp_shard": world_size // nodes, "tp": 1, "cp": 1, "sp": 1}
+
+
 @dataclass(frozen=True)
 class LaunchSettings:
     """What a launch decides that the plan also decides, with `accelerate launch`'s defaults filled in."""
@@ -117,15 +148,31 @@ class LaunchSettings:
     offload_params: bool | str = False
     activation_checkpointing: bool | str = False
     cpu_ram_efficient_loading: bool | str = False
+    # Accelerate's ParallelismConfig, the N-d device mesh of FSDP2 (HSDP: dp_replicate x dp_shard); when on,
+    # every size by name (PARALLEL_SIZES), each an int or, unreadable, the string as given
+    use_parallelism_config: bool = False
+    parallel_sizes: tuple = ()
+
+    @property
+    def mesh_sizes(self) -> dict:
+        """Every ParallelismConfig size (all 1 without a ParallelismConfig)."""
+        return {**dict.fromkeys(PARALLEL_SIZES, 1), **dict(self.parallel_sizes)}
 
     @classmethod
     def from_yaml(cls, config: dict) -> LaunchSettings:
         """An Accelerate config file as loaded YAML; missing keys take the launcher's defaults."""
         fsdp = config.get("fsdp_config") or {}
+        parallelism = config.get("parallelism_config") or {}  # the launcher: on when the section is not empty
         return cls._make(
             str(config.get("distributed_type", "NO")),
             str(config.get("mixed_precision", "no")),
             {key.removeprefix("fsdp_"): value for key, value in fsdp.items()},
+            bool(parallelism),
+            {
+                name: parallelism[f"parallelism_config_{name}_size"]
+                for name in PARALLEL_SIZES
+                if f"parallelism_config_{name}_size" in parallelism
+            },
         )
 
     @classmethod
@@ -140,10 +187,24 @@ class LaunchSettings:
         fsdp = {
             key.removeprefix("FSDP_").lower(): value for key, value in env.items() if key.startswith("FSDP_")
         }
-        return cls._make(distributed_type, env.get("ACCELERATE_MIXED_PRECISION"), fsdp)
+        # the Accelerator builds a ParallelismConfig from these only when the switch is exactly "true"
+        parallelism = str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true"
+        sizes = {
+            name: env[f"PARALLELISM_CONFIG_{name.upper()}_SIZE"]
+            for name in PARALLEL_SIZES
+            if f"PARALLELISM_CONFIG_{name.upper()}_SIZE" in env
+        }
+        return cls._make(distributed_type, env.get("ACCELERATE_MIXED_PRECISION"), fsdp, parallelism, sizes)
 
     @classmethod
-    def _make(cls, distributed_type: str, mixed_precision: str | None, fsdp: dict) -> LaunchSettings:
+    def _make(
+        cls,
+        distributed_type: str,
+        mixed_precision: str | None,
+        fsdp: dict,
+        use_parallelism_config: bool = False,
+        parallel_sizes: dict | None = None,
+    ) -> LaunchSettings:
         version = int(str(fsdp.get("version", 1)))
         state_dict_type = fsdp.get("state_dict_type") or (
             "SHARDED_STATE_DICT" if version == 2 else "FULL_STATE_DICT"
@@ -157,14 +218,43 @@ class LaunchSettings:
             offload_params=_flag(fsdp.get("offload_params"), False),
             activation_checkpointing=_flag(fsdp.get("activation_checkpointing"), False),
             cpu_ram_efficient_loading=_flag(fsdp.get("cpu_ram_efficient_loading"), True),
+            use_parallelism_config=use_parallelism_config,
+            parallel_sizes=tuple(  # the launcher's default for a size left out is 1
+                (name, _size((parallel_sizes or {}).get(name, 1))) for name in PARALLEL_SIZES
+            )
+            if use_parallelism_config
+            else (),
         )
 
 
+def _mesh_problems(mode: ShardingMode, launch: LaunchSettings, nodes: int, world_size: int) -> list[str]:
+    """hsdp needs Accelerate's ParallelismConfig of exactly the plan's (nodes, GPUs per node) mesh, the
+    other modes none: the model would be sharded over that mesh, a layout the plan did not count."""
+    if not mode.within_node:
+        if not launch.use_parallelism_config:
+            return []
+        return [
+            f"parallelism_config is set, the plan's {mode.name} needs no device mesh: remove that section"
+        ]
+    wanted = hsdp_mesh(nodes, world_size)
+    if not launch.use_parallelism_config:
+        return [
+            f"parallelism_config is not set, the plan's hsdp needs parallelism_config_dp_replicate_size "
+            f"{wanted['dp_replicate']} and parallelism_config_dp_shard_size {wanted['dp_shard']}"
+        ]
+    return [
+        f"parallelism_config_{name}_size is {size}, the plan's hsdp needs {wanted[name]}"
+        + (" (its nodes)" if name == "dp_replicate" else " (GPUs per node)" if name == "dp_shard" else "")
+        for name, size in launch.mesh_sizes.items()
+        if size != wanted[name]
+    ]
+
+
 def launch_problems(
-    sharding: str, precision_name: str, launch: LaunchSettings, world_size: int = 1
+    sharding: str, precision_name: str, launch: LaunchSettings, world_size: int = 1, nodes: int = 1
 ) -> list[str]:
-    """Why `launch` cannot run a plan of this sharding, precision and world size; empty when it can. Each item
-    names the setting (by its accelerate_config.yaml key) and the value the plan needs."""
+    """Why `launch` cannot run a plan of this sharding, precision, world size and node count; empty when it
+    can. Each item names the setting (by its accelerate_config.yaml key) and the value the plan needs."""
     mode, wanted = sharding_mode(sharding), precision(precision_name)
     problems = []
     if launch.mixed_precision is not None and launch.mixed_precision != wanted.accelerate_mixed_precision:
@@ -187,7 +277,7 @@ def launch_problems(
             problems.append(
                 f"distributed_type is NO (one process), the plan's {world_size} processes need MULTI_GPU"
             )
-        return problems
+        return problems + _mesh_problems(mode, launch, nodes, world_size)
     if launch.distributed_type != "FSDP":
         return problems + [
             f"distributed_type is {launch.distributed_type}, the plan's {mode.name} needs FSDP"
@@ -238,4 +328,4 @@ def launch_problems(
             "fsdp_cpu_ram_efficient_loading is true (every rank builds the same weights from the "
             "seed instead)"
         )
-    return problems
+    return problems + _mesh_problems(mode, launch, nodes, world_size)

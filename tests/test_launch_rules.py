@@ -47,9 +47,23 @@ PLANS = {
     "zero2": [*BASE, "--sharding", "zero2"],
     "zero3": [*BASE, "--sharding", "zero3"],
     "ddp-1gpu": ["--gpus", "1", "--vram", "40G", "--global-batch", "8", "--sharding", "ddp"],
+    # hsdp: 2 nodes of 2 GPUs, the mesh (dp_replicate 2, dp_shard 2)
+    "hsdp": [
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--vram",
+        "40G",
+        "--global-batch",
+        "16",
+        "--sharding",
+        "hsdp",
+    ],
 }
 REPLICATED = ("ddp", "ddp-1gpu")
-SHARDED = ("zero2", "zero3")
+SHARDED = ("zero2", "zero3", "hsdp")
+HSDP_BASE = PLANS["hsdp"][:-2]
 LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -192,6 +206,23 @@ def deepspeed(config: dict) -> None:
     )
 
 
+def mesh_one_node(config: dict) -> None:
+    """An existing parallelism_config (hsdp's) turned into one shard group over every process."""
+    if "parallelism_config" in config:
+        config["parallelism_config"].update(
+            parallelism_config_dp_replicate_size=1, parallelism_config_dp_shard_size=config["num_processes"]
+        )
+
+
+def mesh_added(config: dict) -> None:
+    """An FSDP config given a one-dimensional ParallelismConfig (the launcher refuses one without FSDP2)."""
+    if config.get("distributed_type") == "FSDP" and "parallelism_config" not in config:
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": 1,
+            "parallelism_config_dp_shard_size": config["num_processes"],
+        }
+
+
 def as_strings(config: dict) -> None:
     """Every FSDP setting written as a string, as some hand-written YAMLs have them."""
     fsdp = _fsdp(config)
@@ -231,6 +262,13 @@ VARIANTS = {
         fsdp_set(fsdp_reshard_after_forward="SHARD_GRAD_OP"),
         list(REPLICATED),
     ),
+    # hsdp's 2-D mesh: left out, flattened to one node, or a mesh given to a plan that shards over all GPUs
+    "parallelism_config left out": (
+        lambda config: config.pop("parallelism_config", None),
+        [*REPLICATED, "zero2", "zero3"],
+    ),
+    "parallelism_config one node": (mesh_one_node, [*REPLICATED, "zero2", "zero3"]),
+    "parallelism_config added": (mesh_added, [*REPLICATED, "hsdp"]),
 }
 
 
@@ -243,7 +281,14 @@ def write_variant(plan_path: Path, folder: Path, variant: str) -> Path:
     return path
 
 
-CASES = [pytest.param(name, variant, id=f"{name}-{variant}") for name in PLANS for variant in VARIANTS]
+# A DeepSpeed launch of several machines goes through DeepSpeed's own multi-node launcher (pdsh), not torchrun,
+# whose per-worker variables `launched_environment` does not model: hsdp (2 nodes) leaves that variant out.
+CASES = [
+    pytest.param(name, variant, id=f"{name}-{variant}")
+    for name in PLANS
+    for variant in VARIANTS
+    if (name, variant) != ("hsdp", "DEEPSPEED")
+]
 
 
 @pytest.mark.parametrize("name, variant", CASES)
@@ -291,6 +336,18 @@ def test_each_refusal_names_the_setting_it_is_about(plans, tmp_path):
         ("zero3", "fsdp_offload_params true"): "fsdp_offload_params is true",
         ("zero2", "fsdp_activation_checkpointing true"): "fsdp_activation_checkpointing is true",
         ("zero3", "fsdp_cpu_ram_efficient_loading left out"): "fsdp_cpu_ram_efficient_loading is true",
+        (
+            "hsdp",
+            "fsdp_reshard_after_forward flipped",
+        ): "fsdp_reshard_after_forward is false, the plan's hsdp needs true",
+        ("hsdp", "parallelism_config left out"): "parallelism_config is not set, the plan's hsdp needs "
+        "parallelism_config_dp_replicate_size 2 and parallelism_config_dp_shard_size 2",
+        ("hsdp", "parallelism_config one node"): "parallelism_config_dp_replicate_size is 1, the plan's hsdp "
+        "needs 2 (its nodes); parallelism_config_dp_shard_size is 4, the plan's hsdp needs 2 (GPUs per node)",
+        (
+            "zero3",
+            "parallelism_config added",
+        ): "parallelism_config is set, the plan's zero3 needs no device mesh",
     }
     for (name, variant), text in expected.items():
         config_path = write_variant(plans[name], tmp_path / name / variant.replace(" ", "_"), variant)
@@ -330,7 +387,8 @@ def test_a_one_process_launch_of_a_two_process_plan_is_refused_by_both(plans, tm
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("sharding", list(SHARDING_MODES))
 def test_the_rule_tables_accept_what_the_planner_writes(tmp_path, sharding, precision):
-    assert dit_plan([*BASE, "--sharding", sharding, "--precision", precision, "--out", str(tmp_path)]) == 0
+    base = HSDP_BASE if SHARDING_MODES[sharding].within_node else BASE
+    assert dit_plan([*base, "--sharding", sharding, "--precision", precision, "--out", str(tmp_path)]) == 0
     plan = read_plan(tmp_path / "plan.json")
     assert (plan.decision.sharding, plan.decision.precision) == (sharding, precision)
     config_path = tmp_path / "accelerate_config.yaml"
@@ -343,11 +401,21 @@ def test_the_rule_tables_accept_what_the_planner_writes(tmp_path, sharding, prec
         assert config["fsdp_config"]["fsdp_reshard_after_forward"] is mode.reshard_after_forward
     else:
         assert "fsdp_config" not in config
+    if mode.within_node:  # Accelerate's ParallelismConfig: (dp_replicate, dp_shard) = (nodes, GPUs per node)
+        assert config["num_machines"] == plan.cluster.nodes == 2
+        assert config["parallelism_config"]["parallelism_config_dp_replicate_size"] == 2
+        assert config["parallelism_config"]["parallelism_config_dp_shard_size"] == 2
+    else:
+        assert "parallelism_config" not in config
     from_yaml = LaunchSettings.from_yaml(config)
-    assert launch_problems(sharding, precision, from_yaml, plan.world_size) == []
+    nodes = plan.cluster.nodes
+    assert launch_problems(sharding, precision, from_yaml, plan.world_size, nodes) == []
     env = launched_environment(config_path)
     assert LaunchSettings.from_environment(env) == from_yaml
-    assert launch_problems(sharding, precision, LaunchSettings.from_environment(env), 2) == []
+    assert (
+        launch_problems(sharding, precision, LaunchSettings.from_environment(env), plan.world_size, nodes)
+        == []
+    )
     assert doctor_verdict(tmp_path / "plan.json", config_path).status is Status.PASS
     problems, plugin = trainer_verdict(tmp_path / "plan.json", env)
     assert problems is None

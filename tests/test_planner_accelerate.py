@@ -31,6 +31,7 @@ CASES = {
         sharding="ddp",  # left to itself the planner shards here: DDP's fp32 all-reduce is slower
     ),
     "multi-node-zero3": dict(gpus=4, nodes=4, vram="24G", global_batch=256, sharding="zero3", resolution=512),
+    "multi-node-hsdp": dict(gpus=4, nodes=2, vram="40G", global_batch=256, sharding="hsdp"),
 }
 EXPECTED_TYPE = {
     "single-gpu": "NO",
@@ -39,6 +40,7 @@ EXPECTED_TYPE = {
     "zero3": "FSDP",
     "multi-node": "MULTI_GPU",
     "multi-node-zero3": "FSDP",
+    "multi-node-hsdp": "FSDP",
 }
 
 
@@ -78,7 +80,8 @@ def test_yaml_loads_with_accelerates_loader_and_passes_launch_validation(plans, 
 
 
 @pytest.mark.parametrize(
-    "name, reshard", [("zero2", "false"), ("zero3", "true"), ("multi-node-zero3", "true")]
+    "name, reshard",
+    [("zero2", "false"), ("zero3", "true"), ("multi-node-zero3", "true"), ("multi-node-hsdp", "true")],
 )
 def test_fsdp_sharding_reaches_the_processes(plans, name, reshard):
     """FSDP2; the launcher's default reshard_after_forward is true (zero3), so the YAML writes it explicitly."""
@@ -87,6 +90,28 @@ def test_fsdp_sharding_reaches_the_processes(plans, name, reshard):
     env = prepare_multi_gpu_env(args)
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
     assert env["FSDP_RESHARD_AFTER_FORWARD"] == reshard and env["FSDP_AUTO_WRAP_POLICY"] == "NO_WRAP"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_only_hsdp_launches_a_two_dimensional_mesh(plans, name):
+    """hsdp's mesh is Accelerate's ParallelismConfig: the launcher exports it to every process (the Accelerator
+    builds its device mesh from these), (dp_replicate, dp_shard) = (nodes, GPUs per node); no other plan has one."""
+    plan, folder = plans[name]
+    args, _ = validated(folder / "accelerate_config.yaml", "--main_process_port", "0")
+    env = prepare_multi_gpu_env(args) if args.use_fsdp or args.multi_gpu else {}
+    if plan["decision"]["sharding"] != "hsdp":
+        assert not args.use_parallelism_config and "ACCELERATE_USE_PARALLELISM_CONFIG" not in env
+        return
+    assert args.use_parallelism_config and env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    sizes = {key.removeprefix("PARALLELISM_CONFIG_"): env[key] for key in env if key.endswith("_SIZE")}
+    assert sizes == {
+        "DP_REPLICATE_SIZE": "2",
+        "DP_SHARD_SIZE": "4",
+        "TP_SIZE": "1",
+        "CP_SIZE": "1",
+        "SP_SIZE": "1",
+    }
+    assert (plan["cluster"]["nodes"], plan["cluster"]["gpus_per_node"]) == (2, 4)
 
 
 def test_multi_node_config_carries_the_rendezvous(plans):

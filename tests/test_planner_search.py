@@ -13,17 +13,21 @@ from planner.plan import make_plan
 from planner.search import (
     SearchSpace,
     choose,
+    comm_bytes_per_gpu,
+    comm_time_s,
     divisors,
     estimate_throughput,
+    hsdp_comm_bytes_per_gpu,
     image_step_flops,
     leanest,
     search_path,
+    sharding_levels,
     small_batch_efficiency,
 )
 from planner.spec import model_spec
 
 GB = 10**9
-SHARDING_ORDER = {"zero3": 0, "zero2": 1, "ddp": 2}
+SHARDING_ORDER = {"zero3": 0, "hsdp": 1, "zero2": 2, "ddp": 3}  # the search path's order (sharding_levels)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -222,3 +226,91 @@ def test_throughput_model_follows_its_documented_rule():
 def test_divisors():
     assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
     assert divisors(1) == [1]
+
+
+# --- hsdp: zero3 inside each node, replicated across nodes ------------------------------------------------
+
+
+def _decision(sharding: str, **changes) -> Decision:
+    fields = dict(
+        micro_batch=8,
+        grad_accum=2,
+        checkpointed_blocks=10,
+        precision="bf16",
+        sharding=sharding,
+        latents="precomputed",
+    )
+    return Decision(**{**fields, **changes})
+
+
+def test_hsdp_memory_is_zero3_over_one_nodes_gpus():
+    """hsdp's states are sharded over the GPUs of one node, not the world: on 4 nodes of 8 each GPU holds what
+    zero3 on one node of 8 holds (the same per-GPU step), and more than zero3 over all 32."""
+    spec, assumptions = model_spec("DiT-XL/2", 256), Assumptions()
+    hsdp = step_memory(spec, _decision("hsdp"), Cluster(4, 8, 80 * GB), assumptions)
+    one_node = step_memory(spec, _decision("zero3"), Cluster(1, 8, 80 * GB), assumptions)
+    world = step_memory(spec, _decision("zero3"), Cluster(4, 8, 80 * GB), assumptions)
+    assert hsdp.phases == one_node.phases and hsdp.peak_bytes == one_node.peak_bytes
+    for state in ("weights", "grads", "optimizer", "ema"):
+        assert hsdp.phases["optimizer_step"][state] > world.phases["optimizer_step"][state], state
+    assert (
+        hsdp.phases["optimizer_step"]["optimizer"] == 8 * spec.params_trainable // 8
+    )  # AdamW: 8 B/param, 1/8
+
+
+def test_hsdp_communication_splits_inside_and_across_nodes():
+    spec = model_spec("DiT-XL/2", 256)
+    params, cluster = spec.params_trainable, Cluster(4, 8, 80 * GB)
+    inside, across = hsdp_comm_bytes_per_gpu(spec, _decision("hsdp", grad_accum=1), cluster)
+    # bf16: zero3's 3 collectives over the node's 8 GPUs; an all-reduce of the 1/8 shard over the 4 nodes
+    assert inside == pytest.approx(3 * 7 / 8 * 2 * params)
+    assert across == pytest.approx(2 * 3 / 4 * 2 * params / 8)
+    assert comm_bytes_per_gpu(spec, _decision("hsdp", grad_accum=1), cluster) == pytest.approx(
+        inside + across
+    )
+    # every micro-step (sync_each_batch)
+    assert hsdp_comm_bytes_per_gpu(spec, _decision("hsdp", grad_accum=3), cluster) == pytest.approx(
+        (3 * inside, 3 * across)
+    )
+    # each part at the bandwidth of the links it crosses; with both links equally fast hsdp is still faster
+    # than zero3 over all GPUs (the same collectives, fewer bytes across the nodes)
+    slow = Assumptions(inter_node_busbw_bytes_per_s=25e9, intra_node_busbw_bytes_per_s=200e9)
+    assert comm_time_s(spec, _decision("hsdp"), cluster, slow) == pytest.approx(
+        2 * (inside / 200e9 + across / 25e9)
+    )
+    flat = Assumptions(inter_node_busbw_bytes_per_s=200e9, intra_node_busbw_bytes_per_s=200e9)
+    for assumptions in (slow, flat):
+        assert comm_time_s(spec, _decision("hsdp"), cluster, assumptions) < comm_time_s(
+            spec, _decision("zero3"), cluster, assumptions
+        )
+
+
+def test_hsdp_is_a_level_only_on_several_nodes_of_several_gpus():
+    space = SearchSpace(global_batch=256, precision="bf16", latents="precomputed", ema=True)
+    assert sharding_levels(space, Cluster(2, 8, 80 * GB)) == ["zero3", "hsdp", "zero2", "ddp"]
+    assert sharding_levels(space, Cluster(1, 8, 80 * GB)) == ["zero3", "zero2", "ddp"]
+    assert sharding_levels(space, Cluster(4, 1, 80 * GB)) == ["zero3", "zero2", "ddp"]  # nothing in a node
+    pinned = dataclasses.replace(space, sharding="hsdp")
+    assert sharding_levels(pinned, Cluster(2, 8, 80 * GB)) == ["hsdp"]
+    for cluster in (Cluster(1, 8, 80 * GB), Cluster(4, 1, 80 * GB)):
+        with pytest.raises(PlanError, match="--sharding hsdp shards inside a node") as error:
+            sharding_levels(pinned, cluster)
+        assert "\n" not in str(error.value) and "--sharding zero3" in str(error.value)
+
+
+def test_the_comm_model_picks_hsdp_across_slow_links_only():
+    """DiT-XL/2 on 2 nodes of 8 A100 40GB: across 200 Gb/s links (25 GB/s per GPU, the default) hsdp beats
+    zero2/zero3 (their collectives cross the nodes every micro-step) and DDP (its fp32 all-reduce crosses them
+    whole); with fast links zero2 sends fewer bytes and wins; one node never plans hsdp."""
+    slow = make_plan(gpus=8, nodes=2, gpu="a100-40g", global_batch=256)
+    assert slow["decision"]["sharding"] == "hsdp"
+    fast = make_plan(
+        gpus=8, nodes=2, gpu="a100-40g", global_batch=256, assumptions={"inter_node_busbw_bytes_per_s": 400e9}
+    )
+    assert fast["decision"]["sharding"] in ("zero2", "ddp")
+    assert fast["throughput"]["est_images_per_s"] > slow["throughput"]["est_images_per_s"]
+    one_node = make_plan(
+        gpus=8, gpu="a100-40g", global_batch=256, assumptions={"inter_node_busbw_bytes_per_s": 1e9}
+    )
+    assert one_node["decision"]["sharding"] != "hsdp"
+    assert all(a["sharding"] != "hsdp" for a in one_node["alternatives"])

@@ -183,9 +183,11 @@ def test_tf32_against_bf16_on_an_a100_follows_the_measured_figures():
 
 
 def test_four_nodes_of_h100_shard_because_ddp_is_estimated_slower():
+    # Over the default 25 GB/s fabric HSDP keeps the parameter traffic inside the node: it beats zero2 and ddp.
     plan = make_plan(gpu="h100-80g", gpus=8, nodes=4, global_batch=1024)
     rate = plan["throughput"]["est_images_per_s"]
-    assert plan["decision"]["sharding"] == "zero2"
+    assert plan["decision"]["sharding"] == "hsdp"
+    assert {"ddp", "zero2"} & {a["sharding"] for a in plan["alternatives"]}
     assert all(a["est_images_per_s"] <= rate * 1.03 for a in plan["alternatives"])
     assert not any("off-path" in w for w in plan["warnings"])
 
@@ -226,7 +228,19 @@ def test_time_to_train_arithmetic():
 
 def test_the_cli_prints_time_to_train_and_gpu_hours(tmp_path, capsys):
     code = main(
-        ["--gpus", "8", "--vram", "40G", "--global-batch", "256", "--steps", "400000", "--out", str(tmp_path)]
+        [
+            "--gpus",
+            "8",
+            "--vram",
+            "40G",
+            "--global-batch",
+            "256",
+            "--steps",
+            "400000",
+            "--wide",
+            "--out",
+            str(tmp_path),
+        ]
     )
     out = capsys.readouterr().out
     plan = json.loads((tmp_path / "plan.json").read_text())

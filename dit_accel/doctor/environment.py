@@ -422,7 +422,7 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
         problems.append(f"num_machines is {num_machines}, the plan has {plan.nodes} node(s)")
     # The trainer's own rule for which launches run the plan (it applies it to the environment this file makes).
     problems += launch_problems(
-        plan.sharding, plan.precision, LaunchSettings.from_yaml(config), plan.world_size
+        plan.sharding, plan.precision, LaunchSettings.from_yaml(config), plan.world_size, plan.nodes
     )
     distributed_type, mixed = config.get("distributed_type", "NO"), config.get("mixed_precision", "no")
     if problems:

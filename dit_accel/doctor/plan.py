@@ -31,7 +31,7 @@ class PlanFacts:
     grad_accum: int
     checkpointed_blocks: int
     precision: str  # bf16 | fp16 | fp32
-    sharding: str  # ddp | zero2 | zero3
+    sharding: str  # ddp | zero2 | zero3 | hsdp
     latents: str  # precomputed | online | pixel
     ema: bool
     peak_bytes: int  # per GPU

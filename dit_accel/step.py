@@ -87,7 +87,9 @@ def build_components(
     weights on every rank (each device type draws its own seeded stream: a CUDA run starts from other
     weights than a CPU run of the same seed). With an `accelerator`, the model and optimizer are prepared
     (DDP or FSDP2, mixed precision); the scheduler is NOT (see optim.py) and is registered for
-    checkpointing instead. Under FSDP the blocks are sharded here (`shard_blocks`) before the optimizer sees
+    checkpointing instead. With one, the blocks are compiled when the run compiles (dit_accel.compile:
+    --compile, or the plan's on CUDA), after checkpointing is set and before sharding and wrapping, as
+    torchtitan orders them. Under FSDP the blocks are sharded here (`shard_blocks`) before the optimizer sees
     the parameters, and `prepare` adds the root unit; the EMA is then made of each rank's shards.
 
     Without one, everything lives on `device` and the step autocasts itself to `precision` (default: the
@@ -99,6 +101,7 @@ def build_components(
     them and the optimizer state is fresh; the model then uses the init's timestep shift. `timestep_freq_shift`
     (a resumed run's, from its checkpoint) overrides it; the default is diffusers' (1).
     """
+    from dit_accel.compile import compile_for_run
     from dit_accel.diffusion import Diffusion
     from dit_accel.model import DIFFUSERS_FREQ_SHIFT, build_model, set_checkpointed_blocks
 
@@ -115,6 +118,8 @@ def build_components(
     if init is not None:
         load_init_weights(model, init)  # on every rank, before sharding: each rank then keeps its shard
     set_checkpointed_blocks(model, decision.checkpointed_blocks)
+    if accelerator is not None:  # the trainer's step; verify traces the eager step on fake tensors
+        compile_for_run(model, config.compile, plan.compile, device)  # after checkpointing, before FSDP/DDP
     model.train()
     if uses_fsdp(accelerator):
         shard_blocks(model, accelerator.state.fsdp_plugin)
@@ -212,7 +217,7 @@ SCALER_OVERFLOW = "scaler-overflow"  # fp16's GradScaler skipped an overflowing 
 class StepResult:
     applied: bool
     loss: float  # mean over every sample of the global batch, all ranks
-    grad_norm: float
+    grad_norm: float | None  # before clipping; None on a step that did not measure it (see check_step)
     lr: float  # the lr this step used
     skipped: str | None = None  # why the step was not applied: NON_FINITE or SCALER_OVERFLOW
     stop_ranks: int = 0  # how many ranks were asked to stop (a preemption signal) before this step's vote
@@ -223,9 +228,10 @@ class StepResult:
 class StepCheck:
     """What every rank knows after its last micro-step, as tensors: nothing here has been read yet."""
 
-    grad_norm: torch.Tensor  # this rank's view of the global gradient norm, before clipping
+    grad_norm: torch.Tensor | None  # this rank's view of the global gradient norm, before clipping; None:
+    #                                 not measured (clipping off and measure_grad_norm=False)
     loss_mean: torch.Tensor  # this rank's mean loss over its micro-steps
-    bad: torch.Tensor  # this rank saw a non-finite loss (or gradient norm)
+    bad: torch.Tensor  # this rank saw a non-finite loss (or measured gradient norm)
     stats: torch.Tensor  # over all ranks: [mean loss, ranks that saw a non-finite value, ranks asked to stop,
     #                      sum of their stop signals]
 
@@ -233,33 +239,46 @@ class StepCheck:
         """The step's one decision made on a value (a device sync); the same on every rank."""
         return bool(self.stats[1].item() == 0)
 
+    def read(self) -> list[float]:
+        """`stats` and the gradient norm (NaN when not measured) in one device->host copy: the step's only
+        sync, which the vote needs anyway."""
+        norm = self.grad_norm if self.grad_norm is not None else torch.full_like(self.loss_mean, math.nan)
+        return torch.cat([self.stats, norm.reshape(1).to(self.stats.dtype)]).tolist()
+
 
 def _fp16_scaled(components: Components) -> bool:
     return components.accelerator is not None and components.accelerator.scaler is not None
 
 
-def check_step(components: Components, loss_sum: torch.Tensor, stop_signum: int = 0) -> StepCheck:
+def check_step(
+    components: Components, loss_sum: torch.Tensor, stop_signum: int = 0, measure_grad_norm: bool = True
+) -> StepCheck:
     """Clip the gradients and agree across ranks on whether the step is finite, without reading a value.
 
-    `loss_sum` is this rank's sum of micro-step mean losses. The gradient norm is measured always and the
-    gradients clipped to --grad-clip when given; one all-reduce carries the loss, the non-finite flag and
-    whether this rank was asked to stop (`stop_signum`, from dit_accel.preemption): no collective of its own.
+    `loss_sum` is this rank's sum of micro-step mean losses. With --grad-clip the gradient norm is measured
+    and the gradients clipped on every step, and under --nan-policy skip measured on every step (a skipped
+    step must never have been applied). Otherwise it is measured only when `measure_grad_norm` (the loop
+    asks on logging and checkpoint steps): any other step reads no gradient here, and its vote covers the
+    loss only (docs/training.md, "NaN and Inf", says what an unmeasured non-finite gradient does). One
+    all-reduce carries the loss, the non-finite flag and whether this rank was asked to stop (`stop_signum`,
+    from dit_accel.preemption): no collective of its own.
     """
     accelerator, model = components.accelerator, components.model
-    params = [p for p in model.parameters() if p.requires_grad]
-    max_norm = components.config.grad_clip if components.config.grad_clip is not None else math.inf
-    if accelerator is not None:
-        grad_norm = accelerator.clip_grad_norm_(params, max_norm)
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grad_norm = torch.as_tensor(full_tensor(grad_norm), device=components.device, dtype=torch.float32)
+    clip = components.config.grad_clip
+    grad_norm = None
+    if clip is not None or measure_grad_norm or components.config.nan_policy == "skip":
+        params = [p for p in model.parameters() if p.requires_grad]
+        max_norm = clip if clip is not None else math.inf  # inf: measured, gradients left as they are
+        if accelerator is not None:  # unscales fp16 first; FSDP2's DTensor gradients, mesh by mesh
+            grad_norm = accelerator.clip_grad_norm_(params, max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = torch.as_tensor(full_tensor(grad_norm), device=components.device, dtype=torch.float32)
     loss_mean = loss_sum.float() / components.grad_accum
     # Under fp16 the grad scaler owns overflowing gradients (it skips and lowers its scale); a NaN loss is ours.
-    bad = (
-        ~torch.isfinite(loss_mean)
-        if _fp16_scaled(components)
-        else ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
-    )
+    bad = ~torch.isfinite(loss_mean)
+    if grad_norm is not None and not _fp16_scaled(components):
+        bad = bad | ~torch.isfinite(grad_norm)
     stopping = torch.full_like(loss_mean, float(stop_signum != 0))
     stats = torch.stack([loss_mean, bad.float(), stopping, torch.full_like(loss_mean, float(stop_signum))])
     if accelerator is not None and accelerator.num_processes > 1:
@@ -284,28 +303,36 @@ def apply_step(components: Components) -> bool:
     return applied
 
 
-def optimizer_step(components: Components, loss_sum: torch.Tensor, stop_signum: int = 0) -> StepResult:
+def optimizer_step(
+    components: Components, loss_sum: torch.Tensor, stop_signum: int = 0, measure_grad_norm: bool = True
+) -> StepResult:
     """After the last micro-step: clip and vote (`check_step`), then apply the step (`apply_step`) or not.
 
     Every rank takes the same decision; a skipped step changes no weight, optimizer moment, EMA or
     lr-schedule position. The tensor work is in the two functions, which `dit-accel verify` traces on
-    value-less fake tensors; the decision and the logged numbers are the only values read here.
+    value-less fake tensors. One device->host copy per step (`StepCheck.read`) carries the decision, the
+    loss and the stop vote, and the gradient norm when measured: a step that some rank was asked to stop
+    on is checkpointed, so its gradient is measured then (a second check, on that step only) if it was not.
     """
-    check = check_step(components, loss_sum, stop_signum)
+    check = check_step(components, loss_sum, stop_signum, measure_grad_norm)
+    values = check.read()
+    if check.grad_norm is None and values[2] > 0:  # every rank sees the same stop vote: all measure
+        check = check_step(components, loss_sum, stop_signum, measure_grad_norm=True)
+        values = check.read()
+    loss, bad_ranks, stop_ranks, stop_signals, grad_norm = values
     lr = components.scheduler.get_last_lr()[0]
-    if check.all_finite():
+    if bad_ranks == 0:
         skipped = None if apply_step(components) else SCALER_OVERFLOW
     else:
         skipped = NON_FINITE
         components.optimizer.zero_grad(set_to_none=True)
-    stats = check.stats.tolist()
-    stop_ranks = round(stats[2])
+    stop_ranks = round(stop_ranks)
     return StepResult(
         applied=skipped is None,
-        loss=float(stats[0]),
-        grad_norm=float(check.grad_norm.item()),
+        loss=loss,
+        grad_norm=grad_norm if check.grad_norm is not None else None,
         lr=lr,
         skipped=skipped,
         stop_ranks=stop_ranks,
-        stop_signum=stop_signum or (round(stats[3] / stop_ranks) if stop_ranks else 0),
+        stop_signum=stop_signum or (round(stop_signals / stop_ranks) if stop_ranks else 0),
     )

@@ -15,6 +15,33 @@ from dit_accel.errors import UserError
 from dit_accel.optim import build_optimizer, build_scheduler, effective_lr
 from dit_accel.train_config import TrainConfig, parse_config
 
+ONE_BLOCK_PLAN = {  # a 1-block fp32 DDP plan on one process, for step-level tests
+    "schema": "dit-plan/1",
+    "inputs": {},
+    "cluster": {"world_size": 1},
+    "global_batch": 2,
+    "model": {
+        "name": "DiT-custom",
+        "resolution": 32,
+        "latent_size": 4,
+        "in_channels": 4,
+        "depth": 1,
+        "hidden": 32,
+        "heads": 2,
+        "patch": 2,
+        "num_classes": 4,
+    },
+    "decision": {
+        "micro_batch": 2,
+        "grad_accum": 1,
+        "checkpointed_blocks": 0,
+        "precision": "fp32",
+        "sharding": "ddp",
+        "latents": "precomputed",
+        "ema": True,
+    },
+}
+
 
 def _step_items(order: SampleOrder, step: int) -> list[tuple[int, int]]:
     """Every (dataset index, sample number) of one optimizer step, over all ranks and micro-steps."""
@@ -308,34 +335,7 @@ def test_optimizer_step_applies_a_finite_step_and_leaves_everything_as_it_was_on
     from dit_accel.step import build_components, optimizer_step, train_micro_step
     from planner.planfile import parse_plan
 
-    plan = parse_plan(
-        {
-            "schema": "dit-plan/1",
-            "inputs": {},
-            "cluster": {"world_size": 1},
-            "global_batch": 2,
-            "model": {
-                "name": "DiT-custom",
-                "resolution": 32,
-                "latent_size": 4,
-                "in_channels": 4,
-                "depth": 1,
-                "hidden": 32,
-                "heads": 2,
-                "patch": 2,
-                "num_classes": 4,
-            },
-            "decision": {
-                "micro_batch": 2,
-                "grad_accum": 1,
-                "checkpointed_blocks": 0,
-                "precision": "fp32",
-                "sharding": "ddp",
-                "latents": "precomputed",
-                "ema": True,
-            },
-        }
-    )
+    plan = parse_plan(ONE_BLOCK_PLAN)
     components = build_components(plan, TrainConfig(plan="p", output_dir="o", latents="l", warmup_steps=3))
     Faults(nan_step=2).install(components.raw_model, start_step=0, grad_accum=1)  # step 2's output is NaN
     generator = torch.Generator().manual_seed(0)

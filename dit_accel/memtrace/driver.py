@@ -14,6 +14,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dit_accel.errors import UserError
+from dit_accel.memtrace import fake_cuda
 from dit_accel.memtrace.extrapolate import (
     Counts,
     _block_of_role,
@@ -240,8 +241,14 @@ def build_step_parts(
     batch = fake_batch(spec, micro_batch, device, online)
     losses = []
 
+    no_device = device.type == "cuda" and fake_cuda.without_a_device()
+    if no_device:  # fake CUDA with no GPU: CUDA autocast and attention kernels pinned, no autograd backward
+        fake_cuda.patch_components(components)
+
     def micro_step():
         losses.append(step.train_micro_step(components, batch))
+        if no_device:
+            fake_cuda.gradients_as_after_backward(components.raw_model)
 
     def optimizer_step():
         loss_sum = torch.stack(losses).sum()
@@ -346,14 +353,20 @@ def trace_training_step(
     autocast_device: str | None = None,
     micro_batch: int | None = None,
     vae_config: dict | None = None,
+    replay_at_depth: bool = False,
 ) -> TraceResult:
     """Trace the plan's training step on fake tensors and return its peak and the components live then.
 
     `depth_extrapolate="auto"` traces at most 5 blocks (up to three shallow traces) and extrapolates per
     block, unless the full network is as cheap to trace; `"on"` always extrapolates (tests); `"off"`
     traces the full depth. `autocast_device` is "cpu" (default without CUDA) or "cuda"
-    (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either). `vae_config`
+    (needs a CUDA build of torch; fake CUDA tensors allocate nothing on the GPU either; without a GPU the
+    backward cannot run on them: `fake_cuda` says what is traced then). `vae_config`
     (online latents): the AutoencoderKL's config; default the SD VAE's (`SD_VAE_CONFIG`).
+
+    The step's allocations and frees are replayed through the caching-allocator model (`allocator_peaks`)
+    when the plan's depth is traced; an extrapolated trace gets them only with `replay_at_depth`, which
+    traces the plan's depth once more for it (`verify` does; the grid tests do not need it).
 
     A sharded plan (zero2/zero3) is traced as one rank's compute under FSDP2 (`make_sharded`: parameters in the
     compute dtype, no autocast, 1/world_size fp32 gradient shards); `compare_sharded` completes it.
@@ -367,6 +380,9 @@ def trace_training_step(
         raise UserError(
             "--device-autocast cuda needs a CUDA build of torch (fake CUDA tensors): use --device-autocast cpu here"
         )
+    backward_on_cpu = autocast_device == "cuda" and fake_cuda.without_a_device()
+    if backward_on_cpu:  # a forward-only trace has no backward windows to extrapolate per block
+        depth_extrapolate = "off"
     decision = plan.decision
     spec = plan.spec()
     micro_batch = int(micro_batch or decision.micro_batch)
@@ -405,6 +421,7 @@ def trace_training_step(
         tracker, _ = trace(target)
         peak_bytes, components, window = tracker.peak_bytes, tracker.peak_components, tracker.peak_window
         traced_depths = [spec.depth]
+        allocator, allocator_depths = tracker.allocator_peaks(), "traced"
     else:
         samples, patterns = {}, set()
         for counts in all_counts:
@@ -423,7 +440,12 @@ def trace_training_step(
         target_checkpointed = [kind for kind in pattern for _ in range(target[1] if kind else target[0])]
         window = _block_of_role(role, target_checkpointed)
         traced_depths = [sum(counts) for counts in all_counts]
-    return TraceResult(
+        # the allocator's reserved bytes are not linear in the block counts (segment reuse differs from one
+        # depth to the next): they are replayed from a trace at the plan's depth, or not at all
+        allocator, allocator_depths = {}, "not replayed"
+        if replay_at_depth:
+            allocator, allocator_depths = trace(target)[0].allocator_peaks(), "traced"
+    result = TraceResult(
         peak_bytes=peak_bytes,
         components=dict(components),
         peak_at=_describe(window),
@@ -437,4 +459,10 @@ def trace_training_step(
         sharding=sharding,
         world_size=world_size,
         peak_moment=planner_moment(window, components, spec.depth) if sharding != "ddp" else "",
+        allocator=allocator,
+        allocator_depths=allocator_depths,
     )
+    if backward_on_cpu:  # the backward's own peak, from the same shapes under CPU autocast
+        cpu = trace_training_step(plan, autocast_device="cpu", micro_batch=micro_batch, vae_config=vae_config)
+        result = fake_cuda.with_backward_from(result, cpu)
+    return result

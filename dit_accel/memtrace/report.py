@@ -9,6 +9,7 @@ from pathlib import Path
 from dit_accel.cli_args import OneLineParser, positive_int
 from dit_accel.errors import UserError, exits_cleanly
 from dit_accel.memtrace.comparison import (
+    RESERVED_TOLERANCE,
     Comparison,
     ShardedComparison,
     compare,
@@ -44,7 +45,7 @@ def comparison_plan_notes(plan: Plan | None) -> list[str]:
         return []
     # (a sharded plan has its own report: format_sharded_report)
     return [
-        f"the plan's own peak (its GPU's autocast, overhead, DDP buckets, fragmentation): "
+        f"the plan's own peak (its GPU's autocast, the allocator's reserve, overhead, DDP buckets): "
         f"{_gib(plan.memory.peak_bytes)} of a {_gib(plan.memory.budget_bytes)} budget"
     ]
 
@@ -67,6 +68,15 @@ def format_report(
             _percent(comparison.peak_error),
         )
     )
+    for mode, replayed, planned, error in comparison.reserved:
+        rows.append(
+            (
+                f"reserved peak, {mode} segments",
+                _gib(replayed),
+                _gib(planned),
+                _percent(error) + ("" if abs(error) <= RESERVED_TOLERANCE[mode] else " (outside tolerance)"),
+            )
+        )
     depths = _depths_text(result)
     lines = [
         f"traced training step of {plan_path}: micro-batch {result.micro_batch}, {result.precision} "
@@ -85,9 +95,18 @@ def format_report(
             disable_numparse=True,
         ),
         "",
-        "not seen by a tensor trace (the planner adds these as overhead, not checked here):",
     ]
-    lines += [f"  - {item}" for item in result.unseen]
+    if comparison.reserved:
+        lines.append(
+            "reserved: the traced allocations and frees replayed through a model of PyTorch's caching allocator "
+            "(the traced column; dit_accel/memtrace/allocator.py), held to within "
+            f"{RESERVED_TOLERANCE['expandable']:.0%} (expandable segments, the trainer's default on CUDA) and "
+            f"{RESERVED_TOLERANCE['fixed']:.0%} (fixed segments)"
+        )
+    else:
+        lines.append(f"reserved: not replayed ({result.allocator_depths})")
+    lines += ["", "not seen by a tensor trace (the planner adds these as overhead, not checked here):"]
+    lines += [f"  - {item}" for item in result.unseen if not item.startswith("the caching allocator")]
     return "\n".join(lines)
 
 
@@ -200,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         "--device-autocast",
         choices=("cpu", "cuda"),
         default=None,
-        help="whose autocast casts the ops: cuda needs a CUDA build of torch (default: cuda if "
-        "available, else cpu)",
+        help="whose autocast casts the ops: cuda needs a CUDA build of torch; without a GPU it traces the "
+        "forward and optimizer step, and the backward under cpu (default: cuda if available, else cpu)",
     )
     parser.add_argument(
         "--micro-batch", type=positive_int, default=None, help="trace this micro-batch instead of the plan's"
@@ -226,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         depth_extrapolate=args.depth_extrapolate,
         autocast_device=args.device_autocast,
         vae_config=_vae_config(args.vae) if args.vae else None,
+        replay_at_depth=not plan.sharding.uses_fsdp,  # the allocator replay needs the plan's depth (DDP)
     )
     if result.sharding != "ddp":
         sharded = compare_sharded(result, plan)
@@ -264,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                     "components": {row[0]: row[2] for row in comparison.rows if row[2] is not None},
                 },
                 "peak_error": comparison.peak_error,
+                "reserved": {
+                    mode: {"replayed_peak_bytes": replayed, "planner_peak_bytes": planned, "error": error}
+                    for mode, replayed, planned, error in comparison.reserved
+                },
             },
         )
     return 0

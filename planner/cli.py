@@ -2,6 +2,10 @@
 
     dit-plan --gpus 8 --vram 40G --global-batch 256
     dit-plan --gpu a100-40g,a100-80g,h100-80g --gpus 8,16 --global-batch 256     # a sweep: one row each
+    dit-plan --config configs/clusters/h100-80g-2x8-ib.yaml --global-batch 512   # a preset, a flag overrides it
+
+--gpus is the total: more than a node holds (8) is split into nodes of 8; --gpus-per-node G --nodes K
+gives any other shape.
 
 Bad input prints one line naming the flag and the fix and exits 2, without a traceback or any file.
 """
@@ -11,18 +15,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import shlex
 import sys
 
 from planner.calibration import load_calibration
+from planner.clusterfile import SHAPE_KEYS, read_cluster_file
 from planner.errors import PlanError
 from planner.hardware import Assumptions, assumption_names, assumption_types
-from planner.outputs import check_out_dir, write_plan_dir
+from planner.outputs import (
+    check_file_path,
+    check_out_dir,
+    package_version,
+    write_file_atomically,
+    write_plan_dir,
+)
 from planner.plan import make_plan
 from planner.report import FORMATS, render, render_sweep, sweep_row
 from planner.units import UNIT_RULE, parse_bytes
 
 PROG = "dit-plan"
 SWEEPABLE = ("gpus", "vram", "gpu", "global_batch", "model", "resolution")
+NODE_SIZE = 8  # GPUs one node holds, unless a preset's gpus_per_node says otherwise
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,9 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Sizes: {UNIT_RULE}. Comma-separated --gpus/--vram/--gpu/--global-batch/--model/--resolution "
         "make a sweep: one table row per combination, no files written.",
     )
+    p.add_argument("--version", action="store_true", help="print dit-accel's version and exit")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a cluster preset (configs/clusters/*.yaml: flag: value lines); flags given here override it",
+    )
     hw = p.add_argument_group("cluster")
-    hw.add_argument("--gpus", help="GPUs per node (comma list sweeps)")
-    hw.add_argument("--nodes", default="1", help="nodes (default 1)")
+    hw.add_argument(
+        "--gpus",
+        help="total GPUs (comma list sweeps); more than one node holds (8) is split into nodes of 8",
+    )
+    hw.add_argument(
+        "--gpus-per-node", help="GPUs in each node, with --nodes (e.g. --gpus-per-node 4 --nodes 2)"
+    )
+    hw.add_argument("--nodes", help="nodes (default 1, or --gpus split into nodes of 8)")
     hw.add_argument("--vram", help="memory per GPU with a unit: 40GB, 40GiB, 80000MiB (comma list sweeps)")
     hw.add_argument(
         "--gpu", help="GPU preset: a100-40g, a100-80g, h100-80g, h200, l40s, rtx4090, v100-32g, ..."
@@ -82,13 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="DDP gradients live in its all-reduce buckets (default on; off costs 4 B/param)",
     )
+    tr.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch.compile each transformer block on the GPUs (default on; the trainer follows it)",
+    )
     tt = p.add_argument_group("time to train")
     tt.add_argument("--steps", help="optimizer steps of the run: prints wall-clock time and GPU-hours")
     tt.add_argument("--epochs", help="passes over the data (with --dataset-size): steps = ceil(E x S / B)")
     tt.add_argument("--dataset-size", help="images in the training set (with --epochs)")
     tt.add_argument("--gpu-hour-cost", help="price of one GPU-hour (USD) for the run's cost")
     ch = p.add_argument_group("the choice")
-    ch.add_argument("--sharding", default="auto", choices=["auto", "ddp", "zero2", "zero3"])
+    ch.add_argument("--sharding", default="auto", choices=["auto", "ddp", "zero2", "zero3", "hsdp"])
     ch.add_argument("--checkpointing", default="auto", help="auto | none | all | N blocks")
     ch.add_argument("--headroom", default="5%", help="VRAM kept free: a share (5%%) or a size (2GiB)")
     ch.add_argument("--max-micro-batch", help="largest micro-batch to consider")
@@ -99,7 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--out", help="directory for accelerate_config.yaml, plan.json, plan.md (default ./plan)"
     )
-    out.add_argument("--format", default="table", choices=FORMATS, help="terminal output format")
+    out.add_argument(
+        "--format",
+        default="table",
+        choices=FORMATS,
+        help="terminal output format; markdown, github, latex and json write only the document to stdout",
+    )
+    out.add_argument(
+        "--wide", action="store_true", help="print every table column unwrapped (default: fit 100 columns)"
+    )
+    out.add_argument(
+        "--no-chart",
+        action="store_true",
+        help="skip plan/memory.png (drawing it loads matplotlib, most of dit-plan's time)",
+    )
+    out.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw peak memory and est. img/s (.png/.svg/.pdf): across a sweep, or against micro-batch",
+    )
     out.add_argument(
         "--assume",
         action="append",
@@ -162,16 +211,63 @@ def parse_assumptions(pairs: list[str]) -> dict:
     return out
 
 
-def combinations(args) -> list[dict]:
-    """Every combination of the sweepable flags, as make_plan keyword arguments."""
+def split_into_nodes(total: int, per_node: int | None, nodes: int | None, node_size: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of --gpus TOTAL with the optional --gpus-per-node and --nodes."""
+    if per_node is not None and nodes is not None:
+        if per_node * nodes != total:
+            raise PlanError(
+                f"--gpus {total} contradicts --nodes {nodes} x --gpus-per-node {per_node} = {nodes * per_node}",
+                "give --gpus alone, or --gpus-per-node with --nodes",
+            )
+        return nodes, per_node
+    if per_node is not None:
+        if total % per_node:
+            raise PlanError(
+                f"--gpus {total} is not a whole number of nodes of --gpus-per-node {per_node}",
+                f"give a multiple of {per_node}, or --nodes",
+            )
+        return total // per_node, per_node
+    if nodes is not None:
+        if total != nodes * node_size:
+            raise PlanError(
+                f"--gpus {total} is the total, so --nodes {nodes} would not be full nodes of {node_size}",
+                f"give --gpus {nodes * node_size} for {nodes} full nodes, or --gpus-per-node G --nodes {nodes}",
+            )
+        return nodes, node_size
+    if total <= node_size:
+        return 1, total
+    if total % node_size:
+        raise PlanError(
+            f"--gpus {total} is more than one node of {node_size} holds and does not split into nodes of {node_size}",
+            f"give a multiple of {node_size}, or --gpus-per-node G --nodes K",
+        )
+    return total // node_size, node_size
+
+
+def cluster_shapes(args, node_size: int = NODE_SIZE) -> list[tuple[int, int]]:
+    """(nodes, GPUs per node) for each --gpus value (one without --gpus)."""
+    per_node = _int(args.gpus_per_node, "--gpus-per-node") if args.gpus_per_node is not None else None
+    nodes = _int(args.nodes, "--nodes") if args.nodes is not None else None
     if args.gpus is None:
-        raise PlanError("give --gpus N, the GPUs per node (e.g. --gpus 8)")
+        if per_node is None:
+            raise PlanError(
+                "give --gpus N, the total number of GPUs (e.g. --gpus 8)",
+                "or --gpus-per-node G --nodes K" if nodes is not None else None,
+            )
+        return [(nodes or 1, per_node)]
+    totals = [_int(v, "--gpus") for v in _list(args.gpus)]
+    return [split_into_nodes(total, per_node, nodes, node_size) for total in totals]
+
+
+def combinations(args, node_size: int = NODE_SIZE) -> list[dict]:
+    """Every combination of the sweepable flags, as make_plan keyword arguments (`gpus` per node)."""
+    shapes = cluster_shapes(args, node_size)
     if args.vram is None and args.gpu is None:
         raise PlanError("give the GPU memory: --vram 40GB (or 40GiB), or a preset with --gpu a100-40g")
     if args.vram is not None and args.gpu is not None and ("," in args.vram or "," in args.gpu):
         raise PlanError("sweep either --vram or --gpu, not both: with --gpu the memory is the preset's")
     grid = {
-        "gpus": [_int(v, "--gpus") for v in _list(args.gpus)],
+        "shape": shapes,
         "vram": _list(args.vram),
         "gpu": _list(args.gpu),
         "global_batch": [_int(v, "--global-batch") for v in _list(args.global_batch)],
@@ -181,7 +277,12 @@ def combinations(args) -> list[dict]:
     for vram in grid["vram"]:  # fail on a bad size before planning anything
         if vram is not None:
             parse_bytes(vram, "--vram")
-    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    combos = []
+    for values in itertools.product(*grid.values()):
+        combo = dict(zip(grid, values))
+        combo["nodes"], combo["gpus"] = combo.pop("shape")
+        combos.append(combo)
+    return combos
 
 
 def common_kwargs(args) -> dict:
@@ -201,7 +302,6 @@ def common_kwargs(args) -> dict:
         if getattr(args, name) is not None
     }
     return dict(
-        nodes=_int(args.nodes, "--nodes"),
         precision=args.precision,
         latents=args.latents,
         ema=args.ema,
@@ -213,6 +313,7 @@ def common_kwargs(args) -> dict:
         round_global_batch=args.round_global_batch,
         adamw=args.adamw,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
+        compile=args.compile,
         main_process_ip=args.main_process_ip,
         main_process_port=_int(args.main_process_port, "--main-process-port")
         if args.main_process_port
@@ -240,36 +341,96 @@ def list_assumptions(fmt: str) -> str:
     return tabulate(rows, headers=["assumption", "default"], tablefmt=TABLEFMT[fmt]) + "\n"
 
 
+def parse(argv: list[str]) -> tuple[argparse.Namespace, int]:
+    """The flags, with a --config preset's values under the command line's, and the GPUs one node holds."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config is None:
+        return args, NODE_SIZE
+    actions = {action.dest: action for action in parser._actions}
+    flags, shape, _ = read_cluster_file(args.config, actions)
+    try:
+        alone = parser.parse_args(flags)  # the file's values alone, so that an error names the file
+        common_kwargs(alone)
+        for size in _list(alone.vram) if alone.vram is not None else []:
+            parse_bytes(size, "--vram")
+        node_size = _int(shape["gpus_per_node"], "gpus_per_node") if "gpus_per_node" in shape else NODE_SIZE
+        if "gpus" in shape or "gpus_per_node" in shape:
+            cluster_shapes(argparse.Namespace(**{k: shape.get(k) for k in SHAPE_KEYS}), node_size)
+    except PlanError as error:
+        raise PlanError(f"--config {args.config}: {error}") from None
+    args = parser.parse_args(flags + argv)
+    if all(getattr(args, key) is None for key in SHAPE_KEYS):  # the command line's shape replaces the file's
+        for key, value in shape.items():
+            setattr(args, key, value)
+    return args, node_size
+
+
+def plan_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[dict], dict]:
+    """(the flags, make_plan's keywords of each combination, the keywords they share) of a command line."""
+    args, node_size = parse(argv)
+    return args, combinations(args, node_size), common_kwargs(args)
+
+
+def command_line(argv: list[str]) -> str:
+    return shlex.join([PROG, *argv])
+
+
 def run(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, node_size = parse(argv)
+    if args.version:
+        print(f"{PROG} (dit-accel) {package_version()}")
+        return 0
     if args.list_assumptions:
         sys.stdout.write(list_assumptions(args.format))
         return 0
-    combos = combinations(args)
-    kwargs = common_kwargs(args)
+    combos, kwargs = combinations(args, node_size), common_kwargs(args)
+    if args.plot is not None:
+        from planner.plot import chart_format
+
+        plot_format = chart_format(args.plot)
+        check_file_path(args.plot)
     if args.calibration is not None:
         load_calibration(args.calibration)  # a bad file is one error, not one per sweep row
+    status = (
+        sys.stdout if args.format == "table" else sys.stderr
+    )  # other formats: only the document on stdout
     if len(combos) > 1:
         if args.out is not None:
             raise PlanError(
-                "a sweep prints one table and writes no files: drop --out, or plan one combination"
+                "a sweep prints one table and writes no files: drop --out, or plan one combination",
+                "--plot FILE draws it",
             )
         rows = []
         for combo in combos:
             try:
-                rows.append(sweep_row(dict(combo, nodes=kwargs["nodes"]), make_plan(**combo, **kwargs), None))
+                rows.append(sweep_row(combo, make_plan(**combo, **kwargs), None))
             except PlanError as error:
-                rows.append(sweep_row(dict(combo, nodes=kwargs["nodes"]), None, str(error)))
-        sys.stdout.write(render_sweep(rows, args.format))
+                rows.append(sweep_row(combo, None, str(error)))
+        chart = None
+        if args.plot is not None and any("micro_batch" in row for row in rows):
+            from planner.plot import sweep_chart
+
+            chart = sweep_chart(rows, plot_format)
+        sys.stdout.write(render_sweep(rows, args.format, args.wide))
         if all("micro_batch" not in row for row in rows):
             raise PlanError("no combination of the sweep can be planned: see the notes above")
+        if chart is not None:
+            print(f"wrote {write_file_atomically(args.plot, chart)}", file=status)
         return 0
     out = check_out_dir(args.out or "plan")
     plan = make_plan(**combos[0], **kwargs)
-    written = write_plan_dir(plan, out)
-    sys.stdout.write(render(plan, args.format))
-    note = "wrote " + ", ".join(str(path) for path in written)
-    print(note, file=sys.stderr if args.format == "json" else sys.stdout)
+    chart = None
+    if args.plot is not None:
+        from planner.plot import candidates_chart
+
+        chart = candidates_chart(plan, plot_format)
+    written = write_plan_dir(plan, out, command_line(argv), chart=not args.no_chart)
+    if chart is not None:
+        written.append(write_file_atomically(args.plot, chart))
+    sys.stdout.write(render(plan, args.format, args.wide))
+    print("wrote " + ", ".join(str(path) for path in written), file=status)
     return 0
 
 

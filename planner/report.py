@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 
 from tabulate import tabulate
 
@@ -12,6 +14,186 @@ from planner.units import format_bytes, gib
 
 FORMATS = ("table", "markdown", "github", "latex", "json")
 TABLEFMT = {"table": "simple", "markdown": "pipe", "github": "github", "latex": "latex"}
+
+TERMINAL_COLUMNS = 100  # what the terminal tables fit unless --wide
+
+
+# --- fitting a table to a terminal -------------------------------------------------------------------
+
+
+def _width(text: str) -> int:
+    return max((len(line) for line in text.splitlines()), default=0)
+
+
+def _simple(headers, rows, header_widths=None, col_widths=None) -> str:
+    return tabulate(
+        rows,
+        headers=headers,
+        tablefmt="simple",
+        disable_numparse=True,
+        maxheadercolwidths=header_widths,
+        maxcolwidths=col_widths,
+    )
+
+
+def _longest_word(text) -> int:
+    """The narrowest a header wraps to: its longest word, split after hyphens (micro-|batch)."""
+    return max((len(word) for word in re.split(r"\s+|(?<=-)", str(text)) if word), default=1)
+
+
+WRAP_FLOOR = 40  # text columns wrap this narrow before other columns are left out, then down to 16
+
+
+def fit_table(headers, rows, wrap=(), drop=(), width: int = TERMINAL_COLUMNS) -> tuple[str, str | None]:
+    """A "simple" table no wider than `width`, and a footnote saying what was changed (None if nothing).
+
+    In order, until it fits: headers wrapped at spaces and hyphens, the `wrap` text columns wrapped down to
+    40 characters, the columns that say the same on every row and then the `drop` columns left out, the
+    text wrapped down to 16, then other columns left out from the right. Works on whatever columns the
+    rows have."""
+    headers, rows = list(headers), [list(row) for row in rows]
+    text = _simple(headers, rows)
+    if _width(text) <= width:
+        return text, None
+    data_width = [max([len(str(row[i])) for row in rows] or [1]) for i in range(len(headers))]
+    # a header gets 2 columns of padding: wrapping it to its data's width less 2 costs nothing
+    heads = [max(_longest_word(h), min(len(h), data_width[i] - 2)) for i, h in enumerate(headers)]
+    cols = [None] * len(headers)
+    wrapped_text, dropped = False, []
+
+    def rewrap(floor: int) -> str:
+        """The widest wrap of the text columns (not below `floor`) that fits, else the narrowest."""
+        nonlocal cols, wrapped_text
+        widths = [max([len(str(row[i])) for row in rows] or [1]) for i in range(len(headers))]
+        limit = max([widths[i] for i, h in enumerate(headers) if h in wrap] or [0])
+        cols = [None] * len(headers)
+        table = _simple(headers, rows, heads, cols)
+        while _width(table) > width and limit > floor:
+            limit = max(floor, limit - 2)
+            cols = [limit if h in wrap and widths[i] > limit else None for i, h in enumerate(headers)]
+            wrapped_text = wrapped_text or any(cols)
+            table = _simple(headers, rows, heads, cols)
+        return table
+
+    def leave_out(names, floor: int) -> str:
+        table = rewrap(floor)
+        for name in names:
+            if _width(table) <= width:
+                break
+            if name not in headers:
+                continue
+            i = headers.index(name)
+            for seq in (headers, heads, *rows):
+                del seq[i]
+            dropped.append(name)
+            table = rewrap(floor)
+        return table
+
+    constant = [
+        h for i, h in enumerate(headers) if i and len(rows) > 1 and len({str(r[i]) for r in rows}) == 1
+    ]
+    empty = [h for h in constant if not str(rows[0][headers.index(h)]).strip()]
+    first = (
+        empty + [h for h in constant if h not in wrap and h not in empty] + [h for h in drop if h in headers]
+    )
+    text = leave_out(first, WRAP_FLOOR)
+    rest = [h for h in reversed(headers[1:]) if h not in wrap] + [h for h in wrap if h in headers]
+    text = leave_out(rest, 16)
+    if dropped:
+        note = f"(left out to fit {width} columns: {', '.join(dropped)}; --wide shows every column)"
+    elif wrapped_text:
+        note = (
+            f"({', '.join(h for h in wrap if h in headers)} wrapped to fit {width} columns; --wide unwraps)"
+        )
+    else:
+        return text, None  # only the headers were wrapped
+    return text, "\n".join(textwrap.wrap(note, width))
+
+
+# --- LaTeX -------------------------------------------------------------------------------------------
+
+# in math mode or as accents where the text font lacks the glyph (no TS1 font needed)
+_TEX = {
+    "\\": r"$\backslash$",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\~{}",
+    "^": r"\^{}",
+    "<": r"$<$",
+    ">": r"$>$",
+    "|": r"$|$",
+}
+
+
+def tex_escape(text) -> str:
+    """Text as LaTeX typesets it literally: every special character escaped, non-ASCII replaced."""
+    return "".join(_TEX.get(ch, ch if ord(ch) < 128 else "?") for ch in str(text))
+
+
+def latex_table(headers, rows, wrap=()) -> str:
+    """A tabular with every cell escaped; `wrap` columns become paragraph columns."""
+    spec = " ".join(r"p{6cm}" if h in wrap else "l" for h in headers)
+    lines = [r"\begin{tabular}{" + spec + "}", r"\hline"]
+    lines.append(" & ".join(tex_escape(h) for h in headers) + r" \\")
+    lines.append(r"\hline")
+    lines += [" & ".join(tex_escape(cell) for cell in row) + r" \\" for row in rows]
+    lines += [r"\hline", r"\end{tabular}"]
+    return "\n".join(lines)
+
+
+def latex_document(heading: str, notes: list[str], tables: list, warnings: list[str]) -> str:
+    """A whole document that pdflatex compiles: `tables` is [(name, headers, rows, wrap)]."""
+    out = [
+        r"\documentclass{article}",
+        r"\usepackage[landscape,margin=1.5cm]{geometry}",
+        r"\begin{document}",
+        r"\footnotesize",
+        r"\section*{" + tex_escape(heading) + "}",
+    ]
+    out += [tex_escape(note) + r"\par" for note in notes]
+    for name, headers, rows, wrap in tables:
+        out += [r"\subsection*{" + tex_escape(name) + "}", r"\noindent", latex_table(headers, rows, wrap)]
+    if warnings:
+        out += [r"\subsection*{Warnings}", r"\begin{itemize}"]
+        out += [r"\item " + tex_escape(w) for w in warnings]
+        out.append(r"\end{itemize}")
+    out.append(r"\end{document}")
+    return "\n".join(out) + "\n"
+
+
+# --- assumptions in human units ----------------------------------------------------------------------
+
+
+def human_value(name: str, value):
+    """An assumed constant as people read it: 512 MiB, 25 GB/s, 312 TFLOP/s, 5%."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if name.endswith("_bytes_per_s"):
+        return f"{value / 1e9:g} GB/s" if value else "0 (the GPU's figure)"
+    if name.endswith("_bytes"):
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if value >= size:
+                return f"{value / size:g} {unit}"
+        return f"{value} B"
+    if name.endswith("_flops"):
+        return f"{value / 1e12:g} TFLOP/s"
+    if name.startswith("mfu_") and not value:
+        return "0 (the measured MFU table)"
+    if name.endswith("_per_param"):
+        return f"{value:g} B/param"
+    if name in ("fragmentation", "comm_exposed_fraction", "fsdp_efficiency"):
+        return f"{value:.0%}"
+    if name.endswith("_s"):
+        return f"{value * 1e3:g} ms"
+    if isinstance(value, int) and value >= 10_000:
+        return f"{value:,}"
+    return value
+
 
 DESCRIBE = {
     "weights": "fp32 master weights and the positional table",
@@ -200,6 +382,7 @@ def decision_rows(plan: dict) -> tuple[list, list]:
         "sharding",
         "latents",
         "EMA",
+        "allocated / reserved GiB",
         "peak GiB",
         "% VRAM",
         "est. img/s",
@@ -212,6 +395,9 @@ def decision_rows(plan: dict) -> tuple[list, list]:
         d["sharding"],
         d["latents"],
         "on" if d["ema"] else "off",
+        f"{_gib(m['allocated_peak_bytes'])} / {_gib(m['reserved_peak_bytes'])}"
+        if "reserved_peak_bytes" in m
+        else "-",
         _gib(m["peak_bytes"]),
         _share(m["peak_bytes"], m["vram_bytes"]),
         _rate(t["est_images_per_s"], t.get("est_images_per_s_low"), t.get("est_images_per_s_high")),
@@ -222,15 +408,38 @@ def decision_rows(plan: dict) -> tuple[list, list]:
 def memory_rows(plan: dict) -> tuple[list, list]:
     m = plan["memory"]
     vram = m["vram_bytes"]
+    segments = m.get("allocator_segments", "expandable")
+    allocator_text = (
+        f"caching allocator: reserved beyond allocated ({segments} segments: rounding, fragmentation)"
+        if not plan["assumptions"].get("fragmentation")
+        else f"caching allocator: measured fragmentation {plan['assumptions']['fragmentation']:.1%}"
+    )
     rows = [
-        [name, _gib(m[name]), _share(m[name], vram), describe(plan, name)] for name in COMPONENTS if m[name]
+        [
+            name,
+            _gib(m[name]),
+            _share(m[name], vram),
+            allocator_text
+            if name == "allocator"
+            else "CUDA context, cuBLAS" + (", NCCL" if plan["cluster"]["world_size"] > 1 else "")
+            if name == "overhead"
+            else describe(plan, name),
+        ]
+        for name in COMPONENTS
+        if m.get(name)
     ]
+    for key, label, what in (
+        ("allocated_peak_bytes", "allocated peak", "the tensors (torch.cuda.max_memory_allocated)"),
+        ("reserved_peak_bytes", "reserved peak", "the caching allocator (max_memory_reserved, nvidia-smi)"),
+    ):
+        if key in m:
+            rows.append([label, _gib(m[key]), _share(m[key], vram), what])
     rows.append(
         [
             "peak",
             _gib(m["peak_bytes"]),
             _share(m["peak_bytes"], vram),
-            f"at the {PHASE_NAMES[m['peak_phase']]}",
+            f"reserved + overhead, at the {PHASE_NAMES[m['peak_phase']]}",
         ]
     )
     rows.append(
@@ -288,37 +497,64 @@ def host_rows(plan: dict) -> tuple[list, list]:
     return ["host RAM", "GiB"], rows
 
 
-def render(plan: dict, fmt: str = "table") -> str:
-    """The terminal view of one plan in any --format."""
+# How each table fits a 100-column terminal: its text columns to wrap, its columns to leave out first.
+FIT = {
+    "decision": ((), ("latents", "EMA", "% VRAM", "precision")),
+    "memory": (("what",), ()),
+    "alternatives": ((), ("% VRAM",)),
+    "time": (("choice",), ()),
+    "host": ((), ()),
+    "sweep": (("note",), ("precision", "% VRAM", "ckpt blocks")),
+}
+
+
+def plan_tables(plan: dict) -> list[tuple[str, str, tuple]]:
+    """(title, kind, (headers, rows)) of each table of a plan, in the order the terminal shows them."""
+    peak = PHASE_NAMES[plan["memory"]["peak_phase"]]
+    return [
+        ("Decision", "decision", decision_rows(plan)),
+        (f"Memory per GPU at its peak ({peak})", "memory", memory_rows(plan)),
+        ("Alternatives (fastest first)", "alternatives", alternative_rows(plan)),
+        ("Time to train", "time", time_to_train_rows(plan)),
+    ]
+
+
+def terminal_table(kind: str, headers, rows, wide: bool = False) -> str:
+    """A table for the terminal: fitted to 100 columns with a footnote, or every column with --wide."""
+    if wide:
+        return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    wrap, drop = FIT[kind]
+    text, note = fit_table(headers, rows, wrap, drop)
+    return text if note is None else f"{text}\n{note}"
+
+
+def render(plan: dict, fmt: str = "table", wide: bool = False) -> str:
+    """The terminal view of one plan in any --format (latex: a whole document pdflatex compiles)."""
     if fmt == "json":
         return json.dumps(plan, indent=2)
-    tablefmt = TABLEFMT[fmt]
-    peak = PHASE_NAMES[plan["memory"]["peak_phase"]]
-    sections = [
-        ("Decision", decision_rows(plan)),
-        (f"Memory per GPU at its peak ({peak})", memory_rows(plan)),
-        ("Alternatives (fastest first)", alternative_rows(plan)),
-        ("Time to train", time_to_train_rows(plan)),
-    ]
-    heading = {"table": "{}", "markdown": "### {}", "github": "### {}", "latex": "% {}"}[fmt]
-    out = [heading.format(title(plan)), f"units: {plan['units']}"]
+    notes = [f"units: {plan['units']}"]
     if plan.get("calibration"):
-        out.append(calibration_line(plan["calibration"]))
-    out.append("")
-    for name, (headers, rows) in sections:
-        if not rows:
-            continue
-        out += [
-            heading.format(name),
-            tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True),
-            "",
-        ]
+        notes.append(calibration_line(plan["calibration"]))
+    tables = [(name, kind, headers, rows) for name, kind, (headers, rows) in plan_tables(plan) if rows]
+    if fmt == "latex":
+        return latex_document(
+            title(plan),
+            notes,
+            [(name, headers, rows, FIT[kind][0]) for name, kind, headers, rows in tables],
+            plan["warnings"],
+        )
+    tablefmt = TABLEFMT[fmt]
+    heading = "{}" if fmt == "table" else "### {}"
+    out = [heading.format(title(plan)), *notes, ""]
+    for name, kind, headers, rows in tables:
+        if fmt == "table":
+            text = terminal_table(kind, headers, rows, wide)
+        else:
+            text = tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+        out += [heading.format(name), text, ""]
     if plan["warnings"]:
         out.append(heading.format("Warnings"))
-        out += [
-            ("- " if fmt in ("markdown", "github") else "% " if fmt == "latex" else "! ") + w
-            for w in plan["warnings"]
-        ]
+        out += [("! " if fmt == "table" else "- ") + w for w in plan["warnings"]]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -345,7 +581,8 @@ def sweep_row(combo: dict, plan: dict | None, error: str | None) -> dict:
     gpu = combo.get("gpu") or combo.get("vram")
     row = {
         "nodes": combo["nodes"],
-        "gpus": combo["gpus"],
+        "gpus": combo["gpus"],  # per node
+        "world_size": combo["nodes"] * combo["gpus"],
         "gpu_or_vram": gpu,
         "global_batch": combo["global_batch"],
         "model": combo["model"],
@@ -370,9 +607,7 @@ def sweep_row(combo: dict, plan: dict | None, error: str | None) -> dict:
     return row
 
 
-def render_sweep(rows: list[dict], fmt: str = "table") -> str:
-    if fmt == "json":
-        return json.dumps(rows, indent=2)
+def sweep_table(rows: list[dict]) -> list[list]:
     table = []
     for r in rows:
         planned = "micro_batch" in r
@@ -394,6 +629,17 @@ def render_sweep(rows: list[dict], fmt: str = "table") -> str:
                 r["note"],
             ]
         )
+    return table
+
+
+def render_sweep(rows: list[dict], fmt: str = "table", wide: bool = False) -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    table = sweep_table(rows)
+    if fmt == "latex":
+        return latex_document("dit-plan sweep", [], [("Sweep", SWEEP_HEADERS, table, ("note",))], [])
+    if fmt == "table":
+        return terminal_table("sweep", SWEEP_HEADERS, table, wide) + "\n"
     return tabulate(table, headers=SWEEP_HEADERS, tablefmt=TABLEFMT[fmt], disable_numparse=True) + "\n"
 
 
@@ -404,27 +650,36 @@ def _md(headers, rows) -> str:
     return tabulate(rows, headers=headers, tablefmt="pipe", disable_numparse=True)
 
 
-def plan_markdown(plan: dict) -> str:
-    """The design-review document: inputs, decision, memory, alternatives, assumptions, and the arithmetic."""
+def assumption_rows(plan: dict) -> tuple[list, list]:
+    """The assumed constants in human units (512 MiB, 25 GB/s, 5%)."""
+    return ["name", "value"], [[name, human_value(name, v)] for name, v in plan["assumptions"].items()]
+
+
+def plan_markdown(plan: dict, provenance: dict | None = None, chart: str | None = None) -> str:
+    """The design-review document: how it was made, the decision and warnings first, then the memory (with
+    `chart`, an image beside plan.md), the arithmetic, alternatives, inputs, assumptions; the search path
+    folded away. `provenance`: {"command", "version", "date"} of the run that wrote it."""
     m, d, t, mod, c = plan["memory"], plan["decision"], plan["throughput"], plan["model"], plan["cluster"]
     a = m["activation_breakdown"]
     P = mod["params_trainable"]
     b, s, h = d["micro_batch"], mod["tokens"], mod["hidden"]
+    made = provenance or {}
     inputs = [[k, json.dumps(v)] for k, v in plan["inputs"].items() if v is not None]
     lines = [
         f"# Training plan: {title(plan)}",
         "",
-        f"Units: {plan['units']}. Memory is per GPU; `dit-plan` wrote this with schema `{plan['schema']}`.",
+        "```",
+        made.get("command", "(made through the Python API: planner.plan.make_plan)"),
+        "```",
+        "",
+        f"dit-accel {made.get('version', 'unknown')}, written {made.get('date', 'at an unrecorded date')}, "
+        f"plan.json schema `{plan['schema']}`. Units: {plan['units']}. Memory is per GPU.",
         "",
         (
             f"Measured figures: {calibration_line(plan['calibration'])}."
             if plan.get("calibration")
             else "No calibration: every overhead, the fragmentation and the MFU are assumed (see Assumptions)."
         ),
-        "",
-        "## Inputs",
-        "",
-        _md(["input", "value"], inputs),
         "",
         "## Decision",
         "",
@@ -435,8 +690,22 @@ def plan_markdown(plan: dict) -> str:
         + (f", FSDP `{d['fsdp_sharding_strategy']}`" if d["fsdp_sharding_strategy"] else "")
         + ".",
         "",
+        "## Warnings",
+        "",
+    ]
+    lines += [f"- {w}" for w in plan["warnings"]] or ["None."]
+    lines += [
+        "",
         f"## Memory per GPU at its peak ({PHASE_NAMES[m['peak_phase']]})",
         "",
+    ]
+    if chart:
+        lines += [
+            f"![Memory per GPU: every component of the decision and the alternatives against the budget, "
+            f"and the decision at each moment of the step]({chart})",
+            "",
+        ]
+    lines += [
         _md(*memory_rows(plan)),
         "",
         "### At each moment of the step",
@@ -509,30 +778,40 @@ def plan_markdown(plan: dict) -> str:
             _md(*time_to_train_rows(plan)),
             "",
         ]
+    path = plan["search"]["path"]
     lines += [
         "## Host RAM per node (exitcode -9)",
         "",
         _md(*host_rows(plan)),
         "",
+        "## Inputs",
+        "",
+        _md(["input", "value"], inputs),
+        "",
         "## Assumptions",
         "",
-        _md(["name", "value"], [[k, v] for k, v in plan["assumptions"].items()]),
+        _md(*assumption_rows(plan)),
         "",
-        "Every value is overridable with `dit-plan --assume NAME=VALUE`; docs/planner.md gives their sources.",
+        "Every value is overridable with `dit-plan --assume NAME=VALUE`: sizes with a unit "
+        "(`cuda_context_bytes=768MiB`), bandwidths in bytes/s (`inter_node_busbw_bytes_per_s=50e9`), "
+        "fractions as numbers (`fragmentation=0.08`); docs/planner.md gives their sources.",
         "",
         "## How the decision was made",
         "",
         plan["search"]["rule"] + ".",
         "",
+        "<details>",
+        f"<summary>The search path: {len(path)} candidates; the decision is the furthest that fits</summary>",
+        "",
         _md(
             ["sharding", "micro-batch", "checkpointed", "peak GiB", "est. img/s", "fits"],
             [
                 [p[0], p[1], p[2], _gib(p[3]), f"{p[4]:.0f}", "yes" if p[3] <= m["budget_bytes"] else "no"]
-                for p in plan["search"]["path"]
+                for p in path
             ],
         ),
         "",
+        "</details>",
+        "",
     ]
-    if plan["warnings"]:
-        lines += ["## Warnings", ""] + [f"- {w}" for w in plan["warnings"]] + [""]
     return "\n".join(lines)

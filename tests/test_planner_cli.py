@@ -19,11 +19,11 @@ def run(argv, capsys):
     return code, out, err
 
 
-def test_headline_command_writes_the_three_files(tmp_path, capsys):
+def test_headline_command_writes_the_plan_files(tmp_path, capsys):
     code, out, err = run(BASE + ["--out", str(tmp_path / "plan")], capsys)
     assert code == 0 and err == ""
     files = sorted(p.name for p in (tmp_path / "plan").iterdir())
-    assert files == ["accelerate_config.yaml", "plan.json", "plan.md"]
+    assert files == ["accelerate_config.yaml", "memory.png", "plan.json", "plan.md"]
     assert "G/GB = 10^9 bytes, GiB = 2^30 bytes" in out  # the unit convention, said
     assert "37.25 GiB = 40.00 GB" in out
     for heading in ("Decision", "Memory per GPU at its peak", "Alternatives", "Warnings"):
@@ -92,9 +92,13 @@ def test_plan_json_contract(tmp_path, capsys):
         "autocast_cache",
         "vae",
         "temporaries",
+        "allocator",
         "overhead",
     )
     assert sum(m[k] for k in parts) == m["peak_bytes"] <= m["budget_bytes"] == 38 * 10**9  # 5% headroom
+    # the budget holds the caching allocator's reserved peak and the memory outside it
+    assert m["peak_bytes"] == m["reserved_peak_bytes"] + m["overhead"]
+    assert m["allocated_peak_bytes"] <= m["reserved_peak_bytes"] and m["allocator_segments"] == "expandable"
     assert {"step_flops", "est_images_per_s", "assumed_mfu"} <= set(plan["throughput"])
     assert plan["host"]["per_node_bytes"] == 8 * plan["host"]["per_rank_bytes"]
     for alternative in plan["alternatives"]:
@@ -195,7 +199,7 @@ def test_sweep_gives_one_row_per_combination_and_writes_nothing(tmp_path, capsys
         ["--gpu", "a100-40g,a100-80g,h100-80g", "--gpus", "8,16", "--global-batch", "256"], capsys
     )
     assert code == 0
-    rows = [line for line in out.splitlines() if "DiT-XL/2" in line]
+    rows = [line for line in out.splitlines() if line.startswith(("1 x 8 ", "2 x 8 "))]
     assert len(rows) == 6
     assert list(tmp_path.iterdir()) == []
     code, out, _ = run(
@@ -247,6 +251,13 @@ BAD = [
     (["--gpus", "8", "--vram", "40G", "--assume", "warp=1"], "--assume 'warp=1'"),
     (["--gpus", "8", "--vram", "40G", "--assume", "fragmentation=2"], "fragmentation must be a fraction"),
     (["--gpus", "8", "--vram", "40G", "--nodes", "0"], "--nodes must be positive"),
+    (["--gpus", "12", "--vram", "40G"], "does not split into nodes of 8"),
+    (["--gpus", "8", "--nodes", "2", "--vram", "40G"], "give --gpus 16 for 2 full nodes"),
+    (["--gpus", "16", "--gpus-per-node", "4", "--nodes", "2", "--vram", "40G"], "contradicts --nodes 2"),
+    (["--gpus", "12", "--gpus-per-node", "8", "--vram", "40G"], "not a whole number of nodes"),
+    (["--nodes", "2", "--vram", "40G"], "give --gpus N, the total"),
+    (["--gpus-per-node", "0", "--vram", "40G"], "--gpus-per-node must be positive"),
+    (["--gpus", "8", "--vram", "40G", "--plot", "chart.txt"], "must end in .png, .svg or .pdf"),
     (["--gpus", "8", "--vram", "40G", "--depth", "0"], "--depth must be positive"),
     (["--gpus", "8", "--vram", "40G", "--hidden", "30", "--heads", "4"], "does not divide into 4 heads"),
     (["--gpus", "8", "--vram", "40G", "--max-micro-batch", "x"], "--max-micro-batch 'x'"),
@@ -294,7 +305,7 @@ def test_a_write_that_fails_midway_leaves_nothing(tmp_path, capsys, monkeypatch)
 
 def test_replanning_replaces_our_files_and_keeps_the_users(tmp_path, capsys):
     out = tmp_path / "plan"
-    assert run(BASE + ["--nodes", "2", "--out", str(out)], capsys)[0] == 0
+    assert run(BASE[2:] + ["--gpus", "16", "--out", str(out)], capsys)[0] == 0
     assert (out / "launch.slurm").exists()
     (out / "notes.txt").write_text("keep me")
     assert run(BASE + ["--gpus", "4", "--out", str(out)], capsys)[0] == 0
@@ -341,8 +352,11 @@ def test_the_planner_never_imports_torch():
     code = (
         "import sys; from planner.cli import main; import planner.plan, planner.report, planner.outputs;"
         "plan = planner.plan.make_plan(gpus=8, vram='40G', global_batch=256); planner.report.render(plan);"
-        "planner.report.plan_markdown(plan); planner.outputs.render_files(plan);"
-        "heavy = {'torch', 'accelerate', 'diffusers', 'numpy'} & set(sys.modules); assert not heavy, heavy"
+        "planner.report.plan_markdown(plan); planner.outputs.render_files(plan, chart=False);"
+        "heavy = {'torch', 'accelerate', 'diffusers', 'numpy'} & set(sys.modules); assert not heavy, heavy;"
+        # the memory chart loads matplotlib (and numpy) when it is drawn, never the GPU stack
+        "planner.outputs.render_files(plan); assert 'matplotlib' in sys.modules;"
+        "heavy = {'torch', 'accelerate', 'diffusers'} & set(sys.modules); assert not heavy, heavy"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -352,10 +366,11 @@ def test_communication_bound_plan_warns_why_and_how_to_fix_it(tmp_path, capsys):
     """2 x 8 H100 at global batch 256: micro-batch 16 per GPU, and the exposed inter-node gradient all-reduce
     outweighs its compute, so 2 nodes estimate fewer images/s than 1; the plan says why, in all three outputs."""
     # pinned to DDP: left to itself the planner shards here (zero2 sends bf16, and is estimated faster)
-    two_nodes = ["--gpu", "h100-80g", "--gpus", "8", "--global-batch", "256", "--sharding", "ddp"]
+    two_nodes = ["--gpu", "h100-80g", "--gpus-per-node", "8", "--global-batch", "256", "--sharding", "ddp"]
     code, out, _ = run(
         two_nodes + ["--nodes", "2", "--main-process-ip", "10.0.0.1", "--out", str(tmp_path / "two")], capsys
     )
+    assert json.loads((tmp_path / "two" / "plan.json").read_text())["cluster"]["world_size"] == 16
     assert code == 0
     plan = json.loads((tmp_path / "two" / "plan.json").read_text())
     t = plan["throughput"]
@@ -407,3 +422,46 @@ def test_one_node_of_a100_40g_has_no_communication_warning(tmp_path, capsys):
         "exposed communication" in w for w in plan["warnings"]
     )
     assert "exposed communication is" not in (tmp_path / "plan.md").read_text()
+
+
+SHAPES = [
+    (["--gpus", "8"], [(1, 8)]),  # the README's command: one node of 8
+    (["--gpus", "4"], [(1, 4)]),
+    (["--gpus", "16"], [(2, 8)]),  # more than a node holds: nodes of 8
+    (["--gpus", "32", "--nodes", "4"], [(4, 8)]),
+    (["--gpus-per-node", "4", "--nodes", "2"], [(2, 4)]),
+    (["--gpus", "16", "--gpus-per-node", "4"], [(4, 4)]),
+    (["--gpus", "16", "--gpus-per-node", "8", "--nodes", "2"], [(2, 8)]),
+    (["--gpus", "8,16,32"], [(1, 8), (2, 8), (4, 8)]),  # a sweep over the total
+]
+
+
+@pytest.mark.parametrize("argv, shapes", SHAPES, ids=[" ".join(a) for a, _ in SHAPES])
+def test_gpus_is_the_total_and_splits_into_nodes_of_8(argv, shapes):
+    args, node_size = cli.parse(argv + ["--vram", "80G"])
+    assert [(c["nodes"], c["gpus"]) for c in cli.combinations(args, node_size)] == shapes
+
+
+def test_a_sweep_over_the_total_shows_nodes_x_gpus(capsys):
+    code, out, _ = run(["--gpu", "h100-80g", "--gpus", "8,16", "--format", "json"], capsys)
+    rows = json.loads(out)
+    assert code == 0 and [(r["nodes"], r["gpus"], r["world_size"]) for r in rows] == [(1, 8, 8), (2, 8, 16)]
+    code, out, _ = run(["--gpu", "h100-80g", "--gpus", "8,16"], capsys)
+    assert "1 x 8" in out and "2 x 8" in out and "1 x 16" not in out
+
+
+def test_version_comes_from_the_package_metadata_or_the_source(capsys, monkeypatch):
+    import importlib.metadata
+    import re
+
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0 and out == f"dit-plan (dit-accel) {importlib.metadata.version('dit-accel')}\n"
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    source = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0 and out == f"dit-plan (dit-accel) {source}\n"

@@ -25,14 +25,28 @@ COMMANDS = {
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: dit-accel COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: dit-accel COMMAND [ARGS...] | --version", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items()]
     lines += ["", "Run `dit-accel COMMAND --help` for a command's options. Plans are made by `dit-plan`."]
     return "\n".join(lines)
 
 
+def version() -> str:
+    """The installed distribution's version (the wheel's metadata, not a constant that can drift from it)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("dit-accel")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"dit-accel {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2

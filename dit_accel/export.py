@@ -36,10 +36,12 @@ from pathlib import Path
 import torch
 
 from dit_accel.atomic import staged_folder, write_json_atomically
+from dit_accel.class_names import read_labels_file, run_class_names  # noqa: F401 (run_class_names: a public name here)
 from dit_accel.cli_args import OneLineParser, positive_int, refuse_file
 from dit_accel.errors import UserError, exits_cleanly
 
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline.__call__: class_null = [1000] * batch_size
+EXPORT_INFO = "dit_accel_export.json"  # in OUT/transformer/: the model's own class count before padding
 SCHEDULER_CONFIG = {"timestep_spacing": "leading", "set_alpha_to_one": True, "steps_offset": 0}
 
 
@@ -79,55 +81,30 @@ def with_pipeline_null_class(model):
     return padded.to(next(model.parameters()).device).eval()
 
 
-def read_labels_file(path: str | os.PathLike) -> list[str]:
-    """Class names from a classes.json ({"classes": [...]}), a JSON list, or a JSON {"index": "name"} map."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(
-            f"cannot read --labels {path} ({error}): pass a classes.json or a JSON list of class names"
-        ) from None
-    if isinstance(data, dict) and "classes" in data:
-        data = data["classes"]
-    if isinstance(data, dict):
-        try:
-            return [str(data[key]) for key in sorted(data, key=int)]
-        except ValueError:
-            raise UserError(
-                f'--labels {path} maps names that are not class indices: expected {{"0": "tench", ...}}'
-            ) from None
-    if isinstance(data, list):
-        return [str(name) for name in data]
-    raise UserError(f"--labels {path} is neither a list of class names nor a classes.json")
+def exported_num_classes(folder: str | os.PathLike) -> int | None:
+    """The class count a pipeline (or its transformer) folder had before export padded it to 1,000."""
+    from dit_accel.model import transformer_folder
+
+    path = transformer_folder(folder) / EXPORT_INFO
+    return int(json.loads(path.read_text())["num_classes"]) if path.is_file() else None
 
 
-def run_class_names(source) -> list[str] | None:
-    """The class names of the run a checkpoint belongs to: classes.json in the run folder, its latent cache
-    or a pipeline folder; else the sorted class folders of its image folder. None when nothing is recorded."""
-    checkpoint = Path(source.info["checkpoint"])
-    candidates = [
-        checkpoint,
-        checkpoint.parent.parent,
-        Path(source.train_config.get("output_dir") or checkpoint),
-    ]
-    if source.train_config.get("latents"):
-        candidates.append(Path(source.train_config["latents"]))
-    for folder in candidates:
-        if (folder / "classes.json").is_file():
-            return read_labels_file(folder / "classes.json")
-    if (checkpoint / "model_index.json").is_file():
-        id2label = json.loads((checkpoint / "model_index.json").read_text()).get("id2label")
-        if id2label:
-            return [id2label[key] for key in sorted(id2label, key=int)]
-    data_path = source.train_config.get("data_path")
-    if data_path and Path(data_path).is_dir():
-        return sorted(
-            entry.name
-            for entry in Path(data_path).iterdir()
-            if entry.is_dir() and not entry.name.startswith(".")
-        )
-    return None
+def unpad_class_table(parameters: dict, num_classes: int) -> dict:
+    """The weights of an exported model with its class table back to `num_classes` + 1 rows (the real classes,
+    then the null row from row 1000); refused unless the rows in between are the padding export wrote."""
+    names = [name for name in parameters if name.endswith("class_embedder.embedding_table.weight")]
+    out = dict(parameters)
+    for name in names:
+        table = parameters[name]
+        if table.shape[0] != PIPELINE_NULL_CLASS + 1 or num_classes >= PIPELINE_NULL_CLASS:
+            raise ValueError(f"{name} has {table.shape[0]} rows: not a padded export")
+        null_row = table[PIPELINE_NULL_CLASS : PIPELINE_NULL_CLASS + 1]
+        if not torch.equal(
+            table[num_classes:PIPELINE_NULL_CLASS], null_row.expand(PIPELINE_NULL_CLASS - num_classes, -1)
+        ):
+            raise ValueError(f"rows {num_classes}..999 of {name} are not export's padding: real classes")
+        out[name] = torch.cat([table[:num_classes], null_row])
+    return out
 
 
 def write_pipeline(
@@ -161,6 +138,14 @@ def write_pipeline(
     vae, _identity = load_vae(vae_path)
     with staged_folder(out_dir, overwrite) as staging:
         export_diffusers(exported, staging / "transformer", allow_freq_shift_change=allow_freq_shift_change)
+        write_json_atomically(  # what --init-from reads to take the padding off again
+            staging / "transformer" / EXPORT_INFO,
+            {
+                "num_classes": spec.num_classes,
+                "padded_to": PIPELINE_NULL_CLASS,
+                "null_class_row": PIPELINE_NULL_CLASS,
+            },
+        )
         vae.save_pretrained(staging / "vae")
         pipeline_scheduler().save_pretrained(staging / "scheduler")
         index = {

@@ -38,17 +38,40 @@ def read_init_weights(path: str, spec, use_ema: bool = False) -> InitWeights:
     from dit_accel.model import network_mismatch, timestep_freq_shift
 
     model, found, info = ckpt.load_weights(path, use_ema=use_ema)
+    parameters = {name: param.detach() for name, param in model.named_parameters()}
     mismatch = network_mismatch(found, spec)
+    if mismatch and info["weights"] == "diffusers" and found.num_classes != spec.num_classes:
+        parameters, mismatch = _unpadded_export(path, parameters, found, spec, mismatch)
     if mismatch:
         raise UserError(
             f"--init-from {path} is another network than the plan's {spec.name}: {mismatch}",
             "plan the network of those weights (dit-plan --depth/--hidden/--heads/--patch/--num-classes/"
             "--resolution) or pass matching weights",
         )
-    parameters = {name: param.detach() for name, param in model.named_parameters()}
     return InitWeights(
         parameters, timestep_freq_shift(model), f"{info['checkpoint']} ({info['weights']} weights)"
     )
+
+
+def _unpadded_export(path: str, parameters: dict, found, spec, mismatch: str) -> tuple[dict, str | None]:
+    """A pipeline `dit-accel export` wrote holds a class table padded to 1,000 classes for DiTPipeline; for a
+    plan with the model's own class count the padding comes off again (checked row by row)."""
+    import dataclasses
+
+    from dit_accel.export import PIPELINE_NULL_CLASS, exported_num_classes, unpad_class_table
+    from dit_accel.model import network_mismatch
+
+    recorded = exported_num_classes(path)
+    if found.num_classes != PIPELINE_NULL_CLASS or network_mismatch(
+        dataclasses.replace(found, num_classes=spec.num_classes), spec
+    ):
+        return parameters, mismatch
+    if recorded is not None and recorded != spec.num_classes:
+        return parameters, f"num_classes {recorded} as exported (wanted {spec.num_classes})"
+    try:
+        return unpad_class_table(parameters, spec.num_classes), None
+    except ValueError as why:
+        return parameters, f"{mismatch}; {why}"
 
 
 @torch.no_grad()
@@ -126,6 +149,17 @@ def check_resume(state: dict, plan: Plan, spec, world_size: int, checkpoint: Pat
             )
 
 
+def check_same_hflip(saved: dict, config: TrainConfig, checkpoint: Path) -> None:
+    """A resumed run keeps its augmentation: the flips it trained with (`hflip` as resolved at its start)."""
+    before = saved.get("hflip")
+    if before is not None and config.hflip is not None and bool(before) != bool(config.hflip):
+        flag = "--hflip" if before else "--no-hflip"
+        raise UserError(
+            f"{checkpoint} trained with {flag} but this launch says {'--hflip' if config.hflip else '--no-hflip'}",
+            f"resume with {flag} (or neither), or start a new --output-dir",
+        )
+
+
 @dataclass
 class Start:
     """How this run begins: from `checkpoint` (resume), from `init` weights (a new run), or from the seed."""
@@ -160,6 +194,7 @@ def choose_start(
         from dit_accel.model import read_sidecar
 
         check_resume(ckpt.read_train_state(start.checkpoint), plan, spec, world_size, start.checkpoint)
+        check_same_hflip(ckpt.read_train_config(start.checkpoint), config, start.checkpoint)
         start.timestep_freq_shift = read_sidecar(start.checkpoint).get(
             "timestep_freq_shift"
         )  # None: diffusers'

@@ -406,6 +406,32 @@ def sample_images(
     return to_uint8_nhwc(decoder(latents))
 
 
+def label_rows(grid: np.ndarray, names: Sequence[str], cell_px: int, padding: int = 2) -> np.ndarray:
+    """The grid (one row per class, `make_grid`'s layout) with a white margin on the left naming each row."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    width = max(int(measure.textlength(str(name), font=font)) for name in names) + 2 * padding + 2
+    picture = Image.new("RGB", (grid.shape[1] + width, grid.shape[0]), (255, 255, 255))
+    picture.paste(Image.fromarray(grid), (width, 0))
+    draw = ImageDraw.Draw(picture)
+    for row, name in enumerate(names):
+        middle = padding + row * (cell_px + padding) + cell_px // 2
+        draw.text((padding + 1, middle), str(name), fill=(0, 0, 0), font=font, anchor="lm")
+    return np.asarray(picture)
+
+
+def grid_class_names(source: Source) -> list[str] | None:
+    """The class names the run recorded (its classes.json, its latent cache's, a pipeline's id2label)."""
+    from dit_accel.class_names import run_class_names
+
+    try:
+        return run_class_names(source)
+    except (OSError, ValueError, UserError):
+        return None
+
+
 # --- the command --------------------------------------------------------------------------------------------
 # The classes the DiT paper shows (sample.py of the reference): used when an ImageNet-1k model gets no --classes.
 IMAGENET_SHOWCASE = (207, 360, 387, 974, 88, 979, 417, 279)
@@ -473,6 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="grid PNG to write; singles go to <name>_images/ next to it"
     )
     parser.add_argument(
+        "--row-labels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="name each grid row with its class when the run recorded class names (default); rows are one "
+        "per class then, even with --per-class 1",
+    )
+    parser.add_argument(
         "--npz", default=None, help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels)"
     )
     parser.add_argument(
@@ -518,20 +551,22 @@ def _classes(args, spec, for_grid: bool) -> list[int]:
 
 
 def sample_grid(args) -> int:
-    from dit_accel.images import grid_columns, save_grid_and_singles
+    from dit_accel.images import grid_columns, make_grid, save_grid_and_singles, save_png
+    from dit_accel.progress import progress_bar
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     source = load_source(args.checkpoint, use_ema=args.ema, device=device)
     decoder = load_decoder(source.spec, args.vae or default_vae_path(source), device)
     settings = _settings(args, default_cfg=4.0)
-    labels = grid_labels(_classes(args, source.spec, for_grid=True), args.per_class)
+    classes = _classes(args, source.spec, for_grid=True)
+    labels = grid_labels(classes, args.per_class)
+    names = grid_class_names(source) if args.row_labels else None
     warn_about_the_ema(source)
-    from tqdm.auto import tqdm
 
     batches = []
     starts = range(0, len(labels), args.batch_size)
     # a grid on a CPU takes minutes: the batches and each one's denoising steps show on stderr
-    for start in tqdm(starts, desc=f"grid of {len(labels)}", unit="batch", file=sys.stderr):
+    for start in progress_bar(starts, desc=f"grid of {len(labels)}", unit="batch"):
         indices = range(start, min(start + args.batch_size, len(labels)))
         batches.append(
             sample_images(
@@ -547,9 +582,11 @@ def sample_grid(args) -> int:
             )
         )
     images = np.concatenate(batches)
-    grid_path, singles = save_grid_and_singles(
-        images, labels, args.out, grid_columns(len(labels), args.per_class)
-    )
+    columns = args.per_class if names else grid_columns(len(labels), args.per_class)
+    grid_path, singles = save_grid_and_singles(images, labels, args.out, columns)
+    if names:  # rows named by class: the grid written again, with its margin
+        row_names = [names[c] if c < len(names) else str(c) for c in classes]
+        save_png(label_rows(make_grid(images, columns), row_names, images.shape[1]), grid_path)
     print(
         f"wrote {grid_path} ({len(labels)} samples, {settings.sampler} {settings.steps} steps, cfg {settings.cfg_scale}, "
         f"{source.info['weights']} weights) and {len(labels)} single images in {singles}/"
@@ -559,7 +596,8 @@ def sample_grid(args) -> int:
 
 def sample_eval_batch(args) -> int:
     from accelerate import Accelerator
-    from tqdm.auto import tqdm
+
+    from dit_accel.progress import progress_bar
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     npz_path = Path(args.npz)
@@ -599,7 +637,9 @@ def sample_eval_batch(args) -> int:
     mine = job.batches_for_rank(accelerator.process_index, accelerator.num_processes)
     todo = [batch for batch in mine if not job.shard_is_done(batch)]
     skipped = len(mine) - len(todo)
-    for batch in tqdm(todo, desc="batches", disable=not accelerator.is_local_main_process):
+    for batch in progress_bar(
+        todo, desc="batches", unit="batch", disable=not accelerator.is_local_main_process
+    ):
         indices = job.indices(batch)
         labels = job.labels[indices.start : indices.stop]
         images = sample_images(

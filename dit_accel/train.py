@@ -11,6 +11,9 @@ optimizer step, the NaN policy, logging, checkpoints), finish. Each part lives i
     step               the components and one training step (what `dit-accel verify` traces)
     checkpoint         commit, rotate and load checkpoints
     runlog             logs, metrics and the measured memory against the plan
+    trackers           --report-to: TensorBoard, wandb, through Accelerate's trackers
+    train_samples      --sample-every: an EMA sample grid to RUN/samples/ and the trackers
+    progress           tqdm on a terminal, a plain line every 10% in a log file
     faults             test-only fault injection, installed once at start
     preemption         a stop signal noticed at a step boundary; the rank dies with its launcher
     watchdog           each rank's heartbeat, and the end of a rank stuck in a collective
@@ -38,11 +41,14 @@ from dit_accel.errors import (
 )
 from dit_accel.faults import Faults
 from dit_accel.preemption import StopRequest, die_with_parent, signal_name
+from dit_accel.progress import progress_bar
 from dit_accel.resume import choose_start, claim_run_folder, restore
 from dit_accel.runlock import release_all as release_run_folder
 from dit_accel.runlog import StepLog, log, parameter_checksum, setup_logging, tracker_config
 from dit_accel.step import NON_FINITE, SCALER_OVERFLOW, build_components, optimizer_step, train_micro_step
+from dit_accel.trackers import chosen_trackers, start_trackers
 from dit_accel.train_config import TrainConfig, parse_config, parse_signals, save_config
+from dit_accel.train_samples import TrainingSamples
 from dit_accel.watchdog import Watchdog
 from planner.planfile import read_plan
 
@@ -62,16 +68,14 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     spec = plan.spec()
     check_data_mode(plan, config)
     check_launch(plan, int(os.environ.get("WORLD_SIZE", "1")), config.plan)
+    trackers = chosen_trackers(config.report_to, config.tensorboard)  # a missing package: one line, now
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     accelerator = make_accelerator(plan, config, run_dir)
     check_launch(plan, accelerator.num_processes, config.plan)
-    rank, world_size, is_main = (
-        accelerator.process_index,
-        accelerator.num_processes,
-        accelerator.is_main_process,
-    )
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    is_main = accelerator.is_main_process
     claim_run_folder(accelerator, config, run_dir)  # RUN/run.lock, before anything is written
     log_path = setup_logging(run_dir, rank, is_main)
     faults = Faults.from_environment(rank)
@@ -81,6 +85,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
 
     # The parts: data, where the run starts, model/EMA/optimizer, then the state restored into them.
     dataset = build_dataset(plan, config, spec)
+    config.hflip = dataset.flip  # as resolved (a cache's own setting): recorded in the run, held on resume
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
     start = choose_start(config, run_dir, plan, spec, world_size, accelerator=accelerator)
     tf32 = set_tf32(config.tf32, accelerator.device)
@@ -97,8 +102,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         save_config(config, run_dir / TRAIN_CONFIG)
         write_json_atomically(run_dir / PLAN, plan.to_json())
         write_classes_json(run_dir, dataset.classes)  # the names sample and export give the class indices
-    if config.tensorboard and accelerator.log_with:
-        accelerator.init_trackers("train", config=tracker_config(config, plan))
+    start_trackers(accelerator, trackers, tracker_config(config, plan), run_dir.name, run_dir)
+    samples = TrainingSamples(config, plan, spec, accelerator, components, run_dir, dataset.classes)
 
     latent_shape = (spec.in_channels, spec.latent_size, spec.latent_size)  # what the network sees
     noise = SampleNoise(
@@ -151,16 +156,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         accelerator.end_training()
         return 0
 
-    from tqdm import tqdm
-
-    progress = tqdm(
-        total=config.max_steps,
-        initial=state["step"],
-        disable=not (is_main and config.progress_bar),
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-    )
+    show = is_main and config.progress_bar
+    progress = progress_bar(total=config.max_steps, initial=state["step"], unit="step", disable=not show)
 
     def finish() -> None:  # every way out of the loop: done, stopped or preempted
         progress.close()
@@ -190,7 +187,10 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
                 )
                 loss_sum = loss_sum + train_micro_step(components, batch)
         watchdog.at(step, d.grad_accum)
-        result = optimizer_step(components, loss_sum, stop_signum=stop_request.signum)  # votes on the stop
+        measure = (  # the gradient norm, on the steps that log or save it
+            step % config.log_every == 0 or step % config.checkpoint_every == 0 or step == config.max_steps
+        )
+        result = optimizer_step(components, loss_sum, stop_request.signum, measure)  # votes on the stop
         state["step"] = step
         state["applied_steps"] += int(result.applied)
         progress.update(1)
@@ -226,6 +226,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         if preempted or step % config.checkpoint_every == 0 or step == config.max_steps:
             last_good = checkpointer.save(step, dict(state, **order.position(step)))
             log.info(f"checkpoint {last_good}")
+        if samples.due(step) and not preempted:
+            samples.write(step)
         if preempted:
             finish()
             raise Preempted(

@@ -44,7 +44,9 @@ class TrainConfig:
     )
     resume: str | None = field(
         default=None,
-        metadata={"help": "'auto' (newest complete checkpoint in the run folder) or a checkpoint/run folder"},
+        metadata={
+            "help": "'auto' or 'latest' (the newest complete checkpoint in the run folder) or a checkpoint/run folder"
+        },
     )
     init_from: str | None = field(
         default=None,
@@ -125,11 +127,55 @@ class TrainConfig:
     tf32: bool = field(
         default=True, metadata={"help": "TF32 matmuls and convolutions on CUDA (--no-tf32 for full fp32)"}
     )
+    compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "torch.compile each transformer block (dit_accel.compile); default auto: the plan's "
+            "decision.compile on CUDA, off on a CPU"
+        },
+    )
     tensorboard: bool = field(
         default=True,
         metadata={"help": "log to TensorBoard in OUTPUT_DIR/tensorboard (--no-tensorboard to turn off)"},
     )
-    progress_bar: bool = field(default=True, metadata={"help": "tqdm progress bar on the main process"})
+    report_to: str = field(
+        default="tensorboard",
+        metadata={
+            "help": "experiment trackers: tensorboard (OUTPUT_DIR/tensorboard), wandb (pip install "
+            "'dit-accel[wandb]'), several comma-separated, all (every installed one) or none"
+        },
+    )
+    hflip: bool | None = field(
+        default=None,
+        metadata={
+            "help": "random horizontal flips (DiT's only augmentation; default on). With --latents the cache's "
+            "own setting (extract-latents --hflip/--no-hflip) unless given; --hflip on a cache made with "
+            "--no-hflip is refused"
+        },
+    )
+    sample_every: int = field(
+        default=0,
+        metadata={
+            "help": "every N optimizer steps, an EMA sample grid to OUTPUT_DIR/samples/ and the trackers (0: off)"
+        },
+    )
+    sample_classes: str = field(
+        default="",
+        metadata={
+            "help": "the classes of --sample-every's grid, e.g. 207,360,387 (default: the DiT paper's showcase "
+            "classes for ImageNet-1k, else the first 8)"
+        },
+    )
+    sample_steps: int = field(default=50, metadata={"help": "DDPM steps of --sample-every's grid"})
+    sample_cfg_scale: float = field(
+        default=4.0, metadata={"help": "classifier-free guidance scale of --sample-every's grid"}
+    )
+    progress_bar: bool = field(
+        default=True,
+        metadata={
+            "help": "progress on the main process (tqdm on a terminal, a plain line every 10% in a log)"
+        },
+    )
     debug_checksums: bool = field(
         default=False,
         metadata={"help": "write a parameter checksum per step to each rank's log (slow; for tests)"},
@@ -160,6 +206,8 @@ class TrainConfig:
         sources = [name for name in ("data_path", "latents") if getattr(self, name)]
         if len(sources) != 1:
             raise UserError("pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)")
+        if self.resume == "latest":  # the name other trainers use for the same thing
+            self.resume = "auto"
         if self.init_from and self.resume not in (None, "auto"):
             raise UserError(
                 f"--init-from starts a new run from weights but --resume {self.resume} continues a run: pass "
@@ -169,11 +217,11 @@ class TrainConfig:
             raise UserError(
                 "--init-from-ema chooses the weights of --init-from: add --init-from RUN_OR_CHECKPOINT, or drop it"
             )
-        positive = ("max_steps", "checkpoint_every", "keep_last", "log_every")
+        positive = ("max_steps", "checkpoint_every", "keep_last", "log_every", "sample_steps")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        numbers = ("lr", "weight_decay", "ema_decay", "class_dropout", "grad_clip")
+        numbers = ("lr", "weight_decay", "ema_decay", "class_dropout", "grad_clip", "sample_cfg_scale")
         for flag, value in [(_flag(n), getattr(self, n)) for n in numbers] + [
             ("betas", b) for b in self.betas
         ]:
@@ -206,7 +254,7 @@ class TrainConfig:
                 "--skip-bad-images is for an image folder (--data-path)",
                 "drop it: a latent cache holds only images that decoded (extract-latents has its own flag)",
             )
-        for name in ("warmup_steps", "num_workers", "max_skipped_steps", "max_bad_images"):
+        for name in ("warmup_steps", "num_workers", "max_skipped_steps", "max_bad_images", "sample_every"):
             if (getattr(self, name) or 0) < 0:
                 raise UserError(
                     f"--{_flag(name)} must not be negative, got {getattr(self, name)}", "pass 0 or more"
@@ -217,6 +265,13 @@ class TrainConfig:
             raise UserError(f"--class-dropout must be in [0, 1), got {self.class_dropout}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise UserError(f"--grad-clip must be positive, got {self.grad_clip}")
+        if self.sample_cfg_scale < 0:
+            raise UserError(
+                f"--sample-cfg-scale must be >= 0 (1 turns guidance off), got {self.sample_cfg_scale}"
+            )
+        from dit_accel.trackers import parse_report_to
+
+        parse_report_to(self.report_to)
         if self.nan_policy not in NAN_POLICIES:
             raise UserError(f"--nan-policy must be one of {', '.join(NAN_POLICIES)}, got {self.nan_policy!r}")
         try:
@@ -268,12 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a DiT exactly as plan.json says. Launch with "
         "`accelerate launch --config_file PLAN_DIR/accelerate_config.yaml -m dit_accel.train --plan PLAN_DIR/plan.json ...`.",
     )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a recipe: flat YAML whose keys are these flags (e.g. configs/recipes/dit-xl2-256.yaml); "
+        "flags on the command line override it",
+    )
     for spec in dataclasses.fields(TrainConfig):
         flags = [f"--{spec.name.replace('_', '-')}"]
         if "_" in spec.name:
             flags.append(f"--{spec.name}")
         help_text = spec.metadata.get("help", "")
-        if spec.type == "bool" or isinstance(spec.default, bool):
+        if spec.type == "bool" or isinstance(spec.default, bool) or spec.name in ("hflip", "compile"):
             parser.add_argument(
                 *flags,
                 dest=spec.name,
@@ -309,8 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
+    """The command line, after the recipe of `--config FILE` when there is one (the command line wins)."""
+    from dit_accel.recipe import recipe_argv
+
+    argv = list(argv)
     namespace = build_parser().parse_args(argv)
+    if namespace.config:
+        fields = [field.name for field in dataclasses.fields(TrainConfig)]
+        namespace = build_parser().parse_args([*recipe_argv(namespace.config, fields), *argv])
     values = vars(namespace)
+    values.pop("config")
     values["betas"] = tuple(values["betas"])
     config = TrainConfig(**values)
     config.check()

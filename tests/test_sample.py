@@ -230,7 +230,18 @@ def test_grid_and_singles_are_written_and_deterministic(run, tmp_path, capsys):
     images = np.stack([read_png(p) for p in singles])
     assert images.shape == (6, RESOLUTION, RESOLUTION, 3)
     grid = read_png(tmp_path / "a" / "grid.png")
-    assert np.array_equal(grid, make_grid(images, columns=2))  # one row per class
+    plain = make_grid(images, columns=2)  # one row per class ...
+    margin = grid.shape[1] - plain.shape[1]
+    assert grid.shape[0] == plain.shape[0] and margin > 0 and np.array_equal(grid[:, margin:], plain)
+    # ... each named on the left by its class (the run's classes.json): ink in every row's band, none between
+    names = json.loads((run / "run" / "classes.json").read_text())["classes"]
+    assert len(names) == 4
+    ink = (grid[:, :margin] < 128).any(axis=(1, 2))
+    bands = [range(2 + row * (RESOLUTION + 2), 2 + row * (RESOLUTION + 2) + RESOLUTION) for row in range(3)]
+    assert all(ink[list(band)].any() for band in bands) and not ink[:2].any()
+    unlabeled = tmp_path / "plain" / "grid.png"
+    assert sample_main([*common, "--seed", "1", "--no-row-labels", "--out", unlabeled]) == 0
+    assert np.array_equal(read_png(unlabeled), plain)
     assert len({img.tobytes() for img in images}) == 6
     umask = os.umask(0)
     os.umask(umask)

@@ -153,7 +153,8 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     Every process of an `accelerate launch` calls this; each encodes a share of the missing shards."""
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, gather_object
-    from tqdm.auto import tqdm
+
+    from dit_accel.progress import progress_bar
 
     if config.dtype not in STORAGE_DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(STORAGE_DTYPES)}, not {config.dtype!r}")
@@ -246,7 +247,7 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         collate_fn=_collate,
         pin_memory=state.device.type == "cuda",
     )
-    progress = tqdm(
+    progress = progress_bar(
         total=sum(map(len, batches)),
         unit="img",
         disable=not state.is_main_process,
@@ -291,7 +292,7 @@ def _refuse_another_configuration(previous: dict, out: Path, config, identity: d
         "--data-path": (previous.get("data_path"), str(listing.root.absolute())),
         "--shard-size": (previous.get("shard_size"), config.shard_size),
         "--dtype": (previous.get("dtype"), config.dtype),
-        "--no-flip": (previous.get("flip"), config.flip),
+        "--hflip": (previous.get("flip"), config.flip),
     }
     changed = [f"{flag} {old} -> {new}" for flag, (old, new) in wanted.items() if old != new]
     changed = [text if not text.startswith("--vae") else "--vae (other weights)" for text in changed]
@@ -524,11 +525,15 @@ def build_parser() -> argparse.ArgumentParser:
         "one is complete",
     )
     parser.add_argument(
-        "--no-flip",
-        "--no_flip",
+        "--hflip",
         dest="flip",
-        action="store_false",
-        help="do not store the mirror image of each image",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="store each image's mirror image too, for the trainer's random flips (default); --no-hflip: "
+        "the images only (the trainer then cannot flip)",
+    )
+    parser.add_argument(
+        "--no-flip", "--no_flip", dest="flip", action="store_false", help="the older spelling of --no-hflip"
     )
     return parser
 

@@ -50,6 +50,14 @@ def build_dataset(plan: Plan, config: TrainConfig, spec):
 
         dataset = LatentCache(config.latents, flip=True, seed=None)  # unseeded: KeyedSamples seeds per sample
         check_latent_cache(dataset, spec, config.latents)
+        if config.hflip and dataset.views != 2:
+            raise UserError(
+                f"--hflip asks for mirror images but latent cache {config.latents} was made with --no-hflip "
+                f"(it holds no mirror images)",
+                "drop --hflip (or pass --no-hflip), or re-extract the cache with --hflip",
+            )
+        # A two-view cache flips unless told not to; --no-hflip then reads the images only.
+        dataset.flip = dataset.views == 2 and config.hflip is not False
     else:
         from dit_accel.data.folder import ImageFolderData
 
@@ -57,7 +65,7 @@ def build_dataset(plan: Plan, config: TrainConfig, spec):
         dataset = ImageFolderData(
             config.data_path,
             spec.resolution,
-            flip=True,
+            flip=config.hflip is not False,
             seed=None,
             skip_bad_images=config.skip_bad_images,
             max_bad_images=config.max_bad_images,

@@ -96,9 +96,9 @@ def _predict(
 def _steps(chain: Diffusion, progress: bool):
     steps = range(chain.num_timesteps - 1, -1, -1)
     if progress:
-        from tqdm.auto import tqdm
+        from dit_accel.progress import progress_bar
 
-        return tqdm(steps, desc="sampling", leave=False)
+        return progress_bar(steps, desc="sampling", unit="step", leave=False)
     return steps
 
 
@@ -215,9 +215,9 @@ def sample_with_scheduler(
     scheduler.set_timesteps(num_inference_steps)
     timesteps = scheduler.timesteps
     if progress:
-        from tqdm.auto import tqdm
+        from dit_accel.progress import progress_bar
 
-        timesteps = tqdm(timesteps, desc="sampling", leave=False)
+        timesteps = progress_bar(timesteps, desc="sampling", unit="step", leave=False)
     for t in timesteps:
         x = scheduler.scale_model_input(x, t)
         t_batch = (

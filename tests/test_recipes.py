@@ -1,0 +1,127 @@
+"""configs/recipes/*.yaml: every recipe parses into a TrainConfig that passes its checks against a tiny plan,
+flags on the command line override the file, and a bad file is one line (exit 2)."""
+
+from pathlib import Path
+
+import pytest
+
+from dit_accel.errors import UserError
+from dit_accel.recipe import read_recipe
+from dit_accel.train_config import TrainConfig, parse_config
+
+RECIPES = Path(__file__).resolve().parents[1] / "configs" / "recipes"
+FIELDS = [name for name in TrainConfig.__dataclass_fields__]
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    from test_train_e2e import _make_plan
+
+    return _make_plan(tmp_path_factory.mktemp("recipe_plan"), gpus=1, micro_batch=8, grad_accum=1)
+
+
+def _config(tiny_plan, tmp_path, *argv) -> TrainConfig:
+    required = [
+        "--plan",
+        str(tiny_plan),
+        "--latents",
+        str(tmp_path / "latents"),
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
+    return parse_config([*required, *map(str, argv)])
+
+
+def test_every_recipe_is_listed_here_and_has_a_description():
+    assert sorted(p.name for p in RECIPES.glob("*.yaml")) == [
+        "dit-xl2-256.yaml",
+        "dit-xl2-512.yaml",
+        "finetune-from-import.yaml",
+    ]
+    import yaml
+
+    for path in RECIPES.glob("*.yaml"):
+        description = yaml.safe_load(path.read_text())["description"]
+        assert isinstance(description, str) and 20 < len(description) < 200, path.name
+
+
+def test_the_paper_recipes_are_the_dit_recipe(tiny_plan, tmp_path):
+    for name, steps in (("dit-xl2-256.yaml", 400_000), ("dit-xl2-512.yaml", 3_000_000)):
+        config = _config(tiny_plan, tmp_path, "--config", RECIPES / name)
+        config.check()
+        assert (config.lr, config.weight_decay, config.betas, config.warmup_steps) == (
+            1e-4,
+            0.0,
+            (0.9, 0.999),
+            0,
+        )
+        assert (config.ema_decay, config.ema_warmup, config.class_dropout) == (0.9999, False, 0.1)
+        assert config.max_steps == steps and config.checkpoint_every == 50_000 and config.hflip is True
+        assert config.grad_clip is None and config.scale_lr is False and config.resume == "auto"
+
+
+def test_the_finetune_recipe_starts_from_an_import_and_flags_override(tiny_plan, tmp_path):
+    recipe = RECIPES / "finetune-from-import.yaml"
+    config = _config(tiny_plan, tmp_path, "--config", recipe)
+    assert config.init_from == "runs/imported" and config.lr == 1e-5 and config.max_steps == 20_000
+    # before or after --config, a flag wins over the file
+    for argv in (
+        ("--config", recipe, "--lr", "3e-5", "--init-from", "mine"),
+        ("--lr", "3e-5", "--init-from", "mine", "--config", recipe),
+    ):
+        config = _config(tiny_plan, tmp_path, *argv)
+        assert (config.lr, config.init_from, config.ema_decay) == (3e-5, "mine", 0.9999)
+    config = _config(
+        tiny_plan, tmp_path, "--config", RECIPES / "dit-xl2-256.yaml", "--no-hflip", "--max-steps", "10"
+    )
+    assert config.hflip is False and config.max_steps == 10
+
+
+def test_keys_take_either_spelling_and_bad_files_are_one_line(tiny_plan, tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(
+        "description: mine\nema_decay: 0.99\nclass-dropout: 0.2\nscale_lr: true\nbetas: [0.8, 0.9]\n"
+    )
+    config = _config(tiny_plan, tmp_path, "--config", recipe)
+    assert (config.ema_decay, config.class_dropout, config.scale_lr, config.betas) == (
+        0.99,
+        0.2,
+        True,
+        (0.8, 0.9),
+    )
+    assert read_recipe(recipe, FIELDS) == {
+        "ema_decay": 0.99,
+        "class_dropout": 0.2,
+        "scale_lr": True,
+        "betas": [0.8, 0.9],
+    }
+    bad = {
+        "learning-rate: 1e-4\n": "unknown key 'learning-rate'",
+        "lr: [1, 2]\n": "must be a single value",
+        "lr: fast\n": "--lr",
+        "lr: 1e-4\n  x: [\n": "not valid YAML",
+        "- lr\n": "mapping of flag names",
+        "ema-decay: 2.0\n": "--ema-decay must be in [0, 1)",
+    }
+    for text, expected in bad.items():
+        recipe.write_text(text)
+        with pytest.raises(UserError, match=None) as caught:
+            _config(tiny_plan, tmp_path, "--config", recipe)
+        assert expected in str(caught.value) and "\n" not in str(caught.value), text
+    with pytest.raises(UserError, match="cannot read it"):
+        _config(tiny_plan, tmp_path, "--config", tmp_path / "missing.yaml")
+
+
+def test_the_trainer_command_exits_2_on_an_unknown_key(tiny_plan, tmp_path, capsys):
+    from dit_accel.launch import launch_command
+    from dit_accel.train import main
+
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("description: a typo\nema-decy: 0.9\n")
+    args = ["--plan", str(tiny_plan), "--latents", str(tmp_path), "--output-dir", str(tmp_path / "run")]
+    assert main([*args, "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown key 'ema-decy'" in err and not (tmp_path / "run").exists()
+    # `dit-accel train --config FILE` hands the recipe to the trainer unchanged
+    command = launch_command(["--plan", str(tiny_plan), "--config", str(recipe), "--lr", "1e-3"])
+    assert command[-4:] == ["--config", str(recipe), "--lr", "1e-3"]

@@ -1,0 +1,304 @@
+"""What a Hugging Face user expects of a training run, on the tiny model and real accelerate/tensorboard:
+trackers (--report-to), sample grids while training (--sample-every), plain progress lines in a log,
+--resume latest, --hflip recorded and held, and fine-tuning from one's own exported DiTPipeline.
+
+One module-scoped workspace (test_train_e2e's) and one tracked run shared by several tests.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_train_e2e import make_workspace, run_in_process
+
+from dit_accel import checkpoint as ckpt
+
+BASE = ["--num-workers", "0", "--lr", "3e-3", "--no-progress-bar"]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return make_workspace(tmp_path_factory.mktemp("conventions"))
+
+
+def _args(workspace, run, *extra) -> list:
+    return [
+        "--plan",
+        workspace["plan1"],
+        "--latents",
+        workspace["latents"],
+        "--output-dir",
+        run,
+        *BASE,
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def tracked(workspace, tmp_path_factory):
+    """4 steps with TensorBoard, a sample grid every 2 steps, the progress bar on (stderr is not a terminal)."""
+    import io
+    import sys
+
+    capture = pytest.MonkeyPatch()
+    run = tmp_path_factory.mktemp("tracked") / "run"
+    err = io.StringIO()
+    capture.setattr(sys, "stderr", err)
+    try:
+        extra = ["--max-steps", 4, "--log-every", 1, "--checkpoint-every", 2, "--report-to", "tensorboard"]
+        extra += ["--sample-every", 2, "--sample-classes", "0,3", "--sample-steps", 3, "--progress-bar"]
+        code = run_in_process(_args(workspace, run, *extra))
+    finally:
+        capture.undo()
+    assert code == 0, err.getvalue()
+    return {"run": run, "stderr": err.getvalue()}
+
+
+def _events(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = sorted((run / "tensorboard").rglob("events.out.tfevents.*"))
+    assert files
+    found = {}
+    for path in files:
+        events = EventAccumulator(str(path.parent), size_guidance={"scalars": 0, "images": 0})
+        events.Reload()
+        found.setdefault("scalars", {}).update({tag: events.Scalars(tag) for tag in events.Tags()["scalars"]})
+        found.setdefault("images", {}).update({tag: events.Images(tag) for tag in events.Tags()["images"]})
+    return found
+
+
+def test_tensorboard_scalars_are_the_metrics_of_metrics_jsonl(tracked):
+    metrics = [json.loads(line) for line in (tracked["run"] / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    scalars = _events(tracked["run"])["scalars"]
+    for tag in ("loss", "lr", "grad_norm", "images_per_s"):
+        assert [e.step for e in scalars[tag]] == [1, 2, 3, 4], tag
+        for event, row in zip(scalars[tag], metrics):  # TensorBoard stores float32
+            assert event.value == pytest.approx(row[tag], rel=1e-6), (tag, row["step"])
+    assert len({m["loss"] for m in metrics}) == 4  # four different losses, not one value repeated
+
+
+def test_sample_grids_go_to_the_run_folder_and_to_tensorboard(tracked):
+    samples = tracked["run"] / "samples"
+    assert sorted(p.name for p in samples.iterdir()) == ["step_2.png", "step_4.png"]
+    grids = [np.asarray(Image.open(samples / name)) for name in ("step_2.png", "step_4.png")]
+    # two classes x two seeds of 64 px, in make_grid's layout, plus the class-name margin on the left
+    assert grids[0].shape[0] == 2 * (64 + 2) + 2 and grids[0].shape[1] > 2 * (64 + 2) + 2
+    assert not np.array_equal(grids[0], grids[1])  # the EMA moved between steps 2 and 4
+    images = _events(tracked["run"])["images"]["samples"]
+    assert [e.step for e in images] == [2, 4]
+    decoded = np.asarray(Image.open(__import__("io").BytesIO(images[1].encoded_image_string)))
+    assert np.array_equal(decoded[..., :3], grids[1])
+    log = (tracked["run"] / "logs" / "rank0.log").read_text()
+    assert "samples " in log and "EMA weights" in log
+
+
+def test_progress_in_a_log_is_whole_lines(tracked):
+    import re
+
+    lines = [line for line in tracked["stderr"].splitlines() if re.match(r"\d+/4 step \(", line)]
+    assert "\r" not in tracked["stderr"]
+    # one line at the start and one per 10% (each step is 25%), none redrawn
+    assert [line.split(" ")[0] for line in lines] == ["0/4", "1/4", "2/4", "3/4", "4/4"], tracked["stderr"]
+    assert lines[-1].startswith("4/4 step (100%), ") and " step/s" in lines[-1]
+    assert max(map(len, tracked["stderr"].splitlines())) < 300
+
+
+def test_resume_latest_is_auto(workspace, tracked, tmp_path):
+    from dit_accel.train_config import parse_config
+
+    config = parse_config([str(a) for a in _args(workspace, tmp_path / "x", "--resume", "latest")])
+    assert config.resume == "auto"
+    assert (
+        run_in_process(
+            _args(workspace, tracked["run"], "--max-steps", 5, "--resume", "latest", "--report-to", "none")
+        )
+        == 0
+    )
+    log = (tracked["run"] / "logs" / "rank0.log").read_text()
+    assert (
+        "at step 4" in log
+        and ckpt.read_train_state(tracked["run"] / "checkpoints" / "step_00000005")["step"] == 5
+    )
+
+
+def _one_line(capsys, argv) -> str:
+    code = run_in_process(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_missing_tracker_package_is_one_line(workspace, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("wandb", "tensorboard", "tensorboardX") else real(name, *a),
+    )
+    err = _one_line(capsys, _args(workspace, tmp_path / "w", "--max-steps", 1, "--report-to", "wandb"))
+    assert "the wandb package is not installed" in err and "dit-accel[wandb]" in err
+    err = _one_line(capsys, _args(workspace, tmp_path / "t", "--max-steps", 1))  # the default, tensorboard
+    assert "the tensorboard package is not installed" in err
+    err = _one_line(capsys, _args(workspace, tmp_path / "b", "--report-to", "mlflow"))
+    assert "--report-to 'mlflow'" in err
+    assert (
+        not (tmp_path / "w").exists() and not (tmp_path / "t").exists()
+    )  # refused before anything is written
+    # all: every installed tracker (here none), so the run logs to its text files only
+    assert run_in_process(_args(workspace, tmp_path / "all", "--max-steps", 1, "--report-to", "all")) == 0
+    assert not (tmp_path / "all" / "tensorboard").exists()
+
+
+def test_hflip_follows_the_cache_is_recorded_and_held_on_resume(workspace, tmp_path, capsys):
+    from dit_accel.data.latents import ExtractConfig, extract_latents
+    from dit_accel.data.latents import build_parser as extract_parser
+
+    assert (
+        extract_parser().parse_args(["--data-path", "d", "--vae", "v", "--out", "o", "--no-flip"]).flip
+        is False
+    )
+    assert (
+        extract_parser().parse_args(["--data-path", "d", "--vae", "v", "--out", "o", "--no-hflip"]).flip
+        is False
+    )
+    assert extract_parser().parse_args(["--data-path", "d", "--vae", "v", "--out", "o"]).flip is True
+    from dit_accel.data.demo import write_demo_data
+
+    write_demo_data(tmp_path / "images", classes=4, per_class=2, resolution=64, seed=0)
+    cache = tmp_path / "noflip"
+    extract_latents(
+        ExtractConfig(
+            data_path=str(tmp_path / "images"),
+            vae=str(workspace["vae"]),
+            resolution=64,
+            out=str(cache),
+            batch_size=16,
+            shard_size=64,
+            num_workers=0,
+            flip=False,
+        )
+    )
+    assert json.loads((cache / "manifest.json").read_text())["flip"] is False
+    capsys.readouterr()
+    no_flip = [
+        "--plan",
+        workspace["plan1"],
+        "--latents",
+        cache,
+        *BASE,
+        "--report-to",
+        "none",
+        "--max-steps",
+        1,
+    ]
+    err = _one_line(capsys, [*no_flip, "--output-dir", tmp_path / "a", "--hflip"])
+    assert "--hflip" in err and "--no-hflip" in err and str(cache) in err
+    assert run_in_process([*no_flip, "--output-dir", tmp_path / "b"]) == 0  # unset: the cache's own setting
+    assert json.loads((tmp_path / "b" / "train_config.json").read_text())["hflip"] is False
+
+    # A two-view cache flips unless told not to; a resumed run keeps what it trained with.
+    run = tmp_path / "c"
+    assert run_in_process(_args(workspace, run, "--report-to", "none", "--max-steps", 1)) == 0
+    assert json.loads((run / "train_config.json").read_text())["hflip"] is True
+    err = _one_line(
+        capsys,
+        _args(workspace, run, "--report-to", "none", "--max-steps", 2, "--resume", "auto", "--no-hflip"),
+    )
+    assert "trained with --hflip" in err and "new --output-dir" in err
+    assert (
+        run_in_process(
+            _args(workspace, run, "--report-to", "none", "--max-steps", 2, "--resume", "auto", "--hflip")
+        )
+        == 0
+    )
+
+
+def test_fine_tune_from_an_exported_pipeline_round_trip(workspace, tmp_path, capsys):
+    """train -> export (class table padded to 1,000 for DiTPipeline) -> train --init-from the pipeline."""
+    from dit_accel.export import main as export_main
+    from dit_accel.model import conditioning_embedder, load_model
+    from dit_accel.resume import read_init_weights
+    from planner.planfile import read_plan
+
+    source = tmp_path / "source"
+    assert (
+        run_in_process(
+            _args(workspace, source, "--report-to", "none", "--max-steps", 2, "--ema-decay", "0.5")
+        )
+        == 0
+    )
+    pipe = tmp_path / "pipe"
+    assert export_main(["--checkpoint", str(source), "--out", str(pipe)]) == 0
+    exported = load_model(pipe)
+    assert conditioning_embedder(exported).class_embedder.embedding_table.weight.shape[0] == 1001
+    assert json.loads((pipe / "transformer" / "dit_accel_export.json").read_text())["num_classes"] == 4
+
+    spec = read_plan(workspace["plan1"]).spec()
+    init = read_init_weights(str(pipe), spec)
+    ema, _, _ = ckpt.load_for_inference(source, use_ema=True)
+    for name, param in ema.named_parameters():  # the run's own EMA, its 5-row class table back
+        assert torch.equal(init.parameters[name], param), name
+
+    tuned = tmp_path / "tuned"
+    assert (
+        run_in_process(_args(workspace, tuned, "--report-to", "none", "--max-steps", 1, "--init-from", pipe))
+        == 0
+    )
+    assert str(pipe) in ckpt.read_train_state(tuned / "checkpoints" / "step_00000001")["init_from"]
+
+    # Padding rows that are not the null row are real classes: refused, as is a plan for another class count.
+    table = conditioning_embedder(exported).class_embedder.embedding_table.weight
+    with torch.no_grad():
+        table[7] += 1.0
+    from dit_accel.model import save_model
+
+    save_model(exported, tmp_path / "edited")
+    err = _one_line(
+        capsys, _args(workspace, tmp_path / "e", "--max-steps", 1, "--init-from", tmp_path / "edited")
+    )
+    assert "num_classes 1000 (wanted 4)" in err and "not export's padding" in err
+
+
+@pytest.mark.launched  # two real processes, a zero3 (FSDP2) plan: the EMA is sharded
+def test_sample_every_under_fsdp_gathers_the_sharded_ema(tmp_path):
+    from test_train_fsdp import _plan, _start
+
+    from dit_accel.data.demo import write_demo_data
+    from dit_accel.images import make_grid
+    from dit_accel.sample import SampleSettings, sample_images
+    from dit_accel.train_samples import SAMPLES_PER_CLASS
+
+    write_demo_data(tmp_path / "images", classes=4, per_class=2, resolution=32, seed=0)
+    plan_dir = _plan(tmp_path / "plan", "--sharding", "zero3", "--precision", "fp32")
+    args = [
+        "--max-steps",
+        2,
+        "--sample-every",
+        2,
+        "--sample-classes",
+        "1,2",
+        "--sample-steps",
+        3,
+        "--ema-decay",
+        0.5,
+    ]
+    run, process = _start(plan_dir, tmp_path / "images", tmp_path / "run", *args)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    grid = np.asarray(Image.open(run / "samples" / "step_2.png"))
+
+    # The same grid from the checkpoint's EMA (saved full) in this one process: what the sharded run sampled.
+    model, spec, info = ckpt.load_for_inference(run, use_ema=True)
+    assert info["weights"] == "ema" and info["step"] == 2
+    labels = [1, 1, 2, 2]
+    settings = SampleSettings(cfg_scale=4.0, steps=3, seed=0)
+    images = sample_images(model, spec, lambda x: x.clamp(-1, 1), labels, range(4), settings)
+    expected = make_grid(images, SAMPLES_PER_CLASS)
+    margin = grid.shape[1] - expected.shape[1]
+    assert margin > 0 and np.abs(grid[:, margin:].astype(int) - expected.astype(int)).max() <= 1

@@ -54,6 +54,7 @@ def test_every_table_entry_reproduces_its_public_figure():
             if "fallback" in entry:
                 continue
             assert entry["source"] and entry["low"] <= entry["point"] <= entry["high"] <= 1
+            implied = []
             for f in entry["figures"]:
                 spec = model_spec(f["model"], f["resolution"], f["latents"])
                 d = decision(
@@ -67,11 +68,16 @@ def test_every_table_entry_reproduces_its_public_figure():
                     spec, d, on(f["gpu"], f["gpus"]), Assumptions(), f["images_per_s"], f.get("matmul")
                 )
                 assert got == pytest.approx(f["implied"], abs=0.001), (family, mode)
-                assert entry["point"] == pytest.approx(got, abs=0.001)
+                implied.append(got)
                 checked += 1
-            assert entry["low"] == pytest.approx(0.8 * entry["point"], abs=0.001)
-            assert entry["high"] == pytest.approx(min(1.0, 1.2 * entry["point"]), abs=0.001)
-    assert checked == 4
+            if len(implied) == 1:  # one figure: the stated 0.8-1.2 modelling band around it
+                assert entry["point"] == pytest.approx(implied[0], abs=0.001)
+                assert entry["low"] == pytest.approx(0.8 * entry["point"], abs=0.001)
+                assert entry["high"] == pytest.approx(min(1.0, 1.2 * entry["point"]), abs=0.001)
+            else:  # several: their geometric mean, and the range they span
+                assert entry["point"] == pytest.approx(math.prod(implied) ** (1 / len(implied)), abs=0.001)
+                assert (entry["low"], entry["high"]) == pytest.approx((min(implied), max(implied)), abs=0.001)
+    assert checked == 5
 
 
 def test_table_lookups_and_fallbacks():
@@ -81,7 +87,7 @@ def test_table_lookups_and_fallbacks():
     hopper_tf32 = mfu_entry("hopper", "tf32")  # no public figure: ampere's
     assert (
         hopper_tf32.family == "ampere"
-        and hopper_tf32.point == 0.174
+        and hopper_tf32.point == 0.276
         and "no public figure" in hopper_tf32.fallback
     )
     ada = mfu_entry("ada", "mixed")
@@ -141,8 +147,8 @@ def test_the_vae_encoder_runs_at_the_fp32_rate_not_the_tensor_core_rate():
     images = 32
     tf32 = 156e12 * mfu_entry("ampere", "tf32").point
     assert online.vae_time_s == pytest.approx(images * vae_image_flops(XL, decision(latents="online")) / tf32)
-    # at the bf16 tensor-core rate it would be 312 x 0.337 / (156 x 0.174) = 3.9x shorter
-    assert online.vae_time_s > 3 * images * vae_image_flops(XL, decision(latents="online")) / (312e12 * 0.337)
+    # at the bf16 tensor-core rate it would be 312 x 0.337 / (156 x 0.276) = 2.4x shorter
+    assert online.vae_time_s > 2 * images * vae_image_flops(XL, decision(latents="online")) / (312e12 * 0.337)
     ieee = estimate_throughput(
         XL, decision(latents="online", precision="fp32"), cluster, assumptions, matmul="ieee-fp32"
     )
@@ -152,9 +158,10 @@ def test_the_vae_encoder_runs_at_the_fp32_rate_not_the_tensor_core_rate():
 
 
 def test_tf32_against_bf16_on_an_a100_follows_the_measured_figures():
-    """The old model put TF32 5.3x slower than bf16; the measured table puts it 3.7x (DiT's train.py in
-    TF32 against fast-DiT in fp16; no public like-for-like figure was found for the 1.3-1.6x the issue
-    reports), and IEEE fp32 slower still."""
+    """The old model put TF32 5.3x slower than bf16. The table's two public TF32 runs (DiT's train.py, and
+    fast-DiT's, which also gives the like-for-like fp16 figure) put it 2.3x with precomputed latents, and
+    IEEE fp32 slower still. Under fast-DiT's own conditions (VAE in the loop, every block checkpointed,
+    batch 128) the estimate is 1.85x where fast-DiT measured 1.30x: see docs/planner.md."""
     cluster = on("a100-80g")
     bf16 = estimate_throughput(XL, decision(), cluster, Assumptions()).images_per_s
     tf32 = estimate_throughput(
@@ -163,7 +170,7 @@ def test_tf32_against_bf16_on_an_a100_follows_the_measured_figures():
     ieee = estimate_throughput(
         XL, decision(precision="fp32"), cluster, Assumptions(), matmul="ieee-fp32"
     ).images_per_s
-    assert 3.0 < bf16 / tf32 < 4.5
+    assert 2.0 < bf16 / tf32 < 2.7
     assert ieee < tf32
     # through make_plan: --precision tf32 is fp32 storage (plan.json precision fp32) at the TF32 rate
     plan = make_plan(gpu="a100-80g", gpus=8, global_batch=256, precision="tf32")

@@ -197,7 +197,9 @@ def train_micro_step(components: Components, batch: dict) -> torch.Tensor:
         x0 = encode_online(components, x0, batch["posterior_noise"])
     labels = batch["y"].to(device, non_blocking=True)
     labels = torch.where(
-        batch["drop"].to(device), torch.full_like(labels, null_class(components.spec)), labels
+        batch["drop"].to(device, non_blocking=True),
+        torch.full_like(labels, null_class(components.spec)),
+        labels,
     )
     t = batch["t"].to(device, non_blocking=True)
     noise = batch["noise"].to(device, non_blocking=True)

@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from planner.calibration import describe as calibration_line
 from planner.memory import COMPONENTS
+from planner.rules import SHARDING_MODES
 from planner.units import format_bytes, gib
 
 FORMATS = ("table", "markdown", "github", "latex", "json")
@@ -204,7 +205,7 @@ DESCRIBE = {
     "autocast_cache": "bf16/fp16 weight copies the linears save",
     "vae": "VAE weights (+ encoder working set)",
     "temporaries": "short-lived buffers",
-    "overhead": "CUDA context, cuBLAS, NCCL, fragmentation",
+    "overhead": "CUDA context, cuBLAS, NCCL (outside the caching allocator)",
 }
 PHASE_NAMES = {
     "vae_encode": "VAE encode",
@@ -305,13 +306,14 @@ def time_to_train_rows(plan: dict) -> tuple[list, list]:
 def describe(plan: dict, component: str) -> str:
     d, m = plan["decision"], plan["memory"]
     text = DESCRIBE[component]
+    shards = SHARDING_MODES[d["sharding"]].shard_degree(
+        plan["cluster"]["nodes"], plan["cluster"]["gpus_per_node"]
+    )
     if component == "weights" and d["sharding"] != "ddp":
-        text = (
-            f"fp32 master shard (1/{plan['cluster']['world_size']}) + FSDP gathered {d['precision']} params"
-        )
+        text = f"fp32 master shard (1/{shards}) + FSDP gathered {d['precision']} params"
     elif component == "grads":
         if d["sharding"] != "ddp":
-            text = f"fp32 gradient shard (1/{plan['cluster']['world_size']})"
+            text = f"fp32 gradient shard (1/{shards})"
         elif plan["cluster"]["world_size"] > 1:
             text += " in DDP buckets" if d["gradient_as_bucket_view"] else " + DDP all-reduce buckets"
         if d["grad_accum"] > 1 and m["peak_phase"] != "optimizer_step":
@@ -345,9 +347,8 @@ def describe(plan: dict, component: str) -> str:
             "end_of_backward": in_backward,
         }.get(m["peak_phase"], text)
     elif component == "overhead":
-        a = plan["assumptions"]
         nccl = ", NCCL" if plan["cluster"]["world_size"] > 1 else ""
-        text = f"CUDA context, cuBLAS{nccl}, fragmentation {a['fragmentation']:.0%}"
+        text = f"CUDA context, cuBLAS{nccl}"
     return text
 
 
@@ -456,7 +457,8 @@ def memory_rows(plan: dict) -> tuple[list, list]:
 def phase_rows(plan: dict) -> tuple[list, list]:
     phases = plan["memory"]["phases"]
     headers = ["component"] + [PHASE_NAMES[p] + " GiB" for p in phases]
-    rows = [[name] + [_gib(phases[p][name]) for p in phases] for name in COMPONENTS]
+    # .get: plans written before a component existed (allocator) read as 0 for it
+    rows = [[name] + [_gib(phases[p].get(name, 0)) for p in phases] for name in COMPONENTS]
     rows.append(["total"] + [_gib(phases[p]["total_bytes"]) for p in phases])
     return headers, rows
 

@@ -568,10 +568,11 @@ def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: 
     more += [dataclasses.replace(cluster, nodes=n) for n in range(cluster.nodes + 1, cluster.nodes * 64 + 1)]
     for bigger in more:
         if space.global_batch % bigger.world_size == 0 and fits(cluster_=bigger):
+            # --gpus is the total (planner/cli.py); other node shapes are --nodes N --gpus-per-node G.
             flag = (
-                f"--gpus {bigger.gpus_per_node}"
-                if bigger.nodes == cluster.nodes
-                else f"--nodes {bigger.nodes}"
+                f"--gpus {bigger.world_size}"
+                if bigger.nodes == 1 or bigger.gpus_per_node == 8
+                else f"--nodes {bigger.nodes} --gpus-per-node {bigger.gpus_per_node}"
             )
             ideas.append(f"{bigger.world_size} GPUs ({flag})")
             break

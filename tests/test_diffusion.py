@@ -71,6 +71,12 @@ def normal_cdf(z):
     return 0.5 * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
 
 
+def recipe_cdf(z):
+    """The tanh approximation of the normal CDF that DiT's (ADM's) t = 0 term uses, in float64."""
+    z = np.asarray(z, dtype=np.float64)
+    return 0.5 * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+
+
 def reference_terms(out, x0, t, noise):
     """mse and vb (bits/dim) per sample; the posterior from Bayes' rule, not the code's coefficients."""
     out, x0, noise = (a.double().numpy() for a in (out, x0, noise))
@@ -107,9 +113,10 @@ def reference_terms(out, x0, t, noise):
             vb.append(np.mean(kl) / math.log(2))
         else:
             std = np.exp(0.5 * model_log_var)
-            upper = normal_cdf((x0[i] + 1 / 255 - model_mean) / std)
-            lower = normal_cdf((x0[i] - 1 / 255 - model_mean) / std)
+            upper = recipe_cdf((x0[i] + 1 / 255 - model_mean) / std)
+            lower = recipe_cdf((x0[i] - 1 / 255 - model_mean) / std)
             prob = np.where(x0[i] < -0.999, upper, np.where(x0[i] > 0.999, 1 - lower, upper - lower))
+            prob = np.maximum(prob, 1e-12)
             vb.append(np.mean(-np.log(prob)) / math.log(2))
     return np.array(mse), np.array(vb)
 
@@ -162,13 +169,32 @@ def test_decoder_nll_at_t0_and_bits(diffusion):
     out = torch.cat([noise, -torch.ones_like(noise)], dim=1)
     vb = diffusion.loss_terms(out, x0, torch.tensor([0, 0]), noise)["vb"]
     std = math.sqrt(BETAS[1] * (1 - ALPHAS_CUMPROD[0]) / (1 - ALPHAS_CUMPROD[1]))
-    interior = normal_cdf(np.array(1 / 255 / std)) - normal_cdf(np.array(-1 / 255 / std))
-    edge = normal_cdf(np.array(1 / 255 / std))
+    interior = recipe_cdf(1 / 255 / std) - recipe_cdf(-1 / 255 / std)
+    edge = recipe_cdf(1 / 255 / std)
     is_edge = (x0.abs() > 0.999).double().numpy()
     nats = -(is_edge * np.log(edge) + (1 - is_edge) * np.log(interior)).reshape(2, -1).mean(axis=1)
     np.testing.assert_allclose(vb.numpy(), nats / math.log(2), rtol=1e-4)
     log_p = discretized_gaussian_log_likelihood(x0, x0, torch.full_like(x0, math.log(std)))
     assert log_p.max() <= 0 and torch.isfinite(log_p).all()
+
+
+def test_decoder_nll_uses_the_recipes_tanh_cdf_not_the_exact_one():
+    """The t = 0 term scores bins with the tanh CDF (and clamps at 1e-12) as the DiT recipe does; the exact CDF
+    differs by up to 2e-4, which the bins of a wide Gaussian show plainly."""
+    x = torch.linspace(-1, 1, 256, dtype=torch.float64)  # every bin, both edges included
+    mean, log_scale = torch.full_like(x, 0.1), torch.full_like(x, math.log(0.4))
+    log_p = discretized_gaussian_log_likelihood(x, mean, log_scale).numpy()
+    z_upper, z_lower = (x.numpy() - 0.1 + 1 / 255) / 0.4, (x.numpy() - 0.1 - 1 / 255) / 0.4
+
+    def log_bins(cdf):
+        upper, lower = cdf(z_upper), cdf(z_lower)
+        prob = np.where(x.numpy() < -0.999, upper, np.where(x.numpy() > 0.999, 1 - lower, upper - lower))
+        return np.log(np.maximum(prob, 1e-12))
+
+    np.testing.assert_allclose(log_p, log_bins(recipe_cdf), rtol=1e-9, atol=1e-12)
+    assert np.abs(log_p - log_bins(normal_cdf)).max() > 1e-4  # not the exact CDF
+    far = discretized_gaussian_log_likelihood(torch.tensor([0.0]), torch.tensor([50.0]), torch.tensor([-3.0]))
+    assert far.item() == pytest.approx(math.log(1e-12))  # an empty bin is clamped, not -inf
 
 
 def test_vb_trains_only_the_variance_and_mse_only_the_mean(diffusion):

@@ -167,6 +167,40 @@ def test_q_k_v_start_as_one_fused_xavier_projection():
     assert out.abs().max().item() > 0.99 * separate_bound
 
 
+def test_every_layer_starts_as_the_dit_recipe_draws_it():
+    """Layer by layer, the distribution the DiT recipe draws: Xavier-uniform linears (q, k, v as one fused draw,
+    tested above) and patch kernel (flattened), normal(0, 0.02) for the class table and the timestep MLP,
+    zero biases, zero adaLN-Zero and final layers, a fixed (untrained) positional table. The original code's
+    model was held to this tensor by tensor in docs/digits-comparison.md."""
+    torch.manual_seed(0)
+    spec = custom_spec(depth=2, hidden=128, heads=4, patch=2, resolution=64)
+    model = build_model(spec)
+    embedder = conditioning_embedder(model)
+    normal = {embedder.timestep_embedder.linear_1, embedder.timestep_embedder.linear_2}
+    zero = {model.proj_out_1, model.proj_out_2, *(block.norm1.linear for block in model.transformer_blocks)}
+    fused = {getattr(b.attn1, n) for b in model.transformer_blocks for n in ("to_q", "to_k", "to_v")}
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 + 2 * 7 + 2  # timestep MLP, per block q k v out ff1 ff2 adaLN, final two
+    for layer in linears:
+        assert torch.count_nonzero(layer.bias) == 0
+        weight = layer.weight.detach()
+        if layer in zero:
+            assert torch.count_nonzero(weight) == 0
+        elif layer in normal:
+            assert weight.std().item() == pytest.approx(0.02, rel=0.05) and abs(weight.mean().item()) < 1e-3
+        elif layer not in fused:
+            bound = math.sqrt(6 / (weight.shape[0] + weight.shape[1]))
+            assert 0.98 * bound < weight.abs().max().item() <= bound
+            assert weight.var().item() == pytest.approx(bound**2 / 3, rel=0.05)
+    conv = model.pos_embed.proj
+    bound = math.sqrt(6 / (conv.weight[0].numel() + conv.weight.shape[0]))  # fan in C*p*p, fan out hidden
+    assert 0.98 * bound < conv.weight.abs().max().item() <= bound and torch.count_nonzero(conv.bias) == 0
+    table = embedder.class_embedder.embedding_table.weight
+    assert table.shape == (spec.num_classes + 1, 128)  # the null class's row too
+    assert table.std().item() == pytest.approx(0.02, rel=0.05)
+    assert "pos_embed.pos_embed" not in dict(model.named_parameters())  # fixed sin-cos, never trained
+
+
 # --- the timestep shift rule ------------------------------------------------------------------------------
 
 

@@ -275,19 +275,26 @@ def normal_kl(
     )
 
 
+def approx_standard_normal_cdf(z: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of the standard normal CDF, 0.5 (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))),
+    within 2e-4 of the exact CDF. The DiT recipe (ADM's code) scores the t = 0 term with it, so dit-accel
+    does too: the same weights and batch then give the reference's loss to float rounding."""
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z.pow(3))))
+
+
 def discretized_gaussian_log_likelihood(
     x: torch.Tensor, mean: torch.Tensor, log_scale: torch.Tensor
 ) -> torch.Tensor:
     """log P(x) for data in [-1, 1] quantised to 256 bins (width 2/255), under N(mean, exp(log_scale)^2).
 
-    The edge bins extend to -inf / +inf. Uses the exact normal CDF (log_ndtr for the tails), where the ADM
-    reference uses a tanh approximation of it: the two differ by < 1e-3 in the CDF.
+    The edge bins extend to -inf / +inf. As in the recipe, the CDF is `approx_standard_normal_cdf` and each
+    probability is clamped at 1e-12 before its log.
     """
     half_bin = 1.0 / 255.0
     inv_std = torch.exp(-log_scale)
-    upper = inv_std * (x - mean + half_bin)
-    lower = inv_std * (x - mean - half_bin)
-    log_cdf_upper = torch.special.log_ndtr(upper)  # log P(X <= x + half bin), used for the lowest bin
-    log_sf_lower = torch.special.log_ndtr(-lower)  # log P(X > x - half bin), used for the highest bin
-    bin_mass = (torch.special.ndtr(upper) - torch.special.ndtr(lower)).clamp(min=1e-12)
-    return torch.where(x < -0.999, log_cdf_upper, torch.where(x > 0.999, log_sf_lower, torch.log(bin_mass)))
+    cdf_upper = approx_standard_normal_cdf(inv_std * (x - mean + half_bin))  # P(X <= x + half bin)
+    cdf_lower = approx_standard_normal_cdf(inv_std * (x - mean - half_bin))  # P(X <= x - half bin)
+    log_lowest_bin = torch.log(cdf_upper.clamp(min=1e-12))
+    log_highest_bin = torch.log((1.0 - cdf_lower).clamp(min=1e-12))
+    log_bin = torch.log((cdf_upper - cdf_lower).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_lowest_bin, torch.where(x > 0.999, log_highest_bin, log_bin))

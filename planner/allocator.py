@@ -25,6 +25,8 @@ model by the measured reserved/allocated ratio.
 
 from __future__ import annotations
 
+import functools
+
 from planner.spec import TIMESTEP_FREQ_DIM, DiTSpec
 
 MiB = 1 << 20
@@ -76,6 +78,7 @@ def parameter_elements(spec: DiTSpec) -> list[int]:
     return outer + spec.depth * block
 
 
+@functools.lru_cache(maxsize=256)  # the search asks it for every candidate and phase of one model
 def parameter_rounding_bytes(spec: DiTSpec, element_bytes: int, shards: int, segments: str) -> int:
     """What one copy of the parameters (fp32 weights, a state, the EMA), sharded `shards` ways, holds beyond
     its bytes."""

@@ -1,7 +1,7 @@
 """hsdp plans (FSDP2 on a 2-D device mesh: shard inside a node, replicate across nodes) on the CPU: a plan for
 2 nodes of 2 GPUs, launched as 4 real processes over gloo on this one machine (`--num_machines 1`: torchrun
 numbers the ranks node by node, so ranks 0-1 are "node 0" and 2-3 "node 1", as on two machines), compared with
-the DDP run of the same samples on the same 4 ranks; then an exact resume of the hsdp run.
+one process training the same global batch of the same samples; then an exact resume of the hsdp run.
 
 gloo runs every collective FSDP2's HSDP issues on the CPU as it is, nothing emulated: the all-gather and the
 reduce-scatter inside each shard group (`reduce_scatter_tensor`) and the all-reduce of the gradient shards
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_train_e2e import run_in_process
 from test_train_fsdp import TINY, _assert_close, _dcp, _env, _finish, _losses, _weights
 
 from dit_accel import checkpoint as ckpt
@@ -69,10 +70,10 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def _plan(out: Path, sharding: str) -> Path:
+def _plan(out: Path, sharding: str, cluster=CLUSTER) -> Path:
     from planner.cli import main as dit_plan
 
-    args = [*TINY[: TINY.index("--gpus")], *CLUSTER, *TINY[TINY.index("--vram") :]]
+    args = [*TINY[: TINY.index("--gpus")], *cluster, *TINY[TINY.index("--vram") :]]
     assert dit_plan([*args, "--sharding", sharding, "--precision", "fp32", "--out", str(out)]) == 0
     return out
 
@@ -110,20 +111,24 @@ def _start(plan_dir: Path, images: Path, out: Path, *args, program=("-m", "dit_a
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The DDP reference and the hsdp run side by side (4 processes each), then hsdp resumed from step 2."""
+    """The hsdp run (4 processes), and beside it the one-process reference in this process (the same global
+    batch of the same samples: tests/test_train_e2e.py holds DDP over 2 processes equal to it); then hsdp
+    resumed from step 2."""
     from dit_accel.data.demo import write_demo_data
 
     root = tmp_path_factory.mktemp("hsdp")
     images = root / "images"
     write_demo_data(images, classes=4, per_class=8, resolution=32, seed=0)
-    plans = {name: _plan(root / f"plan_{name}", name) for name in ("ddp", "hsdp")}
+    plans = {
+        "hsdp": _plan(root / "plan_hsdp", "hsdp"),
+        "one": _plan(root / "plan_one", "ddp", ["--gpus", "1"]),
+    }
     probe = root / "mesh_probe.py"
     probe.write_text(MESH_PROBE)
-    started = {
-        "ddp": _start(plans["ddp"], images, root / "run_ddp"),
-        "hsdp": _start(plans["hsdp"], images, root / "run_hsdp", program=(str(probe),)),
-    }
-    out = {name: _finish(run) for name, run in started.items()}
+    started = _start(plans["hsdp"], images, root / "run_hsdp", program=(str(probe),))
+    argv = ["--plan", plans["one"] / "plan.json", "--data-path", images, "--output-dir", root / "run_one"]
+    assert run_in_process([*argv, *QUIET]) == 0
+    out = {"one": root / "run_one", "hsdp": _finish(started)}
     out["hsdp_resumed"] = _finish(
         _start(
             plans["hsdp"],
@@ -155,16 +160,19 @@ def test_the_hsdp_run_shards_blocks_and_root_over_the_2d_mesh(runs):
 
 
 @pytest.mark.launched
-def test_the_hsdp_run_trains_and_equals_the_ddp_update(runs):
-    ddp, hsdp = runs["ddp"], runs["hsdp"]
+def test_the_hsdp_run_trains_and_equals_the_one_process_update(runs):
+    one, hsdp = runs["one"], runs["hsdp"]
+    plan = json.loads((runs["plans"]["one"] / "plan.json").read_text())
+    assert plan["cluster"]["world_size"] == 1 and plan["global_batch"] == 8
     losses = _losses(hsdp)
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.03
-    assert losses == pytest.approx(_losses(ddp), abs=1e-5)  # the same samples, noise and timesteps
+    assert losses == pytest.approx(_losses(one), abs=1e-5)  # the same samples, noise and timesteps
+    # 1e-5: 4 ranks sum the gradient in another order than one process does (as in tests/test_train_e2e.py)
     final = "checkpoints/step_00000004"
-    _assert_close(_weights(hsdp / final), _weights(ddp / final), 1e-6, "hsdp weights", layouts_differ=True)
-    ema, ddp_ema = (load_file(str(run / final / ckpt.EMA_WEIGHTS)) for run in (hsdp, ddp))
+    _assert_close(_weights(hsdp / final), _weights(one / final), 1e-5, "hsdp weights", layouts_differ=True)
+    ema, one_ema = (load_file(str(run / final / ckpt.EMA_WEIGHTS)) for run in (hsdp, one))
     assert all(t.dtype == torch.float32 for t in ema.values())
-    _assert_close(ema, ddp_ema, 1e-6, "hsdp EMA", layouts_differ=True)
+    _assert_close(ema, one_ema, 1e-5, "hsdp EMA", layouts_differ=True)
     assert (hsdp / final / ckpt.SHARDED_MODEL).is_dir() and not (hsdp / final / ckpt.MODEL_WEIGHTS).exists()
 
 

@@ -137,16 +137,25 @@ sys.exit(train.main(sys.argv[1:]))
 
 
 def _start(
-    plan_dir: Path, images: Path, out: Path, *args, program: tuple = ("-m", "dit_accel.train")
+    plan_dir: Path,
+    images: Path,
+    out: Path,
+    *args,
+    program: tuple = ("-m", "dit_accel.train"),
+    processes: int = 2,
+    launcher: tuple = (),
+    quiet: list = QUIET,
 ) -> tuple[Path, subprocess.Popen]:
+    """`accelerate launch` of the trainer with the plan's config; `launcher`: more of accelerate's flags."""
     command = [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         "--config_file",
         str(plan_dir / "accelerate_config.yaml"),
+        *launcher,
         "--num_processes",
-        "2",
+        str(processes),
         "--main_process_port",
         "0",
         *program,
@@ -156,7 +165,7 @@ def _start(
         str(images),
         "--output-dir",
         str(out),
-        *QUIET,
+        *quiet,
         *map(str, args),
     ]
     return out, subprocess.Popen(

@@ -9,15 +9,14 @@ across the replicas.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_train_e2e import run_in_process
-from test_train_fsdp import TINY, _assert_close, _dcp, _env, _finish, _losses, _weights
+from test_train_fsdp import TINY, _assert_close, _dcp, _finish, _losses, _weights
+from test_train_fsdp import _start as start_launch
 
 from dit_accel import checkpoint as ckpt
 from dit_accel.errors import UserError
@@ -80,32 +79,15 @@ def _plan(out: Path, sharding: str, cluster=CLUSTER) -> Path:
 
 def _start(plan_dir: Path, images: Path, out: Path, *args, program=("-m", "dit_accel.train")):
     """`accelerate launch` with the plan's own config, its 2 machines run as 4 processes here."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(plan_dir / "accelerate_config.yaml"),
-        "--num_machines",
-        "1",
-        "--num_processes",
-        str(NODES * GPUS_PER_NODE),
-        "--main_process_ip",
-        "127.0.0.1",
-        "--main_process_port",
-        "0",
-        *program,
-        "--plan",
-        str(plan_dir / "plan.json"),
-        "--data-path",
-        str(images),
-        "--output-dir",
-        str(out),
-        *QUIET,
-        *map(str, args),
-    ]
-    return out, subprocess.Popen(
-        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    return start_launch(
+        plan_dir,
+        images,
+        out,
+        *args,
+        program=program,
+        processes=NODES * GPUS_PER_NODE,
+        launcher=("--num_machines", "1", "--main_process_ip", "127.0.0.1"),
+        quiet=QUIET,
     )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -129,18 +128,6 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
         resolve_precision(plan.decision.precision, device_type)
     ].accelerate_mixed_precision
     fsdp_plugin = fsdp_plugin_for(plan, config.plan)
-    log_with = None
-    if config.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-
-            log_with = "tensorboard"
-        except ImportError:
-            print(
-                "dit_accel.train: tensorboard is not installed; logging to the text logs only "
-                "(pip install tensorboard)",
-                file=sys.stderr,
-            )
     accelerator = Accelerator(
         cpu=device_type == "cpu",
         mixed_precision=mixed_precision,
@@ -149,7 +136,7 @@ def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):
         ),
         fsdp_plugin=fsdp_plugin,
         parallelism_config=parallelism_config_for(plan, empty=device_type == "cpu"),
-        log_with=log_with,
+        log_with=None,  # the run's trackers (--report-to) are chosen and started by dit_accel.trackers
         project_config=ProjectConfiguration(
             project_dir=str(run_dir), logging_dir=str(run_dir / "tensorboard")
         ),

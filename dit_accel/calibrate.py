@@ -5,6 +5,11 @@ of the plan's configuration (the trainer's own step, random data) run at a few m
 allocated bytes are fitted as fixed + per_sample x micro_batch (least squares), the largest micro-batch
 that really fits is found by bisection up to an out-of-memory error (recovered from, not fatal), and the
 result is a calibration file that `dit-plan --calibration FILE` reads in place of its assumptions.
+
+It measures under the trainer's allocator (expandable segments, `dit_accel.distributed`), or under the
+user's own PYTORCH_CUDA_ALLOC_CONF, and records which. The file is rewritten (atomically) after every
+micro-batch, so a run stopped part-way keeps what it measured: `"complete": false` until the search ends, and
+without the fitted `assumptions` (which the planner then refuses) until the requested micro-batches are done.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -46,6 +52,24 @@ class Measurement:
 
 class MeasureOOM(Exception):
     """A micro-batch did not fit. `measure` functions raise it (calibrate maps torch's OOM onto it)."""
+
+
+# Out of memory as CUDA libraries report it outside the caching allocator's own OutOfMemoryError: cuBLAS
+# or cuDNN failing to allocate a workspace or handle, or a raw CUDA allocation error (torch.AcceleratorError).
+OUT_OF_MEMORY_MESSAGES = (
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDA error: out of memory",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether a step's error means the micro-batch did not fit (not that the step is broken)."""
+    import torch
+
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in OUT_OF_MEMORY_MESSAGES)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -229,7 +253,9 @@ def cuda_measure(plan: Plan, spec, steps: int) -> Callable[[int], Measurement]:
                 device_used_bytes=device_used,
                 grad_accum=parts.grad_accum,
             )
-        except torch.cuda.OutOfMemoryError:
+        except RuntimeError as error:  # torch.cuda.OutOfMemoryError, cuBLAS's, a raw CUDA one, or a real bug
+            if not is_out_of_memory(error):
+                raise
             out_of_memory = True  # leaving this block drops the traceback and the tensors its frames hold
         finally:
             parts = None
@@ -293,83 +319,25 @@ def calibrate(
     gpu: dict,
     log=print,
     probe: Callable[[int], Measurement] | None = None,
+    allocator: dict | None = None,
+    save: Callable[[dict], None] | None = None,
 ) -> dict:
     """Measure, fit and search; returns the calibration dict (see docs/planner-accuracy.md for the format).
 
     `measure` gives the fitted points; `probe` (default: `measure`) only has to tell fit from OOM in the
-    search for the largest micro-batch, so it may time fewer steps.
+    search for the largest micro-batch, so it may time fewer steps. `save` gets the document as it stands
+    after every micro-batch (`"complete": false` until the end), so a run stopped part-way keeps its points.
     """
     spec = plan.spec()
     decision = plan.decision
     measurements: dict[int, Measurement | None] = {}
-
-    def record(micro_batch: int, result: Measurement | None) -> None:
-        measurements[micro_batch] = result
-        if result is None:
-            log(f"micro-batch {micro_batch}: out of memory")
-        else:
-            log(
-                f"micro-batch {micro_batch}: allocated {result.max_allocated_bytes / 2**30:.2f} GiB, reserved "
-                f"{result.max_reserved_bytes / 2**30:.2f} GiB, {result.images_per_s:.1f} img/s"
-            )
-
-    first_oom = None
-    for micro_batch in micro_batches:
-        try:
-            record(micro_batch, measure(micro_batch))
-        except MeasureOOM:
-            record(micro_batch, None)
-            first_oom = micro_batch
-            break
-    fitted_points = [m for m in measurements.values() if m is not None]
-    if len({m.micro_batch for m in fitted_points}) < 2:
-        raise UserError(
-            f"fewer than two of --micro-batches {','.join(map(str, micro_batches))} fit on this GPU: "
-            f"pass smaller ones (e.g. 1,2,4)"
-        )
-    known_fit = max(m.micro_batch for m in fitted_points)
-    # Where the fitted line meets the GPU's memory: a good first guess for the search.
-    fixed, per_sample = fit_line(
-        [m.micro_batch for m in fitted_points], [m.max_reserved_bytes for m in fitted_points]
-    )
-    guess = int((gpu["total_bytes"] - fixed) / per_sample) if per_sample > 0 else known_fit * 2
-    limit = max_micro_batch or max(known_fit * 2, guess * 2)
-    largest, smallest_oom = largest_fitting(
-        probe or measure,
-        start=max(known_fit + 1, min(guess, limit)),
-        limit=limit,
-        known_fit=known_fit,
-        known_oom=first_oom,
-        growth=1.25,
-        on_result=record,
-    )
-    # the fit uses the requested micro-batches only: probes time fewer steps
-    fitted_points = sorted(
-        (m for mb, m in measurements.items() if m is not None and mb in micro_batches),
-        key=lambda m: m.micro_batch,
-    )
-    step_flops_per_image = 3 * spec.fwd_flops_per_image + (
-        spec.fwd_flops_per_image * decision.checkpointed_blocks / spec.depth
-    )
-    preset = gpu.get("_preset")
-    peak = preset.matmul_peak_flops(decision.precision) if preset else None
-    fitted = fit_calibration(fitted_points, step_flops_per_image, peak, spec.tokens)
-    largest_fitted = fitted_points[-1]
-    fitted["planner_mfu"] = planner_mfu(
-        spec,
-        dataclasses.replace(
-            decision, micro_batch=largest_fitted.micro_batch, grad_accum=largest_fitted.grad_accum
-        ),
-        preset,
-        largest_fitted.images_per_s,
-        fitted["half_efficiency_tokens"],
-    )
-    planned_micro_batch = decision.micro_batch
-    return {
+    document = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "complete": False,
         "gpu": {key: value for key, value in gpu.items() if not key.startswith("_")},
         "software": _software(),
+        "allocator": allocator or {},
         "model": {
             "name": spec.name,
             "resolution": spec.resolution,
@@ -387,19 +355,116 @@ def calibrate(
             "grad_accum": decision.grad_accum,
             "steps": steps,
         },
-        "measurements": [dict(asdict(m), images_per_s=m.images_per_s) for m in fitted_points],
-        "out_of_memory_micro_batches": sorted(mb for mb, m in measurements.items() if m is None),
-        "fit": fitted,
-        "largest_micro_batch": largest,
-        "smallest_oom_micro_batch": smallest_oom,
-        "planned": {
+    }
+
+    def fitted_points() -> list[Measurement]:  # the requested micro-batches only: probes time fewer steps
+        return sorted(
+            (m for mb, m in measurements.items() if m is not None and mb in micro_batches),
+            key=lambda m: m.micro_batch,
+        )
+
+    def record(micro_batch: int, result: Measurement | None) -> None:
+        measurements[micro_batch] = result
+        if result is None:
+            log(f"micro-batch {micro_batch}: out of memory")
+        else:
+            log(
+                f"micro-batch {micro_batch}: allocated {result.max_allocated_bytes / 2**30:.2f} GiB, reserved "
+                f"{result.max_reserved_bytes / 2**30:.2f} GiB, {result.images_per_s:.1f} img/s"
+            )
+        document["measurements"] = [dict(asdict(m), images_per_s=m.images_per_s) for m in fitted_points()]
+        document["out_of_memory_micro_batches"] = sorted(mb for mb, m in measurements.items() if m is None)
+        if "fit" in document:  # searching: the bounds found so far
+            fits = [mb for mb, m in measurements.items() if m is not None]
+            document["largest_micro_batch"] = max(fits)
+            document["smallest_oom_micro_batch"] = min(
+                (mb for mb, m in measurements.items() if m is None and mb > max(fits)), default=None
+            )
+        if save:
+            save(document)
+
+    first_oom = None
+    for micro_batch in micro_batches:
+        try:
+            record(micro_batch, measure(micro_batch))
+        except MeasureOOM:
+            record(micro_batch, None)
+            first_oom = micro_batch
+            break
+    points = fitted_points()
+    if len(points) < 2:
+        raise UserError(
+            f"fewer than two of --micro-batches {','.join(map(str, micro_batches))} fit on this GPU: "
+            f"pass smaller ones (e.g. 1,2,4)"
+        )
+
+    # The fit is final now: the search below only adds the largest micro-batch that fits.
+    step_flops_per_image = 3 * spec.fwd_flops_per_image + (
+        spec.fwd_flops_per_image * decision.checkpointed_blocks / spec.depth
+    )
+    preset = gpu.get("_preset")
+    peak = preset.matmul_peak_flops(decision.precision) if preset else None
+    fitted = fit_calibration(points, step_flops_per_image, peak, spec.tokens)
+    largest_fitted = points[-1]
+    fitted["planner_mfu"] = planner_mfu(
+        spec,
+        dataclasses.replace(
+            decision, micro_batch=largest_fitted.micro_batch, grad_accum=largest_fitted.grad_accum
+        ),
+        preset,
+        largest_fitted.images_per_s,
+        fitted["half_efficiency_tokens"],
+    )
+    planned_micro_batch = decision.micro_batch
+    document.update(
+        fit=fitted,
+        largest_micro_batch=largest_fitted.micro_batch,
+        smallest_oom_micro_batch=first_oom,
+        planned={
             "micro_batch": planned_micro_batch,
             "peak_bytes": plan.memory.peak_bytes if plan.memory else None,
             "measured_reserved_at_planned_bytes": int(
                 fitted["reserved_fixed_bytes"] + fitted["reserved_per_sample_bytes"] * planned_micro_batch
             ),
         },
-        "assumptions": planner_assumptions(fitted, decision.precision),
+        assumptions=planner_assumptions(fitted, decision.precision),
+    )
+    if save:
+        save(document)
+
+    # Where the fitted line meets the GPU's memory: a good first guess for the search.
+    known_fit = largest_fitted.micro_batch
+    fixed, per_sample = fit_line([m.micro_batch for m in points], [m.max_reserved_bytes for m in points])
+    guess = int((gpu["total_bytes"] - fixed) / per_sample) if per_sample > 0 else known_fit * 2
+    limit = max_micro_batch or max(known_fit * 2, guess * 2)
+    largest, smallest_oom = largest_fitting(
+        probe or measure,
+        start=max(known_fit + 1, min(guess, limit)),
+        limit=limit,
+        known_fit=known_fit,
+        known_oom=first_oom,
+        growth=1.25,
+        on_result=record,
+    )
+    document.update(complete=True, largest_micro_batch=largest, smallest_oom_micro_batch=smallest_oom)
+    if save:
+        save(document)
+    return document
+
+
+def allocator_settings(env, torch) -> dict:
+    """Measure under the trainer's caching allocator: expandable segments unless the user set
+    PYTORCH_CUDA_ALLOC_CONF (`dit_accel.distributed.use_expandable_segments`, the same rule). Reserved bytes
+    and fragmentation describe the allocator they were measured under, so the file records it."""
+    from dit_accel.distributed import ALLOCATOR_ENV, use_expandable_segments
+
+    set_here = use_expandable_segments(env)
+    value = env[ALLOCATOR_ENV]
+    return {
+        "alloc_conf": value,  # PYTORCH_CUDA_ALLOC_CONF
+        "expandable_segments": "expandable_segments:true" in value.replace(" ", "").lower(),
+        "source": "set by calibrate, as the trainer sets it" if set_here else "the environment's",
+        "before_cuda_init": not torch.cuda.is_initialized(),  # False: too late to take effect
     }
 
 
@@ -439,25 +504,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # asks for the device count: does not initialise CUDA
         raise UserError(
             "no CUDA GPU here: calibrate measures real steps on the GPU you will train on", "run it there"
         )
+    allocator = allocator_settings(os.environ, torch)  # before the first CUDA allocation, as the trainer does
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
+    micro_batches = _micro_batches(args.micro_batches)
     plan = read_plan(args.plan)
     spec = plan.spec()
     gpu = _gpu_facts(torch)
-    result = calibrate(
-        plan,
-        _micro_batches(args.micro_batches),
-        args.steps,
-        args.max_micro_batch,
-        cuda_measure(plan, spec, args.steps),
-        gpu,
-        probe=cuda_measure(plan, spec, 1),
-    )
-    write_json_atomically(Path(args.out), result)
+    print(f"allocator: PYTORCH_CUDA_ALLOC_CONF={allocator['alloc_conf']} ({allocator['source']})")
+    out = Path(args.out)
+    try:
+        result = calibrate(
+            plan,
+            micro_batches,
+            args.steps,
+            args.max_micro_batch,
+            cuda_measure(plan, spec, args.steps),
+            gpu,
+            probe=cuda_measure(plan, spec, 1),
+            allocator=allocator,
+            save=lambda document: write_json_atomically(out, document),
+        )
+    except UserError:
+        out.unlink(missing_ok=True)  # too few points to fit: nothing the planner could use is left behind
+        raise
     fit = result["fit"]
     print(
         f"fixed {fit['fixed_bytes'] / 2**30:.2f} GiB + {fit['per_sample_bytes'] / 2**20:.1f} MiB per sample; "

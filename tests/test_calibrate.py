@@ -4,6 +4,7 @@ measure that runs out of memory above a threshold), and the calibration file it 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -105,26 +106,32 @@ def recorded_measure(tokens: int, calls: list):
     return measure
 
 
-def xl_plan(micro_batch=32, checkpointed_blocks=0) -> Plan:
+def a_plan(model: dict, micro_batch: int, precision: str, checkpointed_blocks: int = 0, **sections) -> Plan:
+    """The least plan.json calibrate reads: one GPU, no accumulation, precomputed latents, EMA."""
     return parse_plan(
         {
             "schema": "dit-plan/1",
-            "inputs": {"model": "DiT-XL/2"},
-            "model": {"name": "DiT-XL/2", "resolution": 256},
+            "inputs": {"model": model["name"]},
+            "model": model,
             "cluster": {"world_size": 1},
             "global_batch": micro_batch,
             "decision": {
                 "micro_batch": micro_batch,
                 "grad_accum": 1,
                 "checkpointed_blocks": checkpointed_blocks,
-                "precision": "bf16",
+                "precision": precision,
                 "sharding": "ddp",
                 "latents": "precomputed",
                 "ema": True,
             },
-            "memory": {"peak_bytes": 20 * GiB},
+            **sections,
         }
     )
+
+
+def xl_plan(micro_batch=32, checkpointed_blocks=0) -> Plan:
+    model = {"name": "DiT-XL/2", "resolution": 256}
+    return a_plan(model, micro_batch, "bf16", checkpointed_blocks, memory={"peak_bytes": 20 * GiB})
 
 
 def test_calibration_fits_searches_and_writes_what_the_planner_reads(tmp_path):
@@ -240,3 +247,166 @@ def test_bad_micro_batch_lists_are_refused():
     with pytest.raises(UserError):
         cal._micro_batches("8,x")
     assert cal._micro_batches("32, 8,16") == [8, 16, 32]
+
+
+# --- the GPU's own code path, the CPU standing in for CUDA ----------------------------------------------
+
+CUBLAS_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+
+
+def tiny_plan(micro_batch=2) -> Plan:
+    """A 2-block DiT on 4x4 latents: the real step runs in milliseconds on the CPU."""
+    model = {"name": "DiT-custom", "resolution": 32, "depth": 2, "hidden": 32, "heads": 2, "patch": 2}
+    return a_plan(model, micro_batch, "fp32")
+
+
+@pytest.fixture
+def step_on_cpu(monkeypatch):
+    """`cuda_measure` runs the trainer's real step on the CPU: torch.cuda's statistics answer as a GPU whose
+    peak grows by 1 MiB a sample, and every micro-step above `failing_above` raises `error`."""
+    import dit_accel.memtrace as memtrace
+
+    real_build = memtrace.build_step_parts
+    state = {"micro_batch": 0, "failing_above": 10**9, "error": RuntimeError(CUBLAS_OOM), "micro_steps": 0}
+
+    def build(plan, spec, checkpointed_blocks, micro_batch, device, **kwargs):
+        assert device == "cuda"
+        state["micro_batch"] = micro_batch
+        parts = real_build(plan, spec, checkpointed_blocks, micro_batch, "cpu", **kwargs)
+        real_micro_step = parts.micro_step
+
+        def micro_step():
+            if micro_batch > state["failing_above"]:
+                raise state["error"]
+            state["micro_steps"] += 1
+            return real_micro_step()
+
+        parts.micro_step = micro_step
+        return parts
+
+    allocated = lambda *args: GiB + MiB * state["micro_batch"]
+    monkeypatch.setattr(memtrace, "build_step_parts", build)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *args: allocated() + 2 * MiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (TOTAL - allocated() - 500 * MiB, TOTAL))
+    return state
+
+
+def test_out_of_memory_as_cuda_libraries_report_it():
+    assert cal.is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert cal.is_out_of_memory(RuntimeError(CUBLAS_OOM))
+    assert cal.is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+    assert cal.is_out_of_memory(torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors ..."))
+    assert not cal.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"))
+    assert not cal.is_out_of_memory(ValueError("CUDA error: out of memory"))
+
+
+def test_a_cublas_allocation_failure_is_an_out_of_memory_point_and_the_calibration_goes_on(
+    step_on_cpu, tmp_path
+):
+    plan = tiny_plan()
+    spec = plan.spec()
+    step_on_cpu["failing_above"] = 6
+    out = tmp_path / "calibration.json"
+    saved = []
+
+    def save(document):
+        write_json_atomically(out, document)
+        saved.append(json.loads(out.read_text()))
+
+    gpu = {"name": "CPU as a GPU", "total_bytes": TOTAL, "preset": None, "_preset": None}
+    allocator = cal.allocator_settings({}, torch)
+    result = cal.calibrate(
+        plan,
+        [2, 4, 8],
+        steps=1,
+        max_micro_batch=16,
+        measure=cal.cuda_measure(plan, spec, 1),
+        gpu=gpu,
+        log=lambda line: None,
+        probe=cal.cuda_measure(plan, spec, 1),
+        allocator=allocator,
+        save=save,
+    )
+    assert step_on_cpu["micro_steps"] == 6  # 2, 4 and the probe 6: a warm-up and a timed step each
+    assert [m["micro_batch"] for m in result["measurements"]] == [2, 4]
+    assert result["out_of_memory_micro_batches"] == [7, 8]
+    assert (result["largest_micro_batch"], result["smallest_oom_micro_batch"]) == (6, 7)
+    assert result["fit"]["per_sample_bytes"] == MiB and result["fit"]["outside_allocator_bytes"] == 498 * MiB
+    assert result["complete"] and result["allocator"]["expandable_segments"]
+    assert json.loads(out.read_text()) == result
+    # Written after every micro-batch: the first point alone, not yet something the planner reads.
+    from planner.calibration import check_calibration
+    from planner.errors import PlanError
+
+    first = saved[0]
+    assert [m["micro_batch"] for m in first["measurements"]] == [2] and first["complete"] is False
+    with pytest.raises(PlanError, match="incomplete"):
+        check_calibration(first)
+    # Once the requested micro-batches are done the fit is final; the search then only moves its bounds.
+    fitted = next(document for document in saved if "assumptions" in document)
+    assert fitted["complete"] is False and fitted["assumptions"] == result["assumptions"]
+    check_calibration(fitted)
+    bounds = [(d["largest_micro_batch"], d["smallest_oom_micro_batch"]) for d in saved if "fit" in d]
+    assert bounds == [(4, 8), (6, 8), (6, 7), (6, 7)]
+
+
+def test_an_error_that_is_not_out_of_memory_stops_the_calibration(step_on_cpu):
+    plan = tiny_plan()
+    step_on_cpu.update(failing_above=2, error=RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        cal.cuda_measure(plan, plan.spec(), 1)(4)
+    with pytest.raises(cal.MeasureOOM):
+        step_on_cpu["error"] = torch.cuda.OutOfMemoryError("CUDA out of memory")
+        cal.cuda_measure(plan, plan.spec(), 1)(4)
+
+
+def test_the_allocator_is_the_trainers_unless_the_user_chose_one():
+    env = {}
+    settings = cal.allocator_settings(env, torch)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert settings["expandable_segments"] and settings["source"].startswith("set by calibrate")
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    settings = cal.allocator_settings(env, torch)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert not settings["expandable_segments"] and settings["source"] == "the environment's"
+
+
+def fake_gpu_command(monkeypatch, tmp_path, measure):
+    """`main` as on a GPU: CUDA present, the measure given, the plan a file."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        cal, "_gpu_facts", lambda torch: {"name": "fake", "total_bytes": TOTAL, "_preset": None}
+    )
+    monkeypatch.setattr(cal, "cuda_measure", lambda plan, spec, steps: measure)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(tiny_plan().to_json()))
+    return plan_path
+
+
+def test_the_command_measures_under_expandable_segments_and_writes_the_file(monkeypatch, tmp_path, capsys):
+    seen = []
+
+    def measure(micro_batch):
+        seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        return oom_above(20)(micro_batch)
+
+    plan_path = fake_gpu_command(monkeypatch, tmp_path, measure)
+    out = tmp_path / "c.json"
+    assert cal.main(["--plan", str(plan_path), "--micro-batches", "4,8", "--out", str(out)]) == 0
+    assert set(seen) == {"expandable_segments:True"}
+    written = json.loads(out.read_text())
+    assert written["complete"] and written["largest_micro_batch"] == 20
+    assert written["allocator"]["alloc_conf"] == "expandable_segments:True"
+    assert "allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in capsys.readouterr().out
+
+
+def test_the_command_leaves_no_file_when_too_few_micro_batches_fit(monkeypatch, tmp_path, capsys):
+    plan_path = fake_gpu_command(monkeypatch, tmp_path, oom_above(1))
+    out = tmp_path / "c.json"
+    assert cal.main(["--plan", str(plan_path), "--micro-batches", "1,2,4", "--out", str(out)]) == 2
+    assert "smaller ones" in capsys.readouterr().err and not out.exists()

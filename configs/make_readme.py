@@ -20,7 +20,7 @@ from tabulate import tabulate
 from planner.cli import plan_arguments
 from planner.errors import PlanError
 from planner.plan import make_plan
-from planner.report import duration
+from planner.report.tables import duration
 
 CONFIGS = Path(__file__).resolve().parent
 TRAIN_STEPS = 400_000  # the DiT paper's comparisons

@@ -23,6 +23,7 @@ from planner.clusterfile import SHAPE_KEYS, read_cluster_file
 from planner.errors import PlanError
 from planner.hardware import Assumptions, assumption_names, assumption_types
 from planner.outputs import (
+    MEMORY_CHART,
     check_file_path,
     check_out_dir,
     package_version,
@@ -30,7 +31,8 @@ from planner.outputs import (
     write_plan_dir,
 )
 from planner.plan import make_plan
-from planner.report import FORMATS, render, render_sweep, sweep_row
+from planner.report import FORMATS, render, render_sweep
+from planner.report.tables import sweep_row
 from planner.units import UNIT_RULE, parse_bytes
 
 PROG = "dit-plan"
@@ -331,7 +333,7 @@ def common_kwargs(args) -> dict:
 def list_assumptions(fmt: str) -> str:
     from tabulate import tabulate
 
-    from planner.report import TABLEFMT
+    from planner.report.tables import TABLEFMT
 
     rows = [[f.name, getattr(Assumptions(), f.name)] for f in dataclasses.fields(Assumptions)]
     if fmt == "json":
@@ -419,18 +421,21 @@ def run(argv: list[str] | None) -> int:
         if chart is not None:
             print(f"wrote {write_file_atomically(args.plot, chart)}", file=status)
         return 0
-    out = check_out_dir(args.out or "plan")
+    # the terminal view writes ./plan by default; a document format is the document alone unless --out says
+    out = check_out_dir(args.out or "plan") if args.out is not None or args.format == "table" else None
     plan = make_plan(**combos[0], **kwargs)
     chart = None
     if args.plot is not None:
         from planner.plot import candidates_chart
 
         chart = candidates_chart(plan, plot_format)
-    written = write_plan_dir(plan, out, command_line(argv), chart=not args.no_chart)
+    written = [] if out is None else write_plan_dir(plan, out, command_line(argv), chart=not args.no_chart)
     if chart is not None:
         written.append(write_file_atomically(args.plot, chart))
-    sys.stdout.write(render(plan, args.format, args.wide))
-    print("wrote " + ", ".join(str(path) for path in written), file=status)
+    memory_chart = (out / MEMORY_CHART).as_posix() if out is not None and not args.no_chart else None
+    sys.stdout.write(render(plan, args.format, args.wide, chart=memory_chart))
+    if written:
+        print("wrote " + ", ".join(str(path) for path in written), file=status)
     return 0
 
 

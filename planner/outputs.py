@@ -14,7 +14,7 @@ from pathlib import Path
 
 from planner.accelerate import accelerate_yaml
 from planner.errors import PlanError
-from planner.report import plan_markdown
+from planner.report.planmd import plan_markdown
 from planner.slurm import slurm_script
 
 PLAN_FILES = ("plan.json", "plan.md", "memory.png", "accelerate_config.yaml", "launch.slurm")

@@ -13,7 +13,7 @@ import textwrap
 
 from planner.errors import PlanError
 from planner.memory import COMPONENTS
-from planner.report import PHASE_NAMES
+from planner.report.tables import PHASE_NAMES
 
 CHART_FORMATS = ("png", "svg", "pdf")
 _GIB = 2**30

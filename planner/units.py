@@ -86,3 +86,16 @@ def parse_headroom(text, vram_bytes: int) -> int:
             f"--headroom {raw} must be a share of VRAM below 100% (e.g. 5%) or a size (e.g. 2GiB)"
         )
     return int(fraction * vram_bytes)
+
+
+_PLURALS = {"process": "processes"}
+
+
+def plural(n: int, noun: str) -> str:
+    """The noun as it reads after the count n: GPU for 1, GPUs for 8; process, processes."""
+    return noun if n == 1 else _PLURALS.get(noun, noun + "s")
+
+
+def count(n: int, noun: str) -> str:
+    """A count with its noun: 1 GPU, 8 GPUs, 1 process, 2 processes."""
+    return f"{n} {plural(n, noun)}"

@@ -11,10 +11,12 @@ from PIL import Image
 
 from planner import cli, report
 from planner.plan import make_plan
-from planner.report import TERMINAL_COLUMNS, fit_table, latex_document, tex_escape
+from planner.report import latex, tables, terminal
+from planner.report.latex import latex_document, tex_escape
+from planner.report.terminal import TERMINAL_COLUMNS, fit_table
 
 SPECIALS = "50% a_b #1 R&D $5 ~x 2^30 C:\\dir {b} <i> a|b"
-ESCAPED = r"50\% a\_b \#1 R\&D \$5 \~{}x 2\^{}30 C:$\backslash$dir \{b\} $<$i$>$ a$|$b"
+ESCAPED = r"50\% a\_b \#1 R\&D \$5 $\sim$x $2^{30}$ C:$\backslash$dir \{b\} $<$i$>$ a$|$b"
 
 
 def run(argv, capsys):
@@ -40,10 +42,8 @@ def _tables(text: str) -> list[str]:
 
 def test_every_table_fits_100_columns_and_says_what_it_left_out(plans):
     for plan in plans:
-        for name, kind, (headers, rows) in report.plan_tables(plan):
-            if not rows:
-                continue
-            text = report.terminal_table(kind, headers, rows)
+        for name, kind, headers, rows in tables.plan_tables(plan):
+            text = terminal.terminal_table(kind, headers, rows)
             assert max(len(line) for line in text.splitlines()) <= TERMINAL_COLUMNS, (name, text)
             if "--wide" not in text:  # no footnote: nothing left out, no cell wrapped (headers may be)
                 assert all(str(cell) in text for row in rows for cell in row), text
@@ -52,8 +52,8 @@ def test_every_table_fits_100_columns_and_says_what_it_left_out(plans):
 
 
 def test_the_decision_table_leaves_out_the_least_important_columns_first(plans):
-    headers, rows = report.decision_rows(plans[0])
-    text, note = fit_table(headers, rows, *report.FIT["decision"])
+    headers, rows = tables.decision_rows(plans[0])
+    text, note = fit_table(headers, rows, (), terminal.LEAVE_OUT_FIRST["decision"])
     assert "micro-" in text and "est. img/s" in text  # the decision itself stays
     assert note.startswith("(left out to fit 100 columns: latents") and "--wide shows every column" in note
     wide = report.render(plans[0], wide=True)
@@ -67,7 +67,7 @@ def test_fitting_wraps_text_keeps_every_word_and_handles_any_columns():
     assert max(len(line) for line in text.splitlines()) <= 100
     assert text.count("word") == 120 and note == "(what wrapped to fit 100 columns; --wide unwraps)"
     text, note = fit_table(["a", "b"], [["1", "2"]])
-    assert note is None and text == report.tabulate([["1", "2"]], headers=["a", "b"], disable_numparse=True)
+    assert note is None and text == terminal.tabulate([["1", "2"]], headers=["a", "b"], disable_numparse=True)
 
 
 def test_the_sweep_table_fits_100_columns(capsys):
@@ -87,6 +87,22 @@ def test_the_sweep_table_fits_100_columns(capsys):
 def test_tex_escape_covers_every_special_character():
     assert tex_escape(SPECIALS) == ESCAPED
     assert tex_escape("2 x 8 -> GPUs") == "2 x 8 -$>$ GPUs"
+    assert tex_escape("a ^ b") == r"a \^{} b"  # a caret that is not a power
+
+
+def test_latex_prints_flags_quotes_and_powers_as_written():
+    # `--` and `---` are TeX ligatures (en and em dash): every hyphen before another is kept apart
+    assert tex_escape("--gpus 8 --no-chart") == "-{}-gpus 8 -{}-no-chart"
+    assert tex_escape("a---b") == "a-{}-{}-b"
+    assert tex_escape("well-known") == "well-known"
+    # a straight quote prints as a closing one: quotations open with `` and ` and close with '' and '
+    assert tex_escape('the "reserved" peak') == "the ``reserved'' peak"
+    assert tex_escape('("quoted")') == "(``quoted'')"
+    assert tex_escape("it's 'fused'") == "it's `fused'"
+    # 10^9 in math mode, not a circumflex accent over the next digit
+    assert tex_escape("G/GB = 10^9 bytes, GiB = 2^30") == "G/GB = $10^{9}$ bytes, GiB = $2^{30}$"
+    assert tex_escape("2 \u00d7 8 \u2248 16 \u2013 \u2192") == r"2 $\times$ 8 $\approx$ 16 -- $\rightarrow$"
+    assert tex_escape("caf\u00e9") == "caf?"  # other non-ASCII: replaced, never a font error
 
 
 def test_latex_escapes_every_cell_heading_and_warning(plans, monkeypatch):
@@ -94,15 +110,19 @@ def test_latex_escapes_every_cell_heading_and_warning(plans, monkeypatch):
     plan["model"]["name"] = SPECIALS
     plan["units"] = SPECIALS
     plan["warnings"] = [SPECIALS]
-    tables = [(f"table {SPECIALS}", "memory", ([SPECIALS, "what"], [[SPECIALS, SPECIALS]] * 2))]
-    monkeypatch.setattr(report, "plan_tables", lambda _: tables)
+    special_tables = [(f"table {SPECIALS}", "memory", [SPECIALS, "what"], [[SPECIALS, SPECIALS]] * 2)]
+    monkeypatch.setattr(latex, "plan_tables", lambda _: special_tables)
     text = report.render(plan, "latex")
     assert text.startswith(r"\documentclass{article}") and text.endswith("\\end{document}\n")
     assert rf"{ESCAPED} & what \\" in text and rf"{ESCAPED} & {ESCAPED} \\" in text
     assert rf"\subsection*{{table {ESCAPED}}}" in text and rf"\item {ESCAPED}" in text
     assert f"units: {ESCAPED}" in text
     for line in text.splitlines():  # no raw special left: each is escaped or part of a command
-        bare = re.sub(r"\\\\$|\\[%_#&${}~^]|\\[a-zA-Z]+\*?|\$[<>|]\$|\$\\backslash\$| & |\{|\}", "", line)
+        bare = re.sub(
+            r"\\\\$|\\[%_#&${}~^]|\\[a-zA-Z]+\*?|\$[<>|]\$|\$\\(backslash|sim)\$|\$\d+\^\{\d+\}\$| & |\{|\}",
+            "",
+            line,
+        )
         assert not set(bare) & set("%_#&$~^\\"), line
 
 
@@ -111,6 +131,11 @@ def test_the_latex_compiles(plans, tmp_path, capsys):
     documents = {f"plan{i}": report.render(plan, "latex") for i, plan in enumerate(plans)}
     code, out, _ = run(["--gpu", "a100-40g,h100-80g", "--gpus", "7,8", "--format", "latex"], capsys)
     documents["sweep"] = out
+    code, out, _ = run(
+        ["--gpus", "8", "--vram", "40G", "--format", "latex", "--out", str(tmp_path / "p")], capsys
+    )
+    assert code == 0 and "includegraphics" in out
+    documents["with-chart"] = out
     documents["specials"] = latex_document(
         SPECIALS, [SPECIALS], [(SPECIALS, [SPECIALS], [[SPECIALS]], ())], [SPECIALS]
     )
@@ -128,16 +153,33 @@ def test_the_latex_compiles(plans, tmp_path, capsys):
         ]
 
 
-@pytest.mark.parametrize("fmt", ["markdown", "github", "latex"])
-def test_document_formats_write_only_the_document_to_stdout(tmp_path, capsys, fmt):
-    code, out, err = run(
-        ["--gpus", "8", "--vram", "40G", "--format", fmt, "--out", str(tmp_path / "p")], capsys
-    )
+@pytest.mark.parametrize("fmt", ["markdown", "github", "latex", "json"])
+def test_document_formats_write_only_the_document_to_stdout(tmp_path, capsys, monkeypatch, fmt):
+    monkeypatch.chdir(tmp_path)
+    code, alone, err = run(["--gpus", "8", "--vram", "40G", "--format", fmt], capsys)
+    assert code == 0 and err == "" and list(tmp_path.iterdir()) == []  # no ./plan, no chart
+    assert alone.endswith("\n") and not alone.endswith("\n\n")
+    code, out, err = run(["--gpus", "8", "--vram", "40G", "--format", fmt, "--out", "p"], capsys)
     assert code == 0 and "wrote" not in out and err.startswith("wrote ") and "plan.json" in err
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "accelerate_config.yaml",
+        "memory.png",
+        "plan.json",
+        "plan.md",
+    ]
     if fmt == "latex":
         assert out.startswith(r"\documentclass") and out.endswith("\\end{document}\n")
+        assert "graphicx" not in alone and "includegraphics" not in alone  # no chart was written
+        assert r"keepaspectratio]{p/memory.png}" in out and r"\usepackage{graphicx}" in out
+    elif fmt == "json":
+        assert json.loads(alone) == json.loads(out) == json.loads((tmp_path / "p" / "plan.json").read_text())
     else:
-        assert out.startswith("### DiT-XL/2")
+        assert out.startswith("### DiT-XL/2") and out == alone
+
+
+def test_latex_includes_the_chart_only_where_tex_can_read_its_name():
+    assert latex._graphic("plan/memory.png").endswith("{plan/memory.png}")
+    assert latex._graphic("50%/memory.png") == r"the memory chart: 50\%/memory.png"
 
 
 def test_plan_md_is_ordered_for_a_reviewer(tmp_path, capsys):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from planner.hardware import Assumptions
 from planner.memory import FP32_BYTES, Cluster, Decision
 from planner.spec import DiTSpec
-from planner.units import format_bytes
+from planner.units import count, format_bytes
 
 WARN_FRACTION = 0.9  # warn when the estimate comes this close to --host-ram
 
@@ -68,8 +68,9 @@ def host_estimate(
         ]
         if decision.latents != "precomputed":
             fixes.append("precomputed latents (dit-accel extract-latents)")
+        ranks = count(cluster.gpus_per_node, "rank") + (" needs" if cluster.gpus_per_node == 1 else " need")
         warnings.append(
-            f"host RAM: {cluster.gpus_per_node} ranks need about {format_bytes(node_total)} per node (largest part: "
+            f"host RAM: {ranks} about {format_bytes(node_total)} per node (largest part: "
             f"{largest.replace('_', ' ')}), which {verdict} --host-ram {format_bytes(host_ram_bytes)}; the kernel kills "
             f"ranks with exitcode -9 when it runs out. Fix: " + "; ".join(fixes)
         )

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import shlex
 
+from planner.units import count
+
 SIGNAL_LEAD_S = 300  # USR1 this long before the time limit: time to finish a step and save one checkpoint
 EXIT_PREEMPTED = 4  # dit_accel.errors.EXIT_PREEMPTED; the planner does not import dit_accel
 PLACEHOLDERS = ("FILL_IN_PARTITION", "FILL_IN_HH:MM:SS", "FILL_IN_CPUS")
@@ -37,7 +39,7 @@ def slurm_script(
     data = DATA_EXAMPLES.get(plan.get("decision", {}).get("latents", "precomputed"), DATA_EXAMPLES["pixel"])
     partition, time_limit, cpus = PLACEHOLDERS
     return f"""#!/bin/bash
-# SLURM job written by dit-plan: {model["name"]} @ {model["resolution"]} px on {nodes} node(s) x {gpus} GPUs.
+# SLURM job written by dit-plan: {model["name"]} @ {model["resolution"]} px on {count(nodes, "node")} x {count(gpus, "GPU")}.
 # Before submitting, replace the three FILL_IN values below (sbatch refuses them as they are):
 #   --partition, --time (the limit, e.g. 48:00:00) and --cpus-per-task (the node's CPUs for the loaders).
 # Submit from the plan directory:   sbatch launch.slurm {data} --output-dir runs/{job}
@@ -68,7 +70,7 @@ mkdir -p "$DIT_ACCEL_EXIT_DIR"
 export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$(( {SIGNAL_LEAD_S} - 30 ))
 
-# One task per node; each starts {gpus} processes. SLURM_NODEID is this node's rank (0 = the main node).
+# One task per node; each starts {count(gpus, "process")}. SLURM_NODEID is this node's rank (0 = the main node).
 srun --ntasks={nodes} --ntasks-per-node=1 bash -c '
   exec accelerate launch \\
     --config_file "$PLAN_DIR/{config_name}" \\

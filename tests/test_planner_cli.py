@@ -466,3 +466,17 @@ def test_version_comes_from_the_package_metadata_or_the_source(capsys, monkeypat
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     code, out, _ = run(["--version"], capsys)
     assert code == 0 and out == f"dit-plan (dit-accel) {source}\n"
+
+
+def test_counts_of_one_read_in_the_singular(tmp_path, capsys):
+    """One GPU per node, one rank, one image per micro-batch: never "1 GPUs" or "1 processes"."""
+    import re
+
+    argv = ["--gpus-per-node", "1", "--nodes", "2", "--vram", "80G", "--global-batch", "2"]
+    code, out, _ = run(argv + ["--host-ram", "8GiB", "--steps", "10", "--out", str(tmp_path)], capsys)
+    assert code == 0
+    text = out + "".join((tmp_path / name).read_text() for name in ("plan.md", "launch.slurm"))
+    assert (
+        "on 2 nodes x 1 GPU of" in text and "each starts 1 process." in text and "1 rank needs about" in text
+    )
+    assert not re.findall(r"\b1 (GPUs|nodes|ranks|processes|images)\b|node\(s\)", text)

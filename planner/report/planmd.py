@@ -23,7 +23,7 @@ from planner.report.tables import (
     time_to_train_rows,
     title,
 )
-from planner.units import format_bytes
+from planner.units import count, format_bytes
 
 
 def _compute_regime(breakdown: dict, decision: dict) -> str:
@@ -108,7 +108,7 @@ def plan_markdown(plan: dict, provenance: dict | None = None, chart: str | None 
         f"{' / ' + str(c['world_size']) if d['sharding'] != 'ddp' and d['ema'] else ''} = {format_bytes(m['ema'])}.",
         f"- One stored block saves {a['bytes_per_token_hidden_block']:.1f} B per token x hidden "
         f"({_compute_regime(a, d)}, "
-        f"{a['attention']} attention): {b} images x {s} tokens x {h} x {a['bytes_per_token_hidden_block']:.1f} B = "
+        f"{a['attention']} attention): {count(b, 'image')} x {s} tokens x {h} x {a['bytes_per_token_hidden_block']:.1f} B = "
         f"{format_bytes(a['stored_block_bytes'])} per block.",
         f"- saved for backward = {a['stored_blocks']} stored x {format_bytes(a['stored_block_bytes'])} + "
         f"{a['checkpointed_blocks']} checkpointed x {format_bytes(a['checkpointed_block_bytes'])} (their inputs) + "
@@ -158,7 +158,7 @@ def plan_markdown(plan: dict, provenance: dict | None = None, chart: str | None 
             "## Time to train",
             "",
             f"{t['train_steps']:,} optimizer steps x {plan['global_batch']} images / the estimated images/s "
-            f"(range from the MFU range); GPU-hours = wall-clock x {c['world_size']} GPUs"
+            f"(range from the MFU range); GPU-hours = wall-clock x {count(c['world_size'], 'GPU')}"
             + (f"; cost at ${t['gpu_hour_cost']:g} per GPU-hour." if t.get("cost") is not None else "."),
             "",
             markdown_table(*time_to_train_rows(plan)),

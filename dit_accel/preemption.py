@@ -8,6 +8,11 @@ and the loop saves that step and exits with `errors.EXIT_PREEMPTED`.
 
 `die_with_parent` sets Linux's parent-death signal: a rank whose launcher is SIGKILLed gets SIGTERM, and so
 saves and stops like a preempted one instead of training on, orphaned, holding its GPU.
+
+`WorkerShield` keeps a rank's DataLoader workers out of it: the signal reaches them too (SLURM signals every
+process of the step, `dit-accel train` the launcher's process group), and torch's worker handler dies of a
+SIGTERM that its rank did not send, which fails the rank ("DataLoader worker ... killed by signal") before it
+can save. The rank decides when its workers end.
 """
 
 from __future__ import annotations
@@ -51,6 +56,29 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class WorkerShield:
+    """A DataLoader `worker_init_fn`: the worker takes the stop `signals` only from its own rank.
+
+    The signals are blocked in the worker and a thread waits for them (`sigwaitinfo` tells the sender): one
+    from the rank (the DataLoader ending a stuck worker with SIGTERM) ends the worker as torch's own handler
+    would, any other (the scheduler's, meant for the rank) is dropped. Picklable, for spawned workers too."""
+
+    def __init__(self, signals) -> None:
+        self.signals = tuple(int(sig) for sig in signals)
+        self.rank_pid = os.getpid()
+
+    def __call__(self, _worker_id: int) -> None:
+        if not self.signals or not hasattr(signal, "sigwaitinfo"):
+            return
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)  # threads started later inherit the mask
+        threading.Thread(target=self._wait, name="stop-signal-shield", daemon=True).start()
+
+    def _wait(self) -> None:
+        while True:
+            if signal.sigwaitinfo(self.signals).si_pid == self.rank_pid:
+                os._exit(0)
 
 
 def signal_name(signum: int) -> str:

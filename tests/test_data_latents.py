@@ -377,3 +377,41 @@ def test_another_resolution_of_a_complete_cache_needs_overwrite(assets, tmp_path
     PartialState._reset_state()
     assert main(args + ["--overwrite"]) == 0
     assert read_manifest(out)["resolution"] == 16 and verify_cache(out) > 0
+
+
+@pytest.mark.launched
+def test_a_stop_signal_to_the_process_group_keeps_complete_shards_and_exits_4(assets, tmp_path):
+    """SIGTERM to the whole process group (what SLURM or `kill -- -PGID` does), DataLoader workers included:
+    the workers must not die of it first; the extraction stops at a batch, keeps its complete shards, writes
+    no manifest, says so in one line and exits 4; the same command then finishes the cache."""
+    import signal
+    import time
+
+    images = tmp_path / "images"
+    write_demo_data(images, classes=2, per_class=100, resolution=RESOLUTION, seed=5)
+    out = tmp_path / "cache"
+    command = [sys.executable, "-m", "dit_accel.data.latents", "--data-path", str(images)]
+    command += ["--vae", str(assets / "vae"), "--resolution", str(RESOLUTION), "--out", str(out)]
+    command += ["--shard-size", "2", "--batch-size", "2", "--num-workers", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out / "shard-00000.safetensors").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGTERM)
+    err = process.communicate(timeout=120)[1]
+    assert process.returncode == 4, err[-3000:]
+    assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
+    line = next(line for line in err.splitlines() if "preempted" in line)
+    kept = sorted(p.name for p in out.glob("shard-*.safetensors"))
+    assert line == (
+        f"dit-accel extract-latents: preempted by SIGTERM: {len(kept)} of 100 shards of {out} are complete "
+        f"and kept, no manifest written; exit 4 (rerun the same command to resume)"
+    )
+    assert 0 < len(kept) < 100 and not (out / "manifest.json").exists()
+    assert not list(out.glob(".*.tmp"))
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert verify_cache(out) > 0 and read_manifest(out)["count"] == 200

@@ -210,16 +210,21 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(workspace, tmp_pa
 
 @pytest.mark.launched
 def test_sigterm_to_the_wrapper_is_forwarded_and_its_exit_code_is_the_ranks(workspace, tmp_path):
+    """With DataLoader workers, as on a real node: the wrapper forwards the signal to the launcher's process
+    group, which holds every rank's workers too; they must not die of it before their rank has saved."""
     out = tmp_path / "wrapper"
-    wrapper = _wrapper(workspace, out, *LONG)
+    wrapper = _wrapper(workspace, out, *LONG, "--num-workers", 2)
     _wait_for_step(out, 2, wrapper)
     (launcher,) = _children(wrapper.pid)
     ranks = _children(launcher)
+    workers = [worker for rank in ranks for worker in _children(rank)]
+    assert len(workers) >= 4, workers  # 2 per rank
     os.kill(wrapper.pid, signal.SIGTERM)
     code, err = _finish(wrapper)
     assert code == EXIT_PREEMPTED, err[-3000:]
+    assert "killed by signal" not in err and "Traceback" not in err, err[-3000:]
     assert _checkpoints(out) == [f"step_{_stop_step(err):08d}"]
-    assert not any(map(_alive, [launcher, *ranks]))
+    assert not any(map(_alive, [launcher, *ranks, *workers]))
 
 
 @pytest.mark.launched

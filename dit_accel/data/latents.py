@@ -10,6 +10,11 @@ a cache without a manifest is incomplete and the reader refuses it. A complete c
 into: its replacement is made in the sibling `.CACHE.extracting` and swapped in whole, and one made with
 another configuration (resolution, VAE, data, layout) is replaced only with --overwrite.
 
+A stop signal (SIGTERM or SIGUSR1, as a preempting scheduler sends) ends every rank at its next batch: the
+shard in progress is dropped, the complete ones are kept, no manifest is written, and the command exits 4
+(`errors.EXIT_PREEMPTED`): rerun it to resume. The image-decoding workers ignore the signal
+(`preemption.WorkerShield`), so they do not fail the rank first.
+
 Reading (dit_accel.data.latent_cache): `LatentCache(CACHE)` memory-maps the safetensors shards with numpy and yields
 `(latent, label)` with latent = (mean + std * noise - shift_factor) * scale_factor.
 
@@ -26,6 +31,8 @@ import argparse
 import hashlib
 import json
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,9 +54,15 @@ from dit_accel.data.folder import (
 )
 from dit_accel.data.latent_cache import FORMAT, MANIFEST_NAME
 from dit_accel.data.vae import encode_posterior, load_vae, sha256_json
-from dit_accel.errors import UserError, exits_cleanly
+from dit_accel.errors import EXIT_PREEMPTED, UserError, exits_cleanly
+from dit_accel.preemption import StopRequest, WorkerShield, signal_name
 
 STORAGE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class ExtractionStopped(Exception):
+    """A stop signal ended the extraction at a batch boundary; the message says what is kept."""
 
 
 def shard_name(shard: int) -> str:
@@ -246,6 +259,7 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         num_workers=num_workers,
         collate_fn=_collate,
         pin_memory=state.device.type == "cuda",
+        worker_init_fn=WorkerShield(STOP_SIGNALS),
     )
     progress = progress_bar(
         total=sum(map(len, batches)),
@@ -253,26 +267,43 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         disable=not state.is_main_process,
         desc=f"encoding (rank 0 of {layout.world_size})",
     )
+    # A signal from here on ends the encoding at a batch; once every shard is written, the manifest is
+    # finished whatever comes.
+    stop = StopRequest().install(STOP_SIGNALS)
     try:
-        for record in _encode_shards(layout, loader, vae, config.skip_bad_images, progress):
-            records.append(record)
-            result.shards_written.append(record["shard"])
-    except BaseException:
-        progress.leave = False  # clear the bar so that the error is the last line a user sees
-        raise
-    finally:
-        progress.close()
+        try:
+            for record in _encode_shards(layout, loader, vae, config.skip_bad_images, progress, stop):
+                records.append(record)
+                result.shards_written.append(record["shard"])
+        except BaseException:
+            progress.leave = False  # clear the bar so that the error is the last line a user sees
+            raise
+        finally:
+            progress.close()
 
-    all_records = gather_object(records)
-    if state.is_main_process:
-        manifest = _write_manifest(
-            layout, sorted(all_records, key=lambda r: r["shard"]), summary, identity, config, vae.config
-        )
-        result.count, result.skipped = manifest["count"], manifest["skipped"]
-        if work != out:
-            replace_folder(work, out)  # the old cache stays whole until the new one is
-    state.wait_for_everyone()  # no rank exits before the manifest exists
-    return result
+        # Every rank comes here, done or stopped: the records and stops of all, one collective.
+        gathered = gather_object([(records, stop.signum)])
+        stopped_by = next((signum for _, signum in gathered if signum), 0)
+        if stopped_by:
+            kept = sum(len(shard_records) for shard_records, _ in gathered)
+            state.wait_for_everyone()
+            raise ExtractionStopped(
+                f"preempted by {signal_name(stopped_by)}: {kept} of {layout.num_shards} shards of {work} "
+                f"are complete and kept, no manifest written; exit {EXIT_PREEMPTED} (rerun the same command to "
+                f"resume)"
+            )
+        all_records = [record for shard_records, _ in gathered for record in shard_records]
+        if state.is_main_process:
+            manifest = _write_manifest(
+                layout, sorted(all_records, key=lambda r: r["shard"]), summary, identity, config, vae.config
+            )
+            result.count, result.skipped = manifest["count"], manifest["skipped"]
+            if work != out:
+                replace_folder(work, out)  # the old cache stays whole until the new one is
+        state.wait_for_everyone()  # no rank exits before the manifest exists
+        return result
+    finally:
+        stop.close()
 
 
 def _complete_manifest(out: Path) -> dict | None:
@@ -362,11 +393,13 @@ def _reuse_shard(layout: _Layout, shard: int) -> dict | None:
     return _shard_record(shard, payload, metadata)
 
 
-def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress):
+def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress, stop: StopRequest):
     """Encode the loader's batches (which never straddle shards) and write each shard as it completes;
-    yields the shard records."""
+    yields the shard records. Ends early, dropping the shard in progress, once `stop` was signalled."""
     pending: dict[int, dict[str, list]] = {}
     for batch in loader:
+        if stop.signum:
+            return
         first = batch["indices"][0].item() if len(batch["indices"]) else batch["bad"][0][0]
         shard = first // layout.shard_size
         parts = pending.setdefault(
@@ -542,7 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = ExtractConfig(**vars(args))
-    result = extract_latents(config)
+    try:
+        result = extract_latents(config)
+    except ExtractionStopped as stopped:
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"dit-accel extract-latents: {stopped}", file=sys.stderr)
+        return EXIT_PREEMPTED
     if result.is_main_process:
         skipped = f", {len(result.skipped)} undecodable images skipped" if result.skipped else ""
         print(

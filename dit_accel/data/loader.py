@@ -10,7 +10,8 @@ import torch
 
 from dit_accel.data.order import Collate, KeyedSamples, OrderedBatches, SampleNoise, SampleOrder
 from dit_accel.errors import UserError
-from dit_accel.train_config import DEFAULT_NUM_WORKERS, TrainConfig
+from dit_accel.preemption import WorkerShield
+from dit_accel.train_config import DEFAULT_NUM_WORKERS, TrainConfig, parse_signals
 from planner.planfile import Plan
 
 log = logging.getLogger("dit_accel.train")
@@ -139,7 +140,10 @@ def make_loader(
     rank: int,
     device: torch.device,
 ) -> torch.utils.data.DataLoader:
-    """This rank's micro-batches from `start_step` on, forever, each with its samples' own randomness."""
+    """This rank's micro-batches from `start_step` on, forever, each with its samples' own randomness. The
+    workers ignore the run's stop signals (`preemption.WorkerShield`): the rank saves, then ends them. The
+    loader draws its workers' base seed from its own generator, not torch's global RNG, so a resumed run's
+    global RNG (saved in random_states_R.pkl) stays the straight run's."""
     ranks_per_node, cpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cpus()
     workers = loader_workers(config.num_workers, ranks_per_node, cpus)
     if config.num_workers is None and workers < DEFAULT_NUM_WORKERS:
@@ -154,4 +158,6 @@ def make_loader(
         num_workers=workers,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
+        worker_init_fn=WorkerShield(parse_signals(config.preempt_signals)),
+        generator=torch.Generator().manual_seed(config.seed + rank),
     )

@@ -4,8 +4,8 @@
     dit-plan --gpu a100-40g,a100-80g,h100-80g --gpus 8,16 --global-batch 256     # a sweep: one row each
     dit-plan --config configs/clusters/h100-80g-2x8-ib.yaml --global-batch 512   # a preset, a flag overrides it
 
---gpus is the total: more than a node holds (8) is split into nodes of 8; --gpus-per-node G --nodes K
-gives any other shape.
+--gpus is the total: more than a node holds (8) is split into nodes of 8; with --nodes K it is split into K
+equal nodes (--gpus 8 --nodes 2 is 2 x 4); --gpus-per-node G --nodes K gives the shape directly.
 
 Bad input prints one line naming the flag and the fix and exits 2, without a traceback or any file.
 """
@@ -229,13 +229,13 @@ def split_into_nodes(total: int, per_node: int | None, nodes: int | None, node_s
                 f"give a multiple of {per_node}, or --nodes",
             )
         return total // per_node, per_node
-    if nodes is not None:
-        if total != nodes * node_size:
+    if nodes is not None:  # Accelerate's num_processes is the total too: --gpus 8 --nodes 2 is 2 x 4
+        if total % nodes:
             raise PlanError(
-                f"--gpus {total} is the total, so --nodes {nodes} would not be full nodes of {node_size}",
-                f"give --gpus {nodes * node_size} for {nodes} full nodes, or --gpus-per-node G --nodes {nodes}",
+                f"--gpus {total} (the total) does not divide into --nodes {nodes} equal nodes",
+                f"give a multiple of {nodes}, e.g. --gpus {nodes * node_size} for {nodes} x {node_size}",
             )
-        return nodes, node_size
+        return nodes, total // nodes
     if total <= node_size:
         return 1, total
     if total % node_size:

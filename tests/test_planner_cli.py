@@ -252,7 +252,7 @@ BAD = [
     (["--gpus", "8", "--vram", "40G", "--assume", "fragmentation=2"], "fragmentation must be a fraction"),
     (["--gpus", "8", "--vram", "40G", "--nodes", "0"], "--nodes must be positive"),
     (["--gpus", "12", "--vram", "40G"], "does not split into nodes of 8"),
-    (["--gpus", "8", "--nodes", "2", "--vram", "40G"], "give --gpus 16 for 2 full nodes"),
+    (["--gpus", "9", "--nodes", "2", "--vram", "40G"], "--gpus 9 (the total) does not divide into --nodes 2"),
     (["--gpus", "16", "--gpus-per-node", "4", "--nodes", "2", "--vram", "40G"], "contradicts --nodes 2"),
     (["--gpus", "12", "--gpus-per-node", "8", "--vram", "40G"], "not a whole number of nodes"),
     (["--nodes", "2", "--vram", "40G"], "give --gpus N, the total"),
@@ -430,6 +430,7 @@ SHAPES = [
     (["--gpus", "4"], [(1, 4)]),
     (["--gpus", "16"], [(2, 8)]),  # more than a node holds: nodes of 8
     (["--gpus", "32", "--nodes", "4"], [(4, 8)]),
+    (["--gpus", "8", "--nodes", "2"], [(2, 4)]),  # the total, as Accelerate's num_processes: 2 x 4
     (["--gpus-per-node", "4", "--nodes", "2"], [(2, 4)]),
     (["--gpus", "16", "--gpus-per-node", "4"], [(4, 4)]),
     (["--gpus", "16", "--gpus-per-node", "8", "--nodes", "2"], [(2, 8)]),

@@ -1,5 +1,10 @@
 """`dit-accel SUBCOMMAND ...`: a thin dispatcher. Each sub-command lives in its own module with `main(argv)`,
-imported only when used so that `dit-accel doctor` does not pay for importing diffusers."""
+imported only when used so that `dit-accel doctor` does not pay for importing diffusers.
+
+Help never waits for torch: a command's module imports torch, diffusers or accelerate only once its flags
+are parsed (inside the functions that use them), and the two commands whose modules import torch at their
+top (`sample`, `extract-latents`) keep their flags in a light module of their own (`FLAGS`), parsed here
+first, so `--help` and a bad flag are answered before the command's module is imported."""
 
 from __future__ import annotations
 
@@ -21,6 +26,33 @@ COMMANDS = {
     "calibrate": ("dit_accel.calibrate:main", "measure the plan on a CUDA GPU and write a calibration file"),
     "doctor": ("dit_accel.doctor:main", "preflight checks before a launch, or read a failed run's log"),
 }
+
+# command -> the light module:function that builds its parser, where the command's own module is heavy
+FLAGS = {
+    "extract-latents": "dit_accel.data.latents_args:build_parser",
+    "sample": "dit_accel.sample_args:build_parser",
+}
+
+
+def _function(target: str):
+    module_name, function_name = target.split(":")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def check_flags(name: str, argv: list[str]) -> int | None:
+    """The command's flags parsed by its light parser: an exit code once `--help` is shown (0) or a flag
+    is refused (2, one line); None when the command should run."""
+    from dit_accel.errors import USER_ERRORS
+
+    parser = _function(FLAGS[name])()
+    try:
+        parser.parse_args(argv)
+    except SystemExit as done:  # --help: printed, nothing to run
+        return int(done.code or 0)
+    except USER_ERRORS as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    return None
 
 
 def usage() -> str:
@@ -56,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             f"dit-accel: error: unknown command {name!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr
         )
         return 2
-    module_name, function_name = COMMANDS[name][0].split(":")
-    return getattr(importlib.import_module(module_name), function_name)(rest) or 0
+    if name in FLAGS and (code := check_flags(name, rest)) is not None:
+        return code
+    return _function(COMMANDS[name][0])(rest) or 0
 
 
 if __name__ == "__main__":

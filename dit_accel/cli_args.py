@@ -15,8 +15,39 @@ from dit_accel.errors import UserError
 MAX_SEED = 2**31 - 1  # seed + rank must stay a valid seed for torch, numpy and Python alike
 
 
+def shown_default(value) -> str:
+    """A default as a user would type it: on/off for switches, `0.9 0.999` for a pair."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help line ends with its default, unless the line already says what the default is
+    (flags without one, None or '', say nothing)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or action.dest == "help"
+            or default in (None, "", argparse.SUPPRESS)
+            or "default" in text.lower()
+        ):
+            return text
+        return f"{text} (default: {shown_default(default).replace('%', '%%')})"
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one UserError line naming the flag, with `--help` as the fix."""
+    """argparse whose errors are one UserError line naming the flag, with `--help` as the fix, and whose
+    help shows every flag's default (`DefaultsHelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UserError(message, f"see `{self.prog} --help`")

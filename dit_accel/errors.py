@@ -34,6 +34,16 @@ class UserError(OneLineError):
 USER_ERRORS = (UserError, PlanError)
 
 
+class TrainingStopped(Exception):
+    """The run refused to go on (a non-finite step under --nan-policy abort): EXIT_STOPPED; the message says
+    how to resume."""
+
+
+class Preempted(Exception):
+    """A rank was asked to stop (dit_accel.preemption) and its step is saved: EXIT_PREEMPTED; the message says
+    how to go on."""
+
+
 def exits_cleanly(prog: str):
     """Wrap a `main(argv) -> int` so a UserError/PlanError prints one line to stderr and exits 2."""
 

@@ -33,8 +33,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from dit_accel.atomic import staged_folder, write_json_atomically
 from dit_accel.class_names import read_labels_file, run_class_names  # noqa: F401 (run_class_names: a public name here)
 from dit_accel.cli_args import OneLineParser, positive_int, refuse_file
@@ -92,6 +90,8 @@ def exported_num_classes(folder: str | os.PathLike) -> int | None:
 def unpad_class_table(parameters: dict, num_classes: int) -> dict:
     """The weights of an exported model with its class table back to `num_classes` + 1 rows (the real classes,
     then the null row from row 1000); refused unless the rows in between are the padding export wrote."""
+    import torch
+
     names = [name for name in parameters if name.endswith("class_embedder.embedding_table.weight")]
     out = dict(parameters)
     for name in names:
@@ -197,9 +197,9 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 @exits_cleanly("dit-accel export")
 def main(argv: list[str] | None = None) -> int:
+    args = build_export_parser().parse_args(argv)  # before the imports: --help needs no torch
     from dit_accel.sample import default_vae_path, load_source
 
-    args = build_export_parser().parse_args(argv)
     refuse_file(args.out, "--out")
     source = load_source(args.checkpoint, use_ema=args.ema)
     vae_path = args.vae or default_vae_path(source)
@@ -264,6 +264,7 @@ def write_imported_checkpoint(
     model, out_dir: str | os.PathLike, source_name: str, *, overwrite: bool = False
 ) -> Path:
     """A run folder with one complete checkpoint at step 0 holding `model` (see the module docstring)."""
+    import torch
     from safetensors.torch import save_file
 
     from dit_accel import checkpoint as ckpt
@@ -346,10 +347,10 @@ def build_import_parser() -> argparse.ArgumentParser:
 
 @exits_cleanly("dit-accel import-dit")
 def import_main(argv: list[str] | None = None) -> int:
+    args = build_import_parser().parse_args(argv)  # before the imports: --help needs no torch
     from dit_accel.model import spec_from_model
     from dit_accel.original_dit import load_original_dit
 
-    args = build_import_parser().parse_args(argv)
     refuse_file(args.out, "--out")
     model = load_original_dit(
         args.checkpoint, heads=args.heads, prefer=args.weights, trust_pickle=args.trust_checkpoint

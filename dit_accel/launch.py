@@ -32,6 +32,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from dit_accel.cli_args import DefaultsHelpFormatter
 from dit_accel.errors import (
     EXIT_DIR_ENV,
     UserError,
@@ -54,7 +55,13 @@ LAUNCHER_TRACEBACK = b"Traceback (most recent call last):"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dit-accel train", description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False
+        prog="dit-accel train",
+        description=__doc__.splitlines()[0],
+        epilog="Every other flag goes to the trainer, `python -m dit_accel.train` (its flags below). Exit "
+        "codes: the ranks' own (0 done, 2 bad input, 3 stopped on NaN, 4 preempted, 5 a hang), not 1 for all.",
+        add_help=False,
+        allow_abbrev=False,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
         "--plan", help="plan.json written by dit-plan; its accelerate_config.yaml must lie beside it"
@@ -67,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name in LAUNCHER_OPTIONS:
         parser.add_argument(
-            f"--{name.replace('_', '-')}", f"--{name}", dest=name, help="passed to accelerate launch"
+            f"--{name.replace('_', '-')}",
+            f"--{name}",
+            dest=name,
+            help=f"passed to accelerate launch as {LAUNCHER_OPTIONS[name]} (default: the config's)",
         )
     parser.add_argument(
         "--print-command",
@@ -76,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the accelerate launch command and exit",
     )
-    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument(
+        "-h", "--help", action="store_true", help="show this help (these flags, then the trainer's) and exit"
+    )
     return parser
 
 
@@ -198,9 +210,9 @@ def run_launcher(command: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(__doc__)
         from dit_accel.train_config import build_parser as trainer_parser
 
+        print(build_parser().format_help())
         trainer_parser().print_help()
         return 0
     command = launch_command(argv)

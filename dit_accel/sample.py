@@ -15,7 +15,6 @@ balanced (N spread evenly over the classes) and shuffled by a permutation fixed 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -30,11 +29,8 @@ import numpy as np
 import torch
 
 from dit_accel.atomic import write_atomically, write_json_atomically
-from dit_accel.cli_args import OneLineParser, finite_float, positive_int, seed_int
 from dit_accel.errors import UserError, exits_cleanly
-
-SAMPLERS = ("ddpm", "ddim")
-GUIDANCE_MODES = ("all", "first3")
+from dit_accel.sample_args import GUIDANCE_MODES, SAMPLERS, build_parser
 
 
 # --- what to sample -----------------------------------------------------------------------------------
@@ -435,83 +431,6 @@ def grid_class_names(source: Source) -> list[str] | None:
 # --- the command --------------------------------------------------------------------------------------------
 # The classes the DiT paper shows (sample.py of the reference): used when an ImageNet-1k model gets no --classes.
 IMAGENET_SHOWCASE = (207, 360, 387, 974, 88, 979, 417, 279)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="dit-accel sample",
-        description="Class-conditional samples: a PNG grid plus single images (--out), or the FID evaluation "
-        "batch (--num-samples N --npz FILE; run it under `accelerate launch` to use every GPU).",
-    )
-    parser.add_argument(
-        "--checkpoint",
-        required=True,
-        help="run folder (its newest complete checkpoint), checkpoint folder, or diffusers DiT folder",
-    )
-    parser.add_argument(
-        "--ema",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="sample from the EMA weights (default) or, with --no-ema, the raw weights",
-    )
-    parser.add_argument(
-        "--classes",
-        default=None,
-        help="comma-separated class indices, e.g. 207,360,387 (default: the paper's 8 showcase classes "
-        "for ImageNet-1k, else the first 8; with --npz: every class)",
-    )
-    parser.add_argument(
-        "--per-class", type=positive_int, default=1, help="samples per class in the grid (one row per class)"
-    )
-    parser.add_argument(
-        "--cfg-scale",
-        type=finite_float,
-        default=None,
-        help="classifier-free guidance scale; 1 turns it off (default 4.0 for a grid, 1.5 for --npz)",
-    )
-    parser.add_argument(
-        "--guidance",
-        choices=GUIDANCE_MODES,
-        default="all",
-        help="guide all latent channels (diffusers, default) or the first 3 only (original DiT repository)",
-    )
-    parser.add_argument("--steps", type=positive_int, default=250, help="sampling steps (respaced from 1000)")
-    parser.add_argument(
-        "--sampler",
-        choices=SAMPLERS,
-        default="ddpm",
-        help="ddpm: ancestral with the learned variance (default); ddim: deterministic (eta 0)",
-    )
-    parser.add_argument(
-        "--spacing",
-        choices=("even", "leading"),
-        default=None,
-        help="which training steps the chain keeps (default: even for ddpm, leading for ddim)",
-    )
-    parser.add_argument("--seed", type=seed_int, default=0, help="sample i is seeded from (seed, i)")
-    parser.add_argument(
-        "--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)"
-    )
-    parser.add_argument(
-        "--batch-size", type=positive_int, default=32, help="images per forward pass on each process"
-    )
-    parser.add_argument(
-        "--out", default=None, help="grid PNG to write; singles go to <name>_images/ next to it"
-    )
-    parser.add_argument(
-        "--row-labels",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="name each grid row with its class when the run recorded class names (default); rows are one "
-        "per class then, even with --per-class 1",
-    )
-    parser.add_argument(
-        "--npz", default=None, help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels)"
-    )
-    parser.add_argument(
-        "--num-samples", type=positive_int, default=None, help="images in the evaluation batch (e.g. 50000)"
-    )
-    return parser
 
 
 def _check_args(args) -> None:

@@ -23,45 +23,43 @@ The step counter, lr schedule, EMA and logs count optimizer steps; "step 3" is t
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
 
-from dit_accel.checkpoint import PLAN, TRAIN_CONFIG, Checkpointer
-from dit_accel.data.loader import build_dataset, check_data_mode, make_loader
-from dit_accel.data.order import SampleNoise, SampleOrder
-from dit_accel.distributed import check_launch, lost_peer_message, make_accelerator, set_tf32
 from dit_accel.errors import (
     EXIT_PREEMPTED,
     EXIT_STOPPED,
     EXIT_USER,
     USER_ERRORS,
+    Preempted,
+    TrainingStopped,
     exits_cleanly,
     write_exit_record,
 )
-from dit_accel.faults import Faults
 from dit_accel.preemption import StopRequest, die_with_parent, signal_name
-from dit_accel.progress import progress_bar
-from dit_accel.resume import choose_start, claim_run_folder, restore
 from dit_accel.runlock import release_all as release_run_folder
-from dit_accel.runlog import StepLog, log, parameter_checksum, setup_logging, tracker_config
-from dit_accel.step import NON_FINITE, SCALER_OVERFLOW, build_components, optimizer_step, train_micro_step
-from dit_accel.trackers import chosen_trackers, start_trackers
 from dit_accel.train_config import TrainConfig, parse_config, parse_signals, save_config
-from dit_accel.train_samples import TrainingSamples
-from dit_accel.watchdog import Watchdog
-from planner.planfile import read_plan
 
-
-class TrainingStopped(Exception):
-    """The run refused to go on (a non-finite step under --nan-policy abort); the message says how to resume."""
-
-
-class Preempted(Exception):
-    """A rank was asked to stop (dit_accel.preemption); the step is saved, the message says how to go on."""
+log = logging.getLogger("dit_accel.train")  # dit_accel.runlog's: its handlers are set up by setup_logging
 
 
 def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
+    from dit_accel.checkpoint import PLAN, TRAIN_CONFIG, Checkpointer  # here: --help needs none of these
+    from dit_accel.data.loader import build_dataset, check_data_mode, make_loader
+    from dit_accel.data.order import SampleNoise, SampleOrder
+    from dit_accel.distributed import check_launch, make_accelerator, set_tf32
+    from dit_accel.faults import Faults
+    from dit_accel.progress import progress_bar
+    from dit_accel.resume import choose_start, claim_run_folder, restore
+    from dit_accel.runlog import StepLog, parameter_checksum, setup_logging, tracker_config
+    from dit_accel.step import NON_FINITE, SCALER_OVERFLOW, build_components, optimizer_step, train_micro_step
+    from dit_accel.trackers import chosen_trackers, start_trackers
+    from dit_accel.train_samples import TrainingSamples
+    from dit_accel.watchdog import Watchdog
+    from planner.planfile import read_plan
+
     stop_request = stop_request or StopRequest()
     # The plan, and everything that can be refused before a process group or a model exists.
     plan = read_plan(config.plan)
@@ -281,6 +279,8 @@ def _main(argv) -> int:
             raise
         print(f"dit_accel.train: [rank {rank}] {message}", file=sys.stderr)
         log.error(message, extra={"file_only": True})
+        from dit_accel.distributed import lost_peer_message
+
         write_exit_record(1, message)
         return 1
     finally:

@@ -14,6 +14,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dit_accel.cli_args import OneLineParser
 from dit_accel.errors import UserError
 
 NAN_POLICIES = ("abort", "skip")
@@ -299,7 +300,7 @@ class TrainConfig:
         return cls(**values)
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     """argparse that raises UserError (one line, exit 2) instead of printing usage and exiting."""
 
     def error(self, message):
@@ -333,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags = [f"--{spec.name.replace('_', '-')}"]
         if "_" in spec.name:
             flags.append(f"--{spec.name}")
-        help_text = spec.metadata.get("help", "")
+        help_text = spec.metadata.get("help", "").replace("%", "%%")  # argparse %-formats every help
         if spec.type == "bool" or isinstance(spec.default, bool) or spec.name in ("hflip", "compile"):
             parser.add_argument(
                 *flags,
@@ -359,13 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
             if spec.name == "num_workers":  # not given: None, so that the trainer may cap the default
                 parser.add_argument(*flags, dest=spec.name, type=int, default=None, help=help_text)
                 continue
-            parser.add_argument(
-                *flags,
-                dest=spec.name,
-                type=kind,
-                default=spec.default,
-                help=f"{help_text} (default: {spec.default})",
-            )
+            parser.add_argument(*flags, dest=spec.name, type=kind, default=spec.default, help=help_text)
     return parser
 
 

@@ -27,7 +27,6 @@ On disk (CACHE/):
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -42,7 +41,6 @@ import torch
 from safetensors import safe_open
 
 from dit_accel.atomic import replace_folder, write_bytes_atomically, write_json_atomically
-from dit_accel.cli_args import OneLineParser, nonnegative_int, positive_int
 from dit_accel.data.folder import (
     FolderListing,
     center_crop_adm,
@@ -53,11 +51,12 @@ from dit_accel.data.folder import (
     write_classes_json,
 )
 from dit_accel.data.latent_cache import FORMAT, MANIFEST_NAME
+from dit_accel.data.latents_args import STORAGE_DTYPE_NAMES, build_parser
 from dit_accel.data.vae import encode_posterior, load_vae, sha256_json
 from dit_accel.errors import EXIT_PREEMPTED, UserError, exits_cleanly
 from dit_accel.preemption import StopRequest, WorkerShield, signal_name
 
-STORAGE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -491,84 +490,6 @@ def _write_manifest(
     }
     write_json_atomically(layout.out / MANIFEST_NAME, manifest)
     return manifest
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="dit-accel extract-latents",
-        description="Encode every image (and its mirror image) of an ImageNet-layout folder with a diffusers "
-        "AutoencoderKL into a sharded, memory-mapped latent cache. Run it under `accelerate launch "
-        "-m dit_accel.data.latents` to use every GPU; rerun the same command to resume.",
-    )
-    parser.add_argument(
-        "--data-path",
-        "--data_path",
-        dest="data_path",
-        required=True,
-        help="image folder: DIR/<class>/<image>.jpg",
-    )
-    parser.add_argument(
-        "--vae", required=True, help="AutoencoderKL folder (or a hub id where the network allows)"
-    )
-    parser.add_argument(
-        "--resolution", type=positive_int, default=256, help="image side in pixels (default 256)"
-    )
-    parser.add_argument("--out", required=True, help="cache folder to write (created)")
-    parser.add_argument(
-        "--batch-size",
-        "--batch_size",
-        dest="batch_size",
-        type=positive_int,
-        default=32,
-        help="images per VAE call per process (default 32)",
-    )
-    parser.add_argument(
-        "--shard-size",
-        "--shard_size",
-        dest="shard_size",
-        type=positive_int,
-        default=2048,
-        help="images per shard file (default 2048: 64 MiB at 256 px in float16)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=sorted(STORAGE_DTYPES),
-        default="float16",
-        help="storage type of mean and std (default float16: half the disk and read bandwidth)",
-    )
-    parser.add_argument(
-        "--num-workers",
-        "--num_workers",
-        dest="num_workers",
-        type=nonnegative_int,
-        default=None,
-        help="image-decoding DataLoader workers per process (default: up to 4)",
-    )
-    parser.add_argument(
-        "--skip-bad-images",
-        "--skip_bad_images",
-        dest="skip_bad_images",
-        action="store_true",
-        help="skip and count images that do not decode instead of stopping",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a complete cache made differently (resolution, VAE, data...); kept until the new "
-        "one is complete",
-    )
-    parser.add_argument(
-        "--hflip",
-        dest="flip",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="store each image's mirror image too, for the trainer's random flips (default); --no-hflip: "
-        "the images only (the trainer then cannot flip)",
-    )
-    parser.add_argument(
-        "--no-flip", "--no_flip", dest="flip", action="store_false", help="the older spelling of --no-hflip"
-    )
-    return parser
 
 
 @exits_cleanly("dit-accel extract-latents")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dit_accel.cli_args import nonnegative_int, port, positive_int
+from dit_accel.cli_args import OneLineParser, nonnegative_int, port, positive_int
 from dit_accel.doctor.checks import Check, exit_code, warned
 from dit_accel.doctor.data import check_data
 from dit_accel.doctor.distributed import CONNECT_TIMEOUT_S, check_distributed, read_rendezvous
@@ -43,7 +43,7 @@ class Probes:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     def error(self, message):  # one line and exit 2, like every dit-accel error
         raise UserError(f"{message} (see `{PROG} --help`)")
 
@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode every image (not one per class); with --latents, check every shard's sha256",
     )
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings")
-    parser.add_argument("--format", choices=("table", "json"), default="table")
+    parser.add_argument(
+        "--format", choices=("table", "json"), default="table", help="a table for people, JSON for scripts"
+    )
     parser.add_argument("--log", type=Path, help="read a failed run's log instead of checking this node")
     return parser
 

@@ -16,32 +16,34 @@ same storages. What a tensor trace cannot see is listed in `UNSEEN` and printed 
     report        the tables and `dit-accel verify`
 """
 
-from dit_accel.memtrace.comparison import (
-    Comparison,
-    ShardedComparison,
-    compare,
-    compare_sharded,
-    planner_estimate,
-)
-from dit_accel.memtrace.driver import StepParts, build_step_parts, run_traced, trace_training_step
-from dit_accel.memtrace.report import format_report, format_sharded_report, main
-from dit_accel.memtrace.tracker import COMPONENTS, UNSEEN, StorageTracker, TraceResult
+import importlib
 
-__all__ = [
-    "COMPONENTS",
-    "UNSEEN",
-    "Comparison",
-    "ShardedComparison",
-    "StepParts",
-    "StorageTracker",
-    "TraceResult",
-    "build_step_parts",
-    "compare",
-    "compare_sharded",
-    "format_report",
-    "format_sharded_report",
-    "main",
-    "planner_estimate",
-    "run_traced",
-    "trace_training_step",
-]
+# Each public name and the submodule that defines it, imported on first use (PEP 562): `dit-accel verify
+# --help` and the comparison need no torch, the tracer does.
+_HOMES = {
+    "Comparison": "comparison",
+    "ShardedComparison": "comparison",
+    "compare": "comparison",
+    "compare_sharded": "comparison",
+    "planner_estimate": "comparison",
+    "StepParts": "driver",
+    "build_step_parts": "driver",
+    "run_traced": "driver",
+    "trace_training_step": "driver",
+    "format_report": "report",
+    "format_sharded_report": "report",
+    "main": "report",
+    "COMPONENTS": "tracker",
+    "UNSEEN": "tracker",
+    "StorageTracker": "tracker",
+    "TraceResult": "tracker",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
+
+__all__ = sorted(_HOMES)

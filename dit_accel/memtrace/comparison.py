@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dit_accel.memtrace.tracker import TraceResult
 from planner.planfile import Plan
+
+if TYPE_CHECKING:  # annotations only: the comparison itself needs no torch
+    from dit_accel.memtrace.tracker import TraceResult
 
 # Planner components a tensor trace can check; "overhead" (CUDA context, cuBLAS, NCCL) it cannot, and
 # "allocator" (reserved beyond allocated) is checked against the trace's replay through the allocator model.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dit_accel.cli_args import OneLineParser, positive_int
 from dit_accel.errors import UserError, exits_cleanly
@@ -16,9 +17,10 @@ from dit_accel.memtrace.comparison import (
     compare_sharded,
     relative_error,
 )
-from dit_accel.memtrace.driver import trace_training_step
-from dit_accel.memtrace.tracker import TraceResult
 from planner.planfile import Plan, read_plan
+
+if TYPE_CHECKING:  # annotations only: `dit-accel verify --help` imports no torch
+    from dit_accel.memtrace.tracker import TraceResult
 
 
 def _gib(num_bytes: float | None) -> str:
@@ -235,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         "--json", dest="json_out", default=None, help="also write the trace and comparison here"
     )
     args = parser.parse_args(argv)
+    from dit_accel.memtrace.driver import trace_training_step
+
     plan = read_plan(args.plan)
     if args.micro_batch is not None:
         if args.micro_batch < 1:

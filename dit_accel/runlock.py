@@ -6,9 +6,13 @@ created with O_CREAT|O_EXCL, so of two starters exactly one wins; it names the h
 a background thread refreshes its mtime every HEARTBEAT_S seconds while the run lives.
 
 A lock that is left behind (the holder was killed, so no exit handler ran) is taken over, with a message:
-- on this host, when its pid is no longer alive;
-- from another host, when its heartbeat is older than STALE_AFTER_S (its run cannot be alive there: a live
-  holder refreshes it every minute). A fresher one is refused; the message says how to remove it by hand.
+- when its pid is no longer alive, but only where that pid can be checked: the same host name, the same
+  running kernel (boot id) and the same PID namespace. Containers with host networking (or `--uts=host`,
+  k8s `hostNetwork` pods) share the host name but not the PID namespace, and there a live run's pid looks
+  dead;
+- otherwise (another host, another PID namespace, or a lock that does not say which), when its heartbeat
+  is older than STALE_AFTER_S (its run cannot be alive: a live holder refreshes it every minute). A fresher
+  one is refused; the message says how to remove it by hand.
 """
 
 from __future__ import annotations
@@ -58,7 +62,30 @@ def _me() -> dict:
         "pid": os.getpid(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "nonce": os.urandom(8).hex(),
+        **_pid_scope(),
     }
+
+
+def _pid_scope() -> dict:
+    """Where a pid means this process: the running kernel (boot id) and the PID namespace (Linux; empty
+    elsewhere, and then a pid is never taken as proof)."""
+    try:
+        return {
+            "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+            "pid_ns": os.readlink("/proc/self/ns/pid"),
+        }
+    except OSError:
+        return {}
+
+
+def _pid_checkable(found: dict) -> bool:
+    """Whether the lock's pid can be looked up from here: this host, kernel and PID namespace."""
+    scope = _pid_scope()
+    return (
+        bool(scope)
+        and found.get("host") == socket.gethostname()
+        and all(found.get(key) == value for key, value in scope.items())
+    )
 
 
 def _read(path: Path) -> dict | None:
@@ -98,9 +125,10 @@ def _stale_reason(path: Path, found: dict | None) -> str | None:
         return "gone"
     if found is None:  # unreadable: a holder killed between create and write, or garbage
         return f"unreadable, last touched {age_s:.0f} s ago" if age_s > HEARTBEAT_S else None
-    if found.get("host") == socket.gethostname():
+    if _pid_checkable(found):
         pid = int(found.get("pid", -1))
         return None if pid > 0 and _pid_alive(pid) else f"pid {pid} on this host is no longer running"
+    # A pid of another host or PID namespace proves nothing here: the heartbeat does.
     if age_s > STALE_AFTER_S:
         return f"its heartbeat stopped {age_s / 60:.0f} minutes ago"
     return None
@@ -112,6 +140,11 @@ def acquire(run_dir: str | Path) -> tuple[RunLock, str | None]:
     holder = _me()
     note = None
     for _attempt in range(3):
+        if path.exists() and not path.is_file():  # a folder of that name: never a lock, never moved aside
+            raise UserError(
+                f"{path} is not a run lock file but a {'folder' if path.is_dir() else 'special file'}",
+                f"remove it (rm -r {path}) and start again; dit-accel keeps the run lock in that file",
+            )
         if _create(path, holder):
             lock = RunLock(path, holder)
             _held.append(lock)
@@ -119,11 +152,7 @@ def acquire(run_dir: str | Path) -> tuple[RunLock, str | None]:
         found = _read(path)
         reason = _stale_reason(path, found)
         if reason is None:
-            who = (
-                f"pid {found.get('pid')} on {found.get('host')}, started {found.get('started')}"
-                if found
-                else "a lock being written just now"
-            )
+            who = _holder(found, path) if found else "a lock being written just now"
             raise UserError(
                 f"{run_dir} is in use by another run ({who}; lock {path})",
                 "wait for it to end or use another --output-dir; if no run is using it, delete the lock file",
@@ -145,6 +174,20 @@ def acquire(run_dir: str | Path) -> tuple[RunLock, str | None]:
         aside.unlink(missing_ok=True)
         note = f"took over a stale run lock {path} ({found or 'unreadable'}): {reason}"
     raise UserError(f"could not take the run lock {path}", "another run is starting in the same folder")
+
+
+def _holder(found: dict, path: Path) -> str:
+    """`pid N on HOST[ in another PID namespace or boot], started T, heartbeat S s ago`, for a refusal."""
+    elsewhere = (
+        " in another PID namespace or boot (a container?)"
+        if found.get("host") == socket.gethostname() and not _pid_checkable(found)
+        else ""
+    )
+    try:
+        beat = f", heartbeat {time.time() - path.stat().st_mtime:.0f} s ago"
+    except OSError:
+        beat = ""
+    return f"pid {found.get('pid')} on {found.get('host')}{elsewhere}, started {found.get('started')}{beat}"
 
 
 def release_all() -> None:

@@ -92,6 +92,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     )
     state = restore(start, accelerator, components, len(dataset), config.seed)
     faults.install(components.raw_model, state["step"], d.grad_accum)
+    watchdog.watch(components.raw_model)  # after the faults' hooks: a sleep injected in a forward is inside it
 
     if is_main:
         from dit_accel.atomic import write_json_atomically

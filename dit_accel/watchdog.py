@@ -1,8 +1,12 @@
 """A rank's heartbeat, and the end of a rank that stopped making progress (stuck in or before a collective).
 
-The loop only stores two integers per micro-step (`Watchdog.at`); a daemon thread writes them, when they
-change, to RUN/logs/heartbeat_rankR.json, and ends the rank once nothing moved for `--collective-timeout-s`.
-Reading every rank's heartbeat names the rank that is behind: the one the others wait for in a collective.
+The loop only stores two integers per micro-step (`Watchdog.at`), and a forward hook a third (`watch`: the
+micro-step's forward is done); a daemon thread writes them, when they change, to RUN/logs/heartbeat_rankR.json,
+and ends the rank once nothing moved for `--collective-timeout-s`. Reading every rank's heartbeat names the
+rank that is behind: the one the others wait for in a collective. The forward mark matters most without
+accumulation: DDP's all-reduce runs inside the backward of the step's only micro-step, so a rank stuck in
+its forward and the ones waiting for it in that backward are at the same micro-step; only the forward mark
+tells them apart.
 The process group's own timeout (distributed.make_accelerator) is a later backstop for a thread that never
 gets to run. Ranks on other nodes are seen when the run folder is shared, as it must be for checkpoints.
 """
@@ -27,7 +31,7 @@ class Watchdog:
     def __init__(self, run_dir: Path, rank: int, world_size: int, grad_accum: int, timeout_s: float):
         self.run_dir, self.rank, self.world_size = Path(run_dir), rank, world_size
         self.grad_accum, self.timeout_s = grad_accum, float(timeout_s)
-        self.position = (0, 0)  # (optimizer step being taken, micro-steps of it done)
+        self.position = (0, 0, 0)  # (optimizer step being taken, micro-steps of it done, its forward done)
         self.since = 0.0  # when the position last changed; 0 until the loop starts
         self._written = None
         self._stopped = threading.Event()
@@ -42,7 +46,18 @@ class Watchdog:
 
     def at(self, step: int, micro_steps_done: int) -> None:
         """Called by the loop; the thread does the writing."""
-        self.position, self.since = (step, micro_steps_done), time.time()
+        self.position, self.since = (step, micro_steps_done, 0), time.time()
+
+    def watch(self, model) -> None:
+        """Mark each micro-step's forward as done (a hook on the top-level module, which runs once per
+        micro-step): a rank past it is in the backward, where DDP's gradient all-reduce waits."""
+
+        def forward_done(_module, _args, output):
+            step, micro_steps_done, _ = self.position
+            self.position, self.since = (step, micro_steps_done, 1), time.time()
+            return output
+
+        model.register_forward_hook(forward_done)
 
     def _watch(self) -> None:
         poll_s = max(0.05, min(1.0, self.timeout_s / 10))
@@ -55,7 +70,13 @@ class Watchdog:
                 self._end(stuck_s)
 
     def _write(self) -> None:
-        record = {"rank": self.rank, "step": self.position[0], "micro_steps_done": self.position[1]}
+        step, micro_steps_done, forward_done = self.position
+        record = {
+            "rank": self.rank,
+            "step": step,
+            "micro_steps_done": micro_steps_done,
+            "forward_done": forward_done,
+        }
         if record == self._written:
             return
         path = heartbeat_path(self.run_dir, self.rank)
@@ -82,7 +103,12 @@ class Watchdog:
         """`rank R stuck at step N for S s ...; other ranks are at step M`, naming the rank that is behind."""
         others = self.others()
         positions = {self.rank: self.position}
-        positions.update({rank: (beat["step"], beat["micro_steps_done"]) for rank, beat in others.items()})
+        positions.update(
+            {
+                rank: (beat["step"], beat["micro_steps_done"], beat.get("forward_done", 0))
+                for rank, beat in others.items()
+            }
+        )
         behind = min(positions.values())
         laggards = sorted(rank for rank, position in positions.items() if position == behind)
         now = time.time()
@@ -91,9 +117,11 @@ class Watchdog:
             lag = laggards[0]
             lag_s = stuck_s if lag == self.rank else now - others[lag]["time"]
             ahead = sorted({positions[rank][0] for rank in waiting})
+            micro = min(behind[1] + 1, self.grad_accum)
+            where = "backward" if behind[2] else "forward"
             return (
                 f"rank {lag} stuck at step {behind[0]} for {lag_s:.0f} s before a collective (micro-step "
-                f"{behind[1] + 1} of {self.grad_accum}); other ranks are at step "
+                f"{micro} of {self.grad_accum}, in its {where}); other ranks are at step "
                 f"{', '.join(map(str, ahead))}, waiting for it in the collective "
                 f"(rank{'s' * (len(waiting) > 1)} {', '.join(map(str, waiting))})"
             )
@@ -116,4 +144,7 @@ class Watchdog:
             flush_logs()
         finally:
             write_exit_record(EXIT_HUNG, message)
+            from dit_accel.runlock import release_all
+
+            release_all()  # os._exit runs no exit path: the run lock would be left behind
             os._exit(EXIT_HUNG)

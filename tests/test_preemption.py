@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import test_train_e2e as e2e
 from test_train_e2e import QUIET, _env, assert_same_state, make_workspace
 
 from dit_accel import checkpoint as ckpt
@@ -246,6 +247,13 @@ def test_ranks_end_when_their_launcher_is_killed(workspace, tmp_path):
 
 @pytest.mark.launched
 def test_a_rank_stuck_before_a_collective_ends_the_run_naming_it(workspace, tmp_path):
+    """Without accumulation (grad_accum 1), where DDP's all-reduce runs inside the only micro-step's
+    backward: the waiting rank and the sleeping one are at the same micro-step, and only the forward mark
+    tells which one is behind. Both ranks name rank 1, so does `doctor --log`, and the lock is released."""
+    from dit_accel.doctor.logs import find_hang
+    from dit_accel.runlock import LOCK_NAME
+
+    plan = e2e._make_plan(tmp_path / "plan_accum1", gpus=2, micro_batch=4, grad_accum=1)
     out = tmp_path / "hang"
     timeout_s = 4
     started = time.monotonic()
@@ -256,12 +264,20 @@ def test_a_rank_stuck_before_a_collective_ends_the_run_naming_it(workspace, tmp_
         "--collective-timeout-s",
         timeout_s,
         env={"DIT_ACCEL_SLEEP_BEFORE_COLLECTIVE": "2:1:600"},
+        plan=plan,
     )
     code, err = _finish(wrapper)
     took_s = time.monotonic() - started
     assert code == EXIT_HUNG, err[-3000:]
-    assert "rank 1 stuck at step 2 for " in err and "before a collective" in err, err[-3000:]
-    assert "other ranks are at step 2" in err
+    lines = [line for line in err.splitlines() if "--collective-timeout-s" in line]
+    assert lines and all(
+        "rank 1 stuck at step 2 for " in line
+        and "before a collective (micro-step 1 of 1, in its forward)" in line
+        and "other ranks are at step 2, waiting for it in the collective (rank 0)" in line
+        for line in lines
+    ), err[-3000:]
+    assert find_hang(err).name == "rank 1 hung"
+    assert not (out / LOCK_NAME).exists()  # the watchdog's os._exit released it first
     assert took_s < 60  # set-up (about 10 s here) + the timeout + the watchdog's poll, never the 600 s sleep
 
 

@@ -8,6 +8,7 @@ Plans, demo data and the latent cache come from tests/test_train_e2e.py's worksp
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -303,14 +304,26 @@ def test_a_killed_runs_lock_is_taken_over(workspace, tmp_path):
     assert not (run / runlock.LOCK_NAME).exists()
 
 
+def _hold_lock(run: Path, then: str, pid: int | None = None) -> subprocess.Popen:
+    """A real process that takes RUN/run.lock, says `held`, then runs `then` (os._exit(0): dies holding it).
+    With `pid`: in a PID namespace of its own (`unshare`, as a container has), where its pid is `pid`."""
+    code = "import os, sys, time; from dit_accel import runlock; "
+    code += f"runlock.acquire({str(run)!r}); print('held', flush=True); {then}"
+    command = [sys.executable, "-c", code]
+    if pid is not None:  # the namespace's next pid is chosen through ns_last_pid; `; true` keeps bash forking
+        script = f"echo {pid - 1} > /proc/sys/kernel/ns_last_pid && {shlex.join(command)}; true"
+        command = ["unshare", "-p", "-f", "--mount-proc", "--kill-child", "bash", "-c", script]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().startswith("held"), process.communicate()
+    return process
+
+
 def test_stale_and_foreign_locks(tmp_path):
     lock_path = tmp_path / runlock.LOCK_NAME
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    lock_path.write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead.stdout), "started": "x"}))
+    dead = _hold_lock(tmp_path, "os._exit(0)")  # killed holding the lock: no exit handler ran
+    dead.wait()
     lock, note = runlock.acquire(tmp_path)
-    assert f"pid {int(dead.stdout)} on this host is no longer running" in note
+    assert f"pid {dead.pid} on this host is no longer running" in note
     assert json.loads(lock_path.read_text())["pid"] == os.getpid()
     with pytest.raises(UserError, match="in use by another run"):
         runlock.acquire(tmp_path)  # this process is alive: a second holder is refused
@@ -325,6 +338,50 @@ def test_stale_and_foreign_locks(tmp_path):
     _lock, note = runlock.acquire(tmp_path)
     assert "heartbeat stopped 11 minutes ago" in note
     runlock.release_all()
+
+
+def _can_unshare() -> bool:
+    return shutil.which("unshare") is not None and (
+        subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True).returncode == 0
+    )
+
+
+@pytest.mark.launched
+@pytest.mark.skipif(not _can_unshare(), reason="unshare -p needs root (a PID namespace of its own)")
+def test_a_live_lock_from_another_pid_namespace_with_this_host_name_is_refused(tmp_path):
+    """A container with host networking: the same host name, another PID namespace, where the holder's pid
+    means no process here. A live holder is refused by its heartbeat (it once looked dead: "pid N on this
+    host is no longer running", and two runs wrote one folder); once that stops for STALE_AFTER_S, the lock
+    is taken over."""
+    free = next(pid for pid in range(30000, 300, -1) if not Path(f"/proc/{pid}").exists())
+    holder = _hold_lock(tmp_path, "time.sleep(120)", pid=free)
+    try:
+        found = json.loads((tmp_path / runlock.LOCK_NAME).read_text())
+        assert found["host"] == os.uname().nodename and found["pid"] == free
+        assert not Path(f"/proc/{free}").exists()  # the live holder's pid looks dead from here
+        with pytest.raises(UserError) as refused:
+            runlock.acquire(tmp_path)
+        assert f"(pid {found['pid']} on {found['host']} in another PID namespace or boot" in str(
+            refused.value
+        )
+        assert "in use by another run" in str(refused.value)
+        old = time.time() - runlock.STALE_AFTER_S - 60  # what a holder killed 11 minutes ago leaves
+        os.utime(tmp_path / runlock.LOCK_NAME, (old, old))
+        _lock, note = runlock.acquire(tmp_path)
+        assert "heartbeat stopped 11 minutes ago" in note
+        runlock.release_all()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_run_lock_that_is_a_folder_is_one_line_and_left_alone(tmp_path):
+    (tmp_path / runlock.LOCK_NAME).mkdir()
+    old = time.time() - 3600
+    os.utime(tmp_path / runlock.LOCK_NAME, (old, old))
+    with pytest.raises(UserError, match=r"run\.lock is not a run lock file but a folder.*remove it \(rm -r "):
+        runlock.acquire(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [runlock.LOCK_NAME]  # nothing moved aside
 
 
 # --- a folder that holds checkpoints, without --resume ---------------------------------------------------------

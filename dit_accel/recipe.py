@@ -1,4 +1,5 @@
-"""`--config FILE`: a training recipe, a flat YAML file whose keys are the trainer's flag names.
+"""`--config NAME|FILE`: a training recipe, a flat YAML file whose keys are the trainer's flag names; a
+shipped recipe (configs/recipes/, inside the package when installed) by its name: `--config dit-xl2-256`.
 
     description: DiT-XL/2 at 256 px, the paper's recipe      # shown by configs/README.md, not a flag
     lr: 1.0e-4
@@ -16,8 +17,24 @@ from collections.abc import Collection
 from pathlib import Path
 
 from dit_accel.errors import UserError
+from planner.configs import named_configs, resolve_config, shipped_folder
+from planner.errors import PlanError
 
 DESCRIPTION_KEY = "description"
+RECIPES = shipped_folder(Path(__file__).resolve().parent, "recipes")
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes that come with dit-accel, by name."""
+    return named_configs(RECIPES)
+
+
+def recipe_file(text: str | Path) -> Path:
+    """A --config value as a recipe file: a path that exists, else a shipped recipe's name."""
+    try:
+        return resolve_config(str(text), RECIPES, "recipe")
+    except PlanError as error:
+        raise UserError(error.problem, error.fix) from None
 
 
 def read_recipe(path: str | Path, fields: Collection[str]) -> dict:
@@ -25,7 +42,7 @@ def read_recipe(path: str | Path, fields: Collection[str]) -> dict:
     the names a key may have (TrainConfig's fields)."""
     import yaml
 
-    path = Path(path)
+    path = recipe_file(path)
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as error:
@@ -39,7 +56,10 @@ def read_recipe(path: str | Path, fields: Collection[str]) -> dict:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"--config {path} must be a mapping of flag names to values", "see configs/recipes/")
+        raise UserError(
+            f"--config {path} must be a mapping of flag names to values",
+            "see the shipped recipes, e.g. dit-xl2-256",
+        )
     values = {}
     for key, value in data.items():
         name = str(key).strip().lstrip("-").replace("-", "_")

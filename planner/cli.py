@@ -19,9 +19,9 @@ import shlex
 import sys
 
 from planner.calibration import load_calibration
-from planner.clusterfile import SHAPE_KEYS, read_cluster_file
+from planner.clusterfile import SHAPE_KEYS, preset_rows, read_cluster_file
 from planner.errors import PlanError
-from planner.hardware import Assumptions, assumption_names, assumption_types
+from planner.hardware import Assumptions, assumption_names, assumption_types, gpu_presets
 from planner.outputs import (
     MEMORY_CHART,
     check_file_path,
@@ -33,7 +33,7 @@ from planner.outputs import (
 from planner.plan import make_plan
 from planner.report import FORMATS, render, render_sweep
 from planner.report.tables import sweep_row
-from planner.units import UNIT_RULE, parse_bytes
+from planner.units import UNIT_RULE, format_bytes, parse_bytes
 
 PROG = "dit-plan"
 SWEEPABLE = ("gpus", "vram", "gpu", "global_batch", "model", "resolution")
@@ -48,6 +48,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """dit-plan's flags. Every help line says what happens when the flag is not given."""
     p = _Parser(
         prog=PROG,
         description=__doc__.split("\n\n")[0],
@@ -57,113 +58,211 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="store_true", help="print dit-accel's version and exit")
     p.add_argument(
         "--config",
-        metavar="FILE",
-        help="a cluster preset (configs/clusters/*.yaml: flag: value lines); flags given here override it",
+        metavar="NAME|FILE",
+        help="a cluster preset: a shipped name such as h100-80g-8x (--list-configs), or a YAML file of "
+        "flag: value lines; flags given here override it (default: none)",
     )
+    p.add_argument("--list-configs", action="store_true", help="print the shipped cluster presets and exit")
     hw = p.add_argument_group("cluster")
     hw.add_argument(
         "--gpus",
-        help="total GPUs (comma list sweeps); more than one node holds (8) is split into nodes of 8",
+        metavar="N",
+        help="total GPUs (comma list sweeps): more than one node holds (8) is split into nodes of 8, with "
+        "--nodes K into K equal nodes (required, unless --gpus-per-node gives the shape)",
     )
     hw.add_argument(
-        "--gpus-per-node", help="GPUs in each node, with --nodes (e.g. --gpus-per-node 4 --nodes 2)"
+        "--gpus-per-node",
+        metavar="G",
+        help="GPUs in each node, with --nodes (e.g. --gpus-per-node 4 --nodes 2) (default: from --gpus)",
     )
-    hw.add_argument("--nodes", help="nodes (default 1, or --gpus split into nodes of 8)")
-    hw.add_argument("--vram", help="memory per GPU with a unit: 40GB, 40GiB, 80000MiB (comma list sweeps)")
+    hw.add_argument("--nodes", metavar="K", help="nodes (default: 1, or --gpus split into nodes of 8)")
     hw.add_argument(
-        "--gpu", help="GPU preset: a100-40g, a100-80g, h100-80g, h200, l40s, rtx4090, v100-32g, ..."
+        "--vram",
+        metavar="SIZE",
+        help="memory per GPU with a unit: 40GB, 40GiB, 80000MiB (comma list sweeps) (default: the --gpu "
+        "preset's; one of the two is required)",
     )
     hw.add_argument(
-        "--host-ram", help="host RAM per node (e.g. 512GiB): warn before the OOM killer's exitcode -9"
+        "--gpu",
+        metavar="NAME",
+        help="GPU preset (comma list sweeps): its memory, bf16 support and peak rates; --list-gpus names "
+        "them all (default: none, plan by --vram with A100-class rates)",
     )
-    hw.add_argument("--main-process-ip", help="multi-node: address of the first node")
-    hw.add_argument("--main-process-port", help="multi-node: rendezvous port (default 29500)")
+    hw.add_argument(
+        "--list-gpus", action="store_true", help="print every GPU preset with its memory and exit"
+    )
+    hw.add_argument(
+        "--host-ram",
+        metavar="SIZE",
+        help="host RAM per node (e.g. 512GiB): warn before the OOM killer's exitcode -9 (default: not checked)",
+    )
+    hw.add_argument(
+        "--main-process-ip",
+        metavar="ADDRESS",
+        help="multi-node: address of the first node (default: launch.slurm takes the allocation's first)",
+    )
+    hw.add_argument(
+        "--main-process-port", metavar="PORT", help="multi-node: rendezvous port (default: 29500)"
+    )
     tr = p.add_argument_group("training")
     tr.add_argument(
-        "--global-batch", default="256", help="images per optimizer step (default 256, the DiT recipe)"
+        "--global-batch",
+        default="256",
+        metavar="B",
+        help="images per optimizer step (comma list sweeps) (default: %(default)s, the DiT recipe)",
     )
     tr.add_argument(
-        "--round-global-batch", action="store_true", help="use the nearest global batch the GPUs divide"
+        "--round-global-batch",
+        action="store_true",
+        help="use the nearest global batch the GPUs divide (default: refuse one they do not divide)",
     )
-    tr.add_argument("--model", default="DiT-XL/2", help="DiT-{S,B,L,XL}/{2,4,8} (default DiT-XL/2)")
-    tr.add_argument("--resolution", default="256", help="image side in pixels (default 256)")
+    tr.add_argument(
+        "--model",
+        default="DiT-XL/2",
+        help="DiT-{S,B,L,XL}/{2,4,8} (comma list sweeps) (default: %(default)s)",
+    )
+    tr.add_argument(
+        "--resolution",
+        default="256",
+        metavar="PX",
+        help="image side in pixels, a multiple of 8 x patch (comma list sweeps) (default: %(default)s)",
+    )
     tr.add_argument(
         "--precision",
         default="auto",
         choices=["auto", "bf16", "fp16", "tf32", "fp32"],
-        help="tf32: fp32 weights, TF32 matmuls (the trainer's default for fp32); fp32: IEEE fp32 (--no-tf32)",
+        help="auto: bf16 where the GPU has it, else fp16 with loss scaling; tf32: fp32 weights, TF32 "
+        "matmuls (the trainer's default for fp32); fp32: IEEE fp32 (--no-tf32) (default: %(default)s)",
     )
-    tr.add_argument("--latents", default="precomputed", choices=["precomputed", "online", "pixel"])
     tr.add_argument(
-        "--ema", action=argparse.BooleanOptionalAction, default=True, help="keep an EMA copy (default on)"
+        "--latents",
+        default="precomputed",
+        choices=["precomputed", "online", "pixel"],
+        help="precomputed: a latent cache (dit-accel extract-latents), no VAE during training; online: "
+        "images encoded by the VAE every step (its weights, working set and compute count); pixel: a "
+        "DiT on the pixels themselves, no VAE (default: %(default)s)",
+    )
+    tr.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep an fp32 EMA copy of the weights (default: on)",
     )
     tr.add_argument(
         "--adamw",
         default="fused",
         choices=["fused", "foreach"],
-        help="AdamW implementation: fused (default, no temporary) or foreach (+4 B/param at the step)",
+        help="AdamW implementation: fused (no temporary) or foreach (+4 B/param at the step) "
+        "(default: %(default)s)",
     )
     tr.add_argument(
         "--gradient-as-bucket-view",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="DDP gradients live in its all-reduce buckets (default on; off costs 4 B/param)",
+        help="DDP gradients live in its all-reduce buckets; off costs 4 B/param (default: on)",
     )
     tr.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="torch.compile each transformer block on the GPUs (default on; the trainer follows it)",
+        help="torch.compile each transformer block on the GPUs; the trainer follows it (default: on)",
     )
     tt = p.add_argument_group("time to train")
-    tt.add_argument("--steps", help="optimizer steps of the run: prints wall-clock time and GPU-hours")
-    tt.add_argument("--epochs", help="passes over the data (with --dataset-size): steps = ceil(E x S / B)")
-    tt.add_argument("--dataset-size", help="images in the training set (with --epochs)")
-    tt.add_argument("--gpu-hour-cost", help="price of one GPU-hour (USD) for the run's cost")
+    tt.add_argument(
+        "--steps",
+        metavar="N",
+        help="optimizer steps of the run: prints wall-clock time and GPU-hours (default: not shown)",
+    )
+    tt.add_argument(
+        "--epochs",
+        metavar="E",
+        help="passes over the data, with --dataset-size: steps = ceil(E x S / B) (default: not shown)",
+    )
+    tt.add_argument(
+        "--dataset-size", metavar="S", help="images in the training set, with --epochs (default: none)"
+    )
+    tt.add_argument(
+        "--gpu-hour-cost",
+        metavar="USD",
+        help="price of one GPU-hour for the run's cost, with --steps or --epochs (default: not shown)",
+    )
     ch = p.add_argument_group("the choice")
-    ch.add_argument("--sharding", default="auto", choices=["auto", "ddp", "zero2", "zero3", "hsdp"])
-    ch.add_argument("--checkpointing", default="auto", help="auto | none | all | N blocks")
-    ch.add_argument("--headroom", default="5%", help="VRAM kept free: a share (5%%) or a size (2GiB)")
-    ch.add_argument("--max-micro-batch", help="largest micro-batch to consider")
+    ch.add_argument(
+        "--sharding",
+        default="auto",
+        choices=["auto", "ddp", "zero2", "zero3", "hsdp"],
+        help="ddp: every GPU holds all the weights, gradients and AdamW state; zero2: FSDP2 shards the "
+        "gradients, AdamW state and fp32 weights (parameters gathered once per step); zero3: FSDP2 shards "
+        "the parameters too (gathered per block, in forward and again in backward); hsdp: zero3 inside "
+        "each node, replicated across nodes; auto: the search chooses it with the micro-batch and the "
+        "checkpointing (default: %(default)s)",
+    )
+    ch.add_argument(
+        "--checkpointing",
+        default="auto",
+        metavar="auto|none|all|N",
+        help="activation checkpointing: none, all blocks, N blocks, or auto, as many as the search needs "
+        "to fit (default: %(default)s)",
+    )
+    ch.add_argument(
+        "--headroom",
+        default="5%",
+        metavar="SHARE|SIZE",
+        help="VRAM kept free: a share (5%%) or a size (2GiB) (default: %(default)s)",
+    )
+    ch.add_argument(
+        "--max-micro-batch",
+        metavar="N",
+        help="largest micro-batch to consider (default: no limit but the global batch)",
+    )
     cu = p.add_argument_group("custom model sizes (research variants, tiny test networks)")
     for flag in ("depth", "hidden", "heads", "patch", "num-classes"):
-        cu.add_argument(f"--{flag}", help=f"override the --model's {flag.replace('-', ' ')}")
+        cu.add_argument(
+            f"--{flag}",
+            metavar="N",
+            help=f"override the --model's {flag.replace('-', ' ')} (default: the model's own)",
+        )
     out = p.add_argument_group("output")
     out.add_argument(
-        "--out", help="directory for accelerate_config.yaml, plan.json, plan.md (default ./plan)"
+        "--out",
+        metavar="DIR",
+        help="directory for accelerate_config.yaml, plan.json, plan.md and memory.png (default: ./plan with "
+        "--format table; the document formats write files only when --out is given)",
     )
     out.add_argument(
         "--format",
         default="table",
         choices=FORMATS,
-        help="terminal output format; markdown, github, latex and json write only the document to stdout",
+        help="table: for the terminal; markdown, github, latex (a whole document) and json print only the "
+        "document on stdout (default: %(default)s)",
     )
     out.add_argument(
-        "--wide", action="store_true", help="print every table column unwrapped (default: fit 100 columns)"
-    )
-    out.add_argument(
-        "--no-chart",
+        "--wide",
         action="store_true",
-        help="skip plan/memory.png (drawing it loads matplotlib, most of dit-plan's time)",
+        help="print every table column unwrapped (default: fit 100 columns)",
+    )
+    out.add_argument(
+        "--no-chart", action="store_true", help="skip plan/memory.png (default: draw it with the plan)"
     )
     out.add_argument(
         "--plot",
         metavar="FILE",
-        help="also draw peak memory and est. img/s (.png/.svg/.pdf): across a sweep, or against micro-batch",
+        help="also draw peak memory and est. img/s (.png/.svg/.pdf): across a sweep, or against micro-batch "
+        "(default: none)",
     )
     out.add_argument(
         "--assume",
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="override an assumed constant (repeatable); --list-assumptions shows them",
+        help="override an assumed constant (repeatable); --list-assumptions shows them (default: none)",
     )
     out.add_argument("--list-assumptions", action="store_true", help="print the assumed constants and exit")
     out.add_argument(
         "--calibration",
         metavar="FILE",
         help="use the figures `dit-accel calibrate` measured on the GPU (context, fragmentation, MFU) "
-        "in place of the assumed ones",
+        "in place of the assumed ones (default: none, every figure assumed)",
     )
     return p
 
@@ -330,17 +429,46 @@ def common_kwargs(args) -> dict:
     )
 
 
-def list_assumptions(fmt: str) -> str:
+def _listing(headers: list[str], rows: list[list], fmt: str) -> str:
+    """A --list-* table in the --format asked for (json: one object per row)."""
     from tabulate import tabulate
 
     from planner.report.tables import TABLEFMT
 
+    if fmt == "json":
+        import json
+
+        return json.dumps([dict(zip(headers, row)) for row in rows], indent=2) + "\n"
+    return tabulate(rows, headers=headers, tablefmt=TABLEFMT[fmt], disable_numparse=True) + "\n"
+
+
+def list_assumptions(fmt: str) -> str:
     rows = [[f.name, getattr(Assumptions(), f.name)] for f in dataclasses.fields(Assumptions)]
     if fmt == "json":
         import json
 
         return json.dumps(dict(rows), indent=2) + "\n"
-    return tabulate(rows, headers=["assumption", "default"], tablefmt=TABLEFMT[fmt]) + "\n"
+    return _listing(["assumption", "default"], rows, fmt)
+
+
+def list_gpus(fmt: str) -> str:
+    """Every --gpu preset with its memory (as nvidia-smi counts it, and in GB), bf16 and what it is."""
+    rows = [
+        [
+            name,
+            format_bytes(gpu.memory_bytes, "GiB"),
+            format_bytes(gpu.memory_bytes, "GB"),
+            "yes" if gpu.bf16 else "no",
+            gpu.description,
+        ]
+        for name, gpu in gpu_presets().items()
+    ]
+    return _listing(["--gpu", "memory", "(GB)", "bf16", "what"], rows, fmt)
+
+
+def list_configs(fmt: str) -> str:
+    """The shipped cluster presets: `--config NAME` plans one."""
+    return _listing(["--config", "cluster", "gpu", "batch @ res", "what"], preset_rows(), fmt)
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, int]:
@@ -386,6 +514,9 @@ def run(argv: list[str] | None) -> int:
         return 0
     if args.list_assumptions:
         sys.stdout.write(list_assumptions(args.format))
+        return 0
+    if args.list_gpus or args.list_configs:
+        sys.stdout.write(list_gpus(args.format) if args.list_gpus else list_configs(args.format))
         return 0
     combos, kwargs = combinations(args, node_size), common_kwargs(args)
     if args.plot is not None:

@@ -1,4 +1,5 @@
-"""`dit-plan --config FILE`: a cluster preset (configs/clusters/*.yaml) read as the command line it stands for.
+"""`dit-plan --config NAME|FILE`: a cluster preset (configs/clusters/*.yaml, shipped in the package and named
+by its file name: `--config h100-80g-8x`) read as the command line it stands for.
 
 A preset is flat YAML whose keys are dit-plan's flag names (`global_batch` or `global-batch`), plus
 `description:` (for people and configs/README.md) and `assume:` (a mapping of `--assume` names to values).
@@ -13,8 +14,12 @@ from pathlib import Path
 
 import yaml
 
+from planner.configs import named_configs, resolve_config, shipped_folder
 from planner.errors import PlanError
+from planner.units import count
 
+CLUSTERS = shipped_folder(Path(__file__).resolve().parent, "clusters")
+LISTING = "dit-plan --list-configs describes them"
 SHAPE_KEYS = ("gpus", "gpus_per_node", "nodes")
 # flags that are about this invocation, not the cluster or the training: not allowed in a preset
 NOT_IN_A_PRESET = (
@@ -22,6 +27,8 @@ NOT_IN_A_PRESET = (
     "out",
     "format",
     "list_assumptions",
+    "list_configs",
+    "list_gpus",
     "plot",
     "no_chart",
     "wide",
@@ -35,14 +42,11 @@ def _flag(key: str) -> str:
 
 
 def read_cluster_file(path: str, actions: dict) -> tuple[list[str], dict, str | None]:
-    """(flags for everything but the shape, the shape {key: text}, the description) of a preset file.
+    """(flags for everything but the shape, the shape {key: text}, the description) of a preset: a file,
+    or a shipped preset's name.
 
     `actions`: the parser's actions by dest, so that a key is known exactly when dit-plan has the flag."""
-    file = Path(path)
-    if not file.is_file():
-        raise PlanError(
-            f"--config {path}: no such file", "give a preset such as configs/clusters/a100-80g-8x.yaml"
-        )
+    file = resolve_config(path, CLUSTERS, "cluster preset", LISTING)
     try:
         data = yaml.safe_load(file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -98,3 +102,24 @@ def _text(value, where: str) -> str:
 
 def _scalar(value) -> bool:
     return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
+def preset_rows() -> list[list[str]]:
+    """`dit-plan --list-configs`: each shipped preset's name, cluster, GPU, global batch and description."""
+    rows = []
+    for name, path in named_configs(CLUSTERS).items():
+        data = yaml.safe_load(path.read_text()) or {}
+        data = {str(key).replace("-", "_"): value for key, value in data.items()}
+        if "nodes" in data and "gpus_per_node" in data:
+            shape = f"{data['nodes']} x {data['gpus_per_node']}"
+        else:
+            shape = (
+                count(data["gpus"], "GPU")
+                if isinstance(data.get("gpus"), int)
+                else f"{data.get('gpus')} GPUs"
+            )
+        batch, resolution = data.get("global_batch", 256), data.get("resolution", 256)
+        rows.append(
+            [name, shape, data.get("gpu", "-"), f"{batch} @ {resolution} px", data.get("description", "")]
+        )
+    return rows

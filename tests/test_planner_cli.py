@@ -481,3 +481,30 @@ def test_counts_of_one_read_in_the_singular(tmp_path, capsys):
         "on 2 nodes x 1 GPU of" in text and "each starts 1 process." in text and "1 rank needs about" in text
     )
     assert not re.findall(r"\b1 (GPUs|nodes|ranks|processes|images)\b|node\(s\)", text)
+
+
+def test_every_flag_has_help_that_says_its_default(capsys):
+    parser = cli.build_parser()
+    for action in parser._actions:
+        assert action.help, action.option_strings
+        takes_value = action.nargs != 0 and action.dest != "help"
+        if takes_value:  # what happens without it: the default, or "required" / "not shown" / ...
+            assert "default" in action.help or "required" in action.help, action.option_strings
+    with pytest.raises(SystemExit) as leaving:
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert leaving.value.code == 0 and "(default: auto)" in out and "(default: 5%)" in out
+    assert (
+        "zero3: FSDP2 shards" in out and "online: images encoded by the VAE" in out and "--list-gpus" in out
+    )
+
+
+def test_list_gpus_names_every_preset_with_its_memory(capsys):
+    from planner.hardware import gpu_presets
+
+    code, out, _ = run(["--list-gpus"], capsys)
+    assert code == 0 and "h200       140.40 GiB" in out and "l40s       44.99 GiB" in out
+    for name in gpu_presets():
+        assert f"\n{name} " in out
+    code, out, _ = run(["--list-gpus", "--format", "json"], capsys)
+    assert {row["--gpu"] for row in json.loads(out)} == set(gpu_presets())

@@ -25,6 +25,10 @@ EXPECTED = {
     "h100-80g-2x8-ib": (2, 8, "h100-80g", 256, 256),
     "h200-4x8": (4, 8, "h200", 256, 1024),
     "h200-4x8-512": (4, 8, "h200", 512, 1024),
+    "h200-8x": (1, 8, "h200", 256, 256),
+    "a100-80g-2x8-ib": (2, 8, "a100-80g", 256, 256),
+    "l40s-8x": (1, 8, "l40s", 256, 256),
+    "h100-pcie-8x": (1, 8, "h100-pcie", 256, 256),
 }
 
 
@@ -98,6 +102,18 @@ def test_flags_on_the_command_line_override_the_file(tmp_path, capsys):
     assert f"--config {ib}" in (tmp_path / "p" / "plan.md").read_text()  # the exact command line
 
 
+def test_a_global_batch_above_the_recipes_says_what_it_does_to_the_lr():
+    """The recipes keep lr 1e-4 (scale-lr: false); a preset at another global batch must say so, and count
+    its steps over the same images as the paper's 400K x 256."""
+    import yaml
+
+    for path in PRESETS:
+        data = yaml.safe_load(path.read_text())
+        if data.get("global_batch", 256) != 256:
+            assert "not scaled" in data["description"] and "--scale-lr" in path.read_text(), path.name
+            assert data["steps"] * data["global_batch"] == 400_000 * 256, path.name
+
+
 def test_a_preset_says_how_many_gpus_its_nodes_hold(tmp_path):
     preset = tmp_path / "quad.yaml"
     preset.write_text("gpu: l40s\ngpus_per_node: 4\nnodes: 1\nglobal_batch: 256\n")
@@ -140,3 +156,24 @@ def test_a_missing_preset_is_one_line(tmp_path, capsys, monkeypatch):
     code, out, err = run(["--config", "nowhere.yaml"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1 and "--config nowhere.yaml: no such file" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_shipped_preset_plans_by_name_from_any_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    by_path = _plan(["--config", str(CONFIGS / "clusters" / "h100-80g-8x.yaml")])
+    assert _plan(["--config", "h100-80g-8x"]) == by_path == _plan(["--config", "h100-80g-8x.yaml"])
+    # the path the docs show, from a folder without it: the same file ships by name
+    code, out, err = run(["--config", "configs/clusters/h100-80g-8x.yaml"], capsys)
+    assert (
+        code == 2
+        and err.count("\n") == 1
+        and "the shipped cluster preset of that name is --config h100-80g-8x" in err
+    )
+    code, out, err = run(["--config", "h100-80g-9x"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--config h100-80g-9x: no cluster preset of that name" in err
+    assert all(path.stem in err for path in PRESETS) and "dit-plan --list-configs" in err
+    assert list(tmp_path.iterdir()) == []
+    code, out, _ = run(["--list-configs"], capsys)
+    assert code == 0 and all(f"\n{path.stem} " in out for path in PRESETS)
+    assert "h100-80g-2x8-ib  2 x 8" in out and "rtx4090-1x       1 GPU " in out

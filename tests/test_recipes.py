@@ -108,8 +108,30 @@ def test_keys_take_either_spelling_and_bad_files_are_one_line(tiny_plan, tmp_pat
         with pytest.raises(UserError, match=None) as caught:
             _config(tiny_plan, tmp_path, "--config", recipe)
         assert expected in str(caught.value) and "\n" not in str(caught.value), text
-    with pytest.raises(UserError, match="cannot read it"):
+    with pytest.raises(UserError, match="missing.yaml: no such file"):
         _config(tiny_plan, tmp_path, "--config", tmp_path / "missing.yaml")
+
+
+def test_a_shipped_recipe_resolves_by_name_from_any_folder(tiny_plan, tmp_path, monkeypatch):
+    from dit_accel.launch import check_trainer_flags, launch_command
+    from dit_accel.recipe import recipe_file, shipped_recipes
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    assert sorted(shipped_recipes()) == sorted(p.stem for p in RECIPES.glob("*.yaml"))
+    assert recipe_file("dit-xl2-256").read_text() == (RECIPES / "dit-xl2-256.yaml").read_text()
+    assert _config(tiny_plan, tmp_path, "--config", "dit-xl2-512").max_steps == 3_000_000
+    with pytest.raises(UserError) as caught:
+        _config(tiny_plan, tmp_path, "--config", "dit-xl2-1024")
+    message = str(caught.value)
+    assert "--config dit-xl2-1024: no recipe of that name" in message and "\n" not in message
+    assert all(name in message for name in shipped_recipes())
+    # `dit-accel train --config NAME` checks the recipe by name before it launches anything
+    args = ["--plan", str(tiny_plan), "--latents", str(tmp_path), "--output-dir", str(tmp_path / "run")]
+    command = launch_command([*args, "--config", "dit-xl2-256"])
+    check_trainer_flags(command)
+    assert command[-2:] == ["--config", "dit-xl2-256"]
+    with pytest.raises(UserError, match="no recipe of that name"):
+        check_trainer_flags(launch_command([*args, "--config", "dit-xl2-1024"]))
 
 
 def test_the_trainer_command_exits_2_on_an_unknown_key(tiny_plan, tmp_path, capsys):

@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 from dit_accel import lineage
@@ -60,7 +61,8 @@ MODEL_WEIGHTS = "model.safetensors"
 SHARDED_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP SHARDED_STATE_DICT folder for model 0
 PLAN = "plan.json"
 TRAIN_CONFIG = "train_config.json"
-_NAME = re.compile(r"^step_(\d{8,})(\.branch-[0-9a-z]+)?$")  # step_N, or a kept branch's step_N.branch-ID
+# step_N, or a kept branch's step_N.branch-ID (older versions named some `step_N.branch-step_000`)
+_NAME = re.compile(r"^step_(\d{8,})(\.branch-[0-9a-z_]+)?$")
 CONTINUE = "continue"  # save_checkpoint's default parent: the folder's most recently written checkpoint
 
 
@@ -144,9 +146,11 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
                 "resume from an older checkpoint (--resume auto skips damaged ones) or restore the file",
             )
         return checkpoint
+    nodes = lineage.nodes(complete_checkpoints(output_dir))
+    line = lineage.chain(nodes, lineage.head(nodes))
     newest_problem = None
-    for node in current_lineage(output_dir):
-        problem = lineage.damage(node.path)
+    for node in [node for node in nodes if node.damaged and node not in line] + line:
+        problem = lineage.damage(node.path)  # a damaged marker first: its checkpoint is on no timeline
         if problem is None:
             return node.path
         log.warning(f"--resume auto skips damaged checkpoint {node.path.name}: {problem}")
@@ -184,6 +188,13 @@ def marker_id(checkpoint: Path) -> str:
     return lineage.read_marker(checkpoint).get("id") or checkpoint.name
 
 
+def _branch_id(checkpoint: Path) -> str:
+    """The start of its marker's id; a fresh one for an old-style or damaged marker, which has none (its
+    folder name would not be a checkpoint name: never listed, rotated or logged again)."""
+    found = lineage.read_marker(checkpoint).get("id")
+    return found[:8] if found else uuid.uuid4().hex[:8]
+
+
 def commit(tmp_dir: Path, final_dir: Path, marker: dict, parent: str | None = None) -> dict:
     """Make a fully written tmp folder a checkpoint: hash and fsync every file, write the marker (lineage and
     manifest added to `marker`), rename. Main process only. Returns the marker."""
@@ -204,7 +215,7 @@ def commit(tmp_dir: Path, final_dir: Path, marker: dict, parent: str | None = No
     marker_path.write_text(json.dumps(marker, sort_keys=True) + "\n")
     _fsync(marker_path)
     if is_complete(final_dir):  # another branch's checkpoint of this step: kept, under its branch name
-        os.replace(final_dir, final_dir.with_name(f"{final_dir.name}.branch-{marker_id(final_dir)[:8]}"))
+        os.replace(final_dir, final_dir.with_name(f"{final_dir.name}.branch-{_branch_id(final_dir)}"))
     replace_folder(tmp_dir, final_dir)  # a folder of this name without a marker is replaced
     _fsync(final_dir.parent)
     return marker

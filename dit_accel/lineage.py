@@ -12,7 +12,9 @@ hashed by the main process after every rank has written. A truncated or bit-flip
 RNG file or an edited train_state.json is then found before anything is loaded, and named.
 
 Old markers (before lineage and manifests) hold only step and world size: their checkpoints still load,
-unverified, and count as one timeline ordered by step, older than any new marker.
+unverified, and count as one timeline ordered by step, older than any new marker. Only such a marker may
+skip the manifest: one that does not parse (garbage, truncated, empty) or lacks its lineage or manifest is
+damage (`marker_problem`), named like a damaged file, and its checkpoint is never loaded.
 """
 
 from __future__ import annotations
@@ -36,15 +38,52 @@ class Node:
     path: Path
     id: str  # the marker's id; an old marker's folder name
     parent: str | None  # None: the run's first checkpoint from scratch or --init-from
-    sequence: int  # -1 for old markers
+    sequence: int  # -1 for old markers, -2 for damaged ones
     legacy: bool
+    damaged: str | None = None  # what is wrong with its marker (`marker_problem`)
+
+
+_NEW_KEYS = ("id", "parent", "sequence", "manifest")
+
+
+def _load_marker(folder: Path) -> tuple[dict, str | None]:
+    """The marker and None, or {} and what makes it unusable."""
+    path = folder / MARKER
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        return {}, f"{path} cannot be read ({type(error).__name__}): the checkpoint's marker is damaged"
+    if not text.strip():
+        return {}, f"{path} is empty (truncated): the checkpoint's marker is damaged"
+    try:
+        marker = json.loads(text)
+    except ValueError:
+        return {}, f"{path} is not JSON (overwritten or truncated): the checkpoint's marker is damaged"
+    if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
+        return {}, f"{path} names no step: the checkpoint's marker is damaged"
+    if not any(key in marker for key in _NEW_KEYS):
+        return marker, None  # an old-style marker: step and world size only
+    manifest = marker.get("manifest")
+    if not (
+        isinstance(marker.get("id"), str)
+        and isinstance(marker.get("sequence"), int)
+        and isinstance(manifest, dict)
+        and all(
+            isinstance(entry, dict) and {"bytes", "sha256"} <= entry.keys() for entry in manifest.values()
+        )
+    ):
+        return {}, f"{path} lacks its id, sequence or manifest (edited?): the checkpoint's marker is damaged"
+    return marker, None
 
 
 def read_marker(folder: Path) -> dict:
-    try:
-        return json.loads((folder / MARKER).read_text() or "{}")
-    except ValueError:
-        return {}  # an empty or hand-made marker: an old-style checkpoint
+    """The checkpoint's marker; {} for a damaged one (see `marker_problem`)."""
+    return _load_marker(folder)[0]
+
+
+def marker_problem(folder: Path) -> str | None:
+    """What makes a checkpoint's marker unusable, naming the file; None for a sound (or old-style) one."""
+    return _load_marker(folder)[1]
 
 
 def new_marker(step: int, world_size: int, parent: str | None, sequence: int, manifest: dict) -> dict:
@@ -62,8 +101,10 @@ def nodes(found: list[tuple[int, Path]]) -> list[Node]:
     """The lineage's view of complete checkpoints given as (step, folder), oldest step first."""
     result, previous_legacy = [], None
     for step, path in found:
-        marker = read_marker(path)
-        if "id" in marker:
+        marker, problem = _load_marker(path)
+        if problem:  # no place on any timeline: never the head while a sound checkpoint exists
+            result.append(Node(step, path, path.name, None, -2, False, problem))
+        elif "id" in marker:
             result.append(
                 Node(step, path, marker["id"], marker.get("parent"), int(marker["sequence"]), False)
             )
@@ -122,9 +163,12 @@ def build_manifest(folder: Path) -> dict:
 
 
 def damage(folder: Path) -> str | None:
-    """What is wrong with a checkpoint's files against its manifest (naming the file), or None when intact.
-    A marker without a manifest (written before manifests existed) is taken as intact."""
-    manifest = read_marker(folder).get("manifest")
+    """What is wrong with a checkpoint's marker or its files against its manifest (naming the file), or None
+    when intact. An old-style marker (written before manifests existed) is taken as intact."""
+    marker, problem = _load_marker(folder)
+    if problem:
+        return problem
+    manifest = marker.get("manifest")
     if manifest is None:
         return None
     for name, expected in sorted(manifest.items()):  # the cheap checks first: presence and size

@@ -199,24 +199,40 @@ def _edit_train_state(path: Path) -> None:
     path.write_text(json.dumps(state))
 
 
-DAMAGE = {
-    "model.safetensors": _truncate,
-    "optimizer.bin": _flip_a_byte,
-    "random_states_1.pkl": Path.unlink,
-    "train_state.json": _edit_train_state,
+def _garbage(path: Path) -> None:
+    path.write_text("garbage\n")  # `echo garbage > COMPLETE`
+
+
+def _drop_the_manifest(path: Path) -> None:
+    marker = json.loads(path.read_text())
+    del marker["manifest"]
+    path.write_text(json.dumps(marker))
+
+
+DAMAGE = {  # what is damaged -> (the file, how)
+    "model.safetensors": ("model.safetensors", _truncate),
+    "optimizer.bin": ("optimizer.bin", _flip_a_byte),
+    "random_states_1.pkl": ("random_states_1.pkl", Path.unlink),
+    "train_state.json": ("train_state.json", _edit_train_state),
+    # An unreadable marker is damage, not an old-style checkpoint that may skip its manifest.
+    "COMPLETE-garbage": ("COMPLETE", _garbage),
+    "COMPLETE-truncated": ("COMPLETE", _truncate),
+    "COMPLETE-empty": ("COMPLETE", lambda path: path.write_text("")),
+    "COMPLETE-no-manifest": ("COMPLETE", _drop_the_manifest),
 }
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("name", sorted(DAMAGE))
+@pytest.mark.parametrize("damaged", sorted(DAMAGE))
 def test_a_damaged_checkpoint_is_named_and_resume_auto_takes_the_previous_one(
-    timeline, tmp_path, name, caplog
+    timeline, tmp_path, damaged, caplog
 ):
     run = tmp_path / "run"
     shutil.copytree(timeline["snapshot"], run / "checkpoints")
     newest = run / "checkpoints" / "step_00000006"
     assert lineage.damage(newest) is None
-    DAMAGE[name](newest / name)
+    name, damage = DAMAGE[damaged]
+    damage(newest / name)
     with caplog.at_level("WARNING", logger="dit_accel.train"):
         assert ckpt.resolve_resume("auto", run) == run / "checkpoints" / "step_00000004"
     assert f"skips damaged checkpoint step_00000006: {newest / name}" in caplog.text
@@ -232,6 +248,53 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(workspace, tmp_path):
     text = _log(run)
     assert "skips damaged checkpoint step_00000002" in text and "model.safetensors has" in text
     assert "step_00000001 at step 1" in text
+
+
+def test_a_garbage_marker_is_damage_for_the_trainer(workspace, tmp_path, capsys):
+    """`echo garbage > step_N/COMPLETE`: --resume auto says so and resumes the one before; an explicit
+    --resume of it is one line, exit 2 (it once loaded unverified, exit 0)."""
+    run = tmp_path / "run"
+    assert e2e.run_in_process(_single(workspace, run, "--max-steps", 2, "--checkpoint-every", 1)) == 0
+    newest = run / "checkpoints" / "step_00000002"
+    _garbage(newest / "COMPLETE")
+    capsys.readouterr()
+    err = e2e._one_line_error(capsys, _single(workspace, run, "--resume", newest, "--max-steps", 3))
+    assert f"checkpoint {newest} is damaged: {newest / 'COMPLETE'} is not JSON" in err, err
+    assert e2e.run_in_process(_single(workspace, run, "--resume", "auto", "--max-steps", 2)) == 0
+    text = _log(run)
+    assert f"skips damaged checkpoint step_00000002: {newest / 'COMPLETE'} is not JSON" in text
+    assert "step_00000001 at step 1" in text
+
+
+@pytest.mark.parametrize("marker", ["old-style", "garbage"])
+def test_a_rewritten_step_keeps_the_old_checkpoint_under_a_listed_branch_name(workspace, tmp_path, marker):
+    """The new timeline writes a step whose checkpoint has an old-style marker (no id) or a damaged one:
+    the old folder is kept as step_N.branch-ID with a name that is listed, logged and counted (it was
+    `step_N.branch-step_000`, which no listing saw: a whole checkpoint's disk leaked)."""
+    run = tmp_path / "run"
+    assert e2e.run_in_process(_single(workspace, run, "--max-steps", 2, "--checkpoint-every", 1)) == 0
+    old = run / "checkpoints" / "step_00000002"
+    if marker == "old-style":  # as versions before lineage wrote it, for both checkpoints
+        for step in (1, 2):
+            path = run / "checkpoints" / f"step_{step:08d}" / "COMPLETE"
+            path.write_text(json.dumps({"step": step, "world_size": 1}, sort_keys=True) + "\n")
+    else:
+        _garbage(old / "COMPLETE")
+    size_bytes = sum(path.stat().st_size for path in old.rglob("*"))
+    first = run / "checkpoints" / "step_00000001"
+    assert e2e.run_in_process(_single(workspace, run, "--resume", first, "--max-steps", 2)) == 0
+    names = _names(run)
+    assert len(names) == 3 and "step_00000001" in names and "step_00000002" in names, names
+    (branch,) = [name for name in names if name.startswith("step_00000002.branch-")]
+    assert re.fullmatch(r"step_00000002\.branch-[0-9a-f]{8}", branch), branch
+    kept = run / "checkpoints" / branch
+    assert sum(path.stat().st_size for path in kept.rglob("*")) == size_bytes  # the old one, whole
+    assert kept in [path for _step, path in ckpt.complete_checkpoints(run)]
+    assert kept in ckpt.abandoned_checkpoints(run)
+    assert (
+        f"abandoned branches (not on this run's timeline; delete them when no longer needed): {branch}"
+        in (_log(run))
+    )
 
 
 @pytest.mark.launched

@@ -19,6 +19,7 @@ from dit_accel.errors import UserError
 from dit_accel.train_config import TrainConfig
 from planner.planfile import Plan
 from planner.rules import LaunchSettings, launch_problems
+from planner.units import count
 
 
 def check_launch(plan: Plan, world_size: int, plan_path: str) -> None:
@@ -26,8 +27,9 @@ def check_launch(plan: Plan, world_size: int, plan_path: str) -> None:
     planned = plan.world_size
     if planned != world_size:
         raise UserError(
-            f"{plan_path} is planned for {planned} processes but {world_size} were launched",
-            f"re-plan with `dit-plan --gpus {world_size}`, or launch {planned} processes",
+            f"{plan_path} is planned for {count(planned, 'process')} but {world_size} "
+            f"{'was' if world_size == 1 else 'were'} launched",
+            f"re-plan with `dit-plan --gpus {world_size}`, or launch {count(planned, 'process')}",
         )
 
 

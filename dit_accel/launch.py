@@ -121,6 +121,7 @@ def check_process_count(plan_path: Path, num_processes: str) -> None:
     """--num-processes must be the plan's world size: refused here, before any process starts."""
     from planner.errors import PlanError
     from planner.planfile import read_plan
+    from planner.units import count
 
     try:
         planned = read_plan(plan_path).world_size
@@ -128,7 +129,7 @@ def check_process_count(plan_path: Path, num_processes: str) -> None:
         return  # every rank refuses such a plan in one line itself
     if not str(num_processes).isdigit() or int(num_processes) != planned:
         raise UserError(
-            f"--num-processes {num_processes} but {plan_path} is planned for {planned} processes",
+            f"--num-processes {num_processes} but {plan_path} is planned for {count(planned, 'process')}",
             f"drop --num-processes (the plan's config says {planned}), or re-plan with `dit-plan --gpus "
             f"{num_processes}`",
         )

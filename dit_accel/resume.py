@@ -18,6 +18,7 @@ from dit_accel.errors import UserError
 from dit_accel.optim import effective_lr
 from dit_accel.train_config import TrainConfig
 from planner.planfile import Plan, read_plan
+from planner.units import count
 
 log = logging.getLogger("dit_accel.train")
 
@@ -121,8 +122,9 @@ def check_resume(state: dict, plan: Plan, spec, world_size: int, checkpoint: Pat
     accumulation, precision, sharding and EMA."""
     if state.get("world_size") != world_size:
         raise UserError(
-            f"{checkpoint} was written by {state.get('world_size')} processes but {world_size} were launched",
-            f"launch {state.get('world_size')} processes with the run's plan to resume it exactly",
+            f"{checkpoint} was written by {count(state.get('world_size'), 'process')} but {world_size} "
+            f"{'was' if world_size == 1 else 'were'} launched",
+            f"launch {count(state.get('world_size'), 'process')} with the run's plan to resume it exactly",
         )
     if state.get("global_batch") != plan.global_batch:
         raise UserError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,20 @@ from dit_accel.errors import UserError
 NAN_POLICIES = ("abort", "skip")
 DEFAULT_NUM_WORKERS = 4  # DataLoader workers per rank unless the node's CPUs allow fewer
 MAX_SEED = 2**31 - 1  # seed + rank must stay a valid seed for torch, numpy and Python alike
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, as the DataLoader's own worker warning counts them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def loader_workers(requested: int | None, ranks_per_node: int, cpus: int) -> int:
+    """DataLoader workers per rank: --num-workers as given; without it the default, but no more than the
+    node's CPUs leave each rank beside its own process (cpus // ranks - 1, at least 0), so that workers do not
+    starve the ranks (and the DataLoader does not warn about it)."""
+    if requested is not None:
+        return requested
+    return max(0, min(DEFAULT_NUM_WORKERS, cpus // max(ranks_per_node, 1) - 1))
 
 
 def _flag(name: str) -> str:

@@ -57,7 +57,7 @@ def test_listing_sorts_classes_and_files_and_maps_labels(folder):
         ("flat", "holds 2 images directly but no class sub-folders; move them into one sub-folder per class"),
         ("nothing", "has no class sub-folders; expected one sub-folder per class"),
         ("all_empty", "no images in"),
-        ("one_empty", "1 class folder(s) in"),
+        ("one_empty", "1 class folder in"),
     ],
 )
 def test_each_layout_problem_is_one_line_naming_it(tmp_path, case, expected):

@@ -192,7 +192,7 @@ def test_nccl_timeout_points_at_the_first_failing_rank():
     text = NCCL_TIMEOUT + failure_block(failure_entry(0, 2, -6, 66002), [failure_entry(1, 6, -6, 66006)])
     checks = diagnose(text)
     [nccl] = [c for c in checks if c.name == "NCCL timeout"]
-    assert "rank(s) 2, 6 waited 600 s in ALLREDUCE (collective #1843)" in nccl.reason
+    assert "ranks 2, 6 waited 600 s in ALLREDUCE (collective #1843)" in nccl.reason
     assert (
         "first rank that failed" in nccl.fix
         and "NCCL_DEBUG=INFO" in nccl.fix

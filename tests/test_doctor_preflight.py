@@ -140,15 +140,42 @@ def xl_plan(tmp_path):
 # --- environment -------------------------------------------------------------------------------------------
 
 
+CPU_MACHINE = dict(gpus=(), cuda_available=False, driver_version=None, driver_cuda=None)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no GPU")
-def test_gpu_plan_with_no_gpu_visible_fails_on_the_real_cpu_machine(xl_plan, monkeypatch):
+def test_a_plan_for_a_named_gpu_fails_on_the_real_cpu_machine(tmp_path, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
-    checks = check_environment(xl_plan, probe_environment(), xl_plan.path.parent / "accelerate_config.yaml")
+    plan = load_plan(write_plan(tmp_path, make_plan(gpu="a100-40g", gpus=8, global_batch=256)))
+    facts = probe_environment()
+    if facts.driver_version is not None:
+        pytest.skip("an NVIDIA driver is installed here: not a CPU machine")
+    checks = check_environment(plan, facts, plan.path.parent / "accelerate_config.yaml")
     row = by_name(checks, "GPUs visible")
     assert row.status is Status.FAIL
-    assert "needs 8 GPU(s) per node and no GPU is visible" in row.reason
+    assert "needs 8 GPUs per node and no GPU is visible" in row.reason
     assert row.fix
     assert not any(c.name.startswith("GPU 0") for c in checks)  # no memory rows for GPUs that are not there
+
+
+def test_a_cpu_machine_warns_for_a_plan_that_names_no_gpu_and_fails_for_one_that_does(xl_plan, tmp_path):
+    """`dit-plan --vram 8G` (the CPU demo's plan) on a machine without GPU or driver trains on CPUs, as the
+    trainer does without CUDA: a warning. A plan for `--gpu a100-40g` there is a failure, with the install."""
+    facts = env(**CPU_MACHINE, cuda_build=None, torch="2.13.0+cpu")
+    rows = check_environment(xl_plan, facts, xl_plan.path.parent / "accelerate_config.yaml")
+    assert by_name(rows, "versions").status is Status.PASS
+    gpus_row = by_name(rows, "GPUs visible")
+    assert gpus_row.status is Status.WARN and "8 processes per node train on CPUs" in gpus_row.reason
+    named = load_plan(write_plan(tmp_path / "named", make_plan(gpu="a100-40g", gpus=8, global_batch=256)))
+    rows = check_environment(named, facts, named.path.parent / "accelerate_config.yaml")
+    versions = by_name(rows, "versions")
+    assert versions.status is Status.FAIL and by_name(rows, "GPUs visible").status is Status.FAIL
+    # the README's CUDA index, with this torch's own version
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" in versions.fix
+    # a node with a driver but a CPU build of torch: a broken install on a GPU node, whatever the plan
+    broken = env(gpus=(), cuda_available=False, cuda_build=None, torch="2.13.0+cpu")
+    rows = check_environment(xl_plan, broken, xl_plan.path.parent / "accelerate_config.yaml")
+    assert by_name(rows, "versions").status is Status.FAIL and "cu128" in by_name(rows, "versions").fix
 
 
 def test_hidden_gpus_name_cuda_visible_devices(xl_plan):
@@ -164,7 +191,7 @@ def test_fewer_gpus_than_planned_fail_and_more_warn(xl_plan):
     fewer = by_name(check_environment(xl_plan, env(gpus=gpus(4)), config), "GPUs visible")
     assert (
         fewer.status is Status.FAIL
-        and "8 GPU(s) per node, 4 visible" in fewer.reason
+        and "8 GPUs per node, 4 visible" in fewer.reason
         and "--gpus 4" in fewer.fix
     )
     more = by_name(check_environment(xl_plan, env(gpus=gpus(16)), config), "GPUs visible")
@@ -272,7 +299,7 @@ def test_torch_cuda_build_against_the_driver(xl_plan, driver_cuda, status):
     [
         ({"num_processes": 4}, "num_processes is 4, the plan's world size is 8"),
         ({"mixed_precision": "fp16"}, "mixed_precision is fp16, the plan's bf16 needs bf16"),
-        ({"num_machines": 2}, "num_machines is 2, the plan has 1 node(s)"),
+        ({"num_machines": 2}, "num_machines is 2, the plan has 1 node"),
         (
             {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}},
             "distributed_type is DEEPSPEED",
@@ -464,7 +491,7 @@ def _empty_class(root):
             "holds 1 images directly but no class sub-folders",
             "move them into one sub-folder per class",
         ),
-        (_empty_class, "1 class folder(s)", "add images to them or remove them"),
+        (_empty_class, "1 class folder in", "add images to them or remove them"),
     ],
 )
 def test_each_bad_image_folder_is_a_fail_row_with_the_fix(pixel_plan, tmp_path, build, reason, fix):
@@ -706,7 +733,9 @@ def test_exit_codes_0_1_2_with_strict(ready, capsys, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     assert run(argv, probes) == 0
     assert "ready to launch" in capsys.readouterr().out
-    probes.host = lambda: host(cpu_count=4)  # 2 ranks x (4 workers + 1) = 10 CPUs wanted: a warning
+    probes.host = lambda: host(cpu_count=4)  # the trainer's default: 1 worker per rank, 2 x (1 + 1) CPUs
+    assert run(argv + ["--strict"], probes) == 0
+    argv += ["--num-workers", "4"]  # obeyed, as the trainer obeys it: 2 x (4 + 1) = 10 CPUs, a warning
     assert run(argv, probes) == 0
     assert run(argv + ["--strict"], probes) == 1
     probes.environment = lambda: env(gpus=())
@@ -744,3 +773,33 @@ def test_bad_flags_and_plans_are_one_line_and_exit_2(tmp_path, capsys):
     write_plan(tmp_path, broken={"memory": {"budget_bytes": 1}})
     assert dit_accel(["doctor", "--plan", str(tmp_path / "plan.json"), "--latents", str(tmp_path)]) == 2
     assert "lacks memory.peak_bytes" in capsys.readouterr().err
+
+
+def test_the_readmes_cpu_plan_is_ready_on_this_cpu_machine(tmp_path, capsys, monkeypatch):
+    """The README's CPU tour: demo-data, the 2-process DiT-S plan made with --vram only, then the doctor on
+    the real machine (no GPU): exit 0, a warning that the run is a CPU run, and the loader workers the
+    trainer itself would pick for these CPUs (`train_config.loader_workers`), not the default 4."""
+    from dit_accel.data.demo import write_demo_data
+    from dit_accel.train_config import loader_workers, usable_cpus
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    if probe_environment().driver_version is not None or torch.cuda.is_available():
+        pytest.skip("a GPU or an NVIDIA driver is here: not a CPU machine")
+    readme = dict(TINY, num_classes=4, latents="pixel")
+    plan_path = write_plan(tmp_path / "plan", make_plan(**readme))
+    demo = write_demo_data(tmp_path / "demo", resolution=32, per_class=8)
+    argv = [
+        "--plan",
+        str(plan_path),
+        "--data-path",
+        str(demo),
+        "--output-dir",
+        str(tmp_path / "runs" / "demo"),
+    ]
+    assert run(argv) == 0
+    assert "0 failed: ready to launch" in capsys.readouterr().out
+    assert run(argv + ["--format", "json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["checks"]}
+    assert rows["GPUs visible"]["status"] == "WARN" and "train on CPUs" in rows["GPUs visible"]["reason"]
+    workers = loader_workers(None, ranks_per_node=2, cpus=usable_cpus())
+    assert f"2 ranks x ({workers} worker" in rows["CPUs"]["reason"]

@@ -369,7 +369,7 @@ def test_a_one_process_launch_of_a_two_process_plan_is_refused_by_both(plans, tm
     assert "WORLD_SIZE" not in env and "ACCELERATE_USE_FSDP" not in env
     doctor = doctor_verdict(plans[name], config_path)
     assert doctor.status is Status.FAIL and "distributed_type is NO" in doctor.reason
-    with pytest.raises(UserError, match="planned for 2 processes but 1 were launched"):
+    with pytest.raises(UserError, match="planned for 2 processes but 1 was launched"):
         trainer_verdict(plans[name], env)
     # the launch check alone (fsdp_plugin_for) counts the processes launched, here one: it refuses a sharded
     # plan with the doctor's words, and leaves the DDP plan to check_launch (its one-process rule needs

@@ -375,7 +375,7 @@ def test_plan_and_data_mismatches_are_one_line_errors(workspace, tmp_path, capsy
     err = _one_line_error(capsys, ["--plan", variant("schema", schema="dit-plan/99"), *base])
     assert "schema 'dit-plan/99'" in err and "re-plan" in err
     err = _one_line_error(capsys, ["--plan", workspace["plan2"], *base])
-    assert "planned for 2 processes but 1 were launched" in err and "dit-plan --gpus 1" in err
+    assert "planned for 2 processes but 1 was launched" in err and "dit-plan --gpus 1" in err
     err = _one_line_error(
         capsys,
         ["--plan", workspace["plan1"], "--data-path", workspace["images"], "--output-dir", tmp_path / "run"],

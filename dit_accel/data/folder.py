@@ -23,6 +23,7 @@ from PIL import Image
 
 from dit_accel.atomic import write_json_atomically
 from dit_accel.errors import UserError
+from planner.units import count
 
 # Lower-case suffixes taken as images (ImageNet's own files end in ".JPEG").
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
@@ -154,7 +155,8 @@ def list_image_folder(path: str | os.PathLike) -> tuple[FolderListing, int]:
         )
     if empty:
         raise UserError(
-            f"{len(empty)} class folder(s) in {root} hold no images: {_short_list(empty)}",
+            f"{count(len(empty), 'class folder')} in {root} hold{'s' if len(empty) == 1 else ''} no images: "
+            f"{_short_list(empty)}",
             f"add images to them or remove them (looked for {', '.join(IMAGE_EXTENSIONS)})",
         )
     return FolderListing(root, classes, paths, labels), ignored

@@ -11,8 +11,15 @@ import torch
 from dit_accel.data.order import Collate, KeyedSamples, OrderedBatches, SampleNoise, SampleOrder
 from dit_accel.errors import UserError
 from dit_accel.preemption import WorkerShield
-from dit_accel.train_config import DEFAULT_NUM_WORKERS, TrainConfig, parse_signals
+from dit_accel.train_config import (
+    DEFAULT_NUM_WORKERS,
+    TrainConfig,
+    loader_workers,
+    parse_signals,
+    usable_cpus,
+)
 from planner.planfile import Plan
+from planner.units import count
 
 log = logging.getLogger("dit_accel.train")
 
@@ -100,20 +107,6 @@ def check_latent_cache(cache, spec, path: str) -> None:
         )
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, as the DataLoader's own worker warning counts them)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def loader_workers(requested: int | None, ranks_per_node: int, cpus: int) -> int:
-    """DataLoader workers per rank: --num-workers as given; without it the default, but no more than the
-    node's CPUs leave each rank beside its own process (cpus // ranks - 1, at least 0), so that workers do not
-    starve the ranks (and the DataLoader does not warn about it)."""
-    if requested is not None:
-        return requested
-    return max(0, min(DEFAULT_NUM_WORKERS, cpus // max(ranks_per_node, 1) - 1))
-
-
 class _OneLineErrorLoader(torch.utils.data.DataLoader):
     """A DataLoader whose workers' UserErrors (a bad image, too many bad images) come back as the one line
     they were, not as the worker's whole traceback that torch re-raises them with."""
@@ -148,8 +141,8 @@ def make_loader(
     workers = loader_workers(config.num_workers, ranks_per_node, cpus)
     if config.num_workers is None and workers < DEFAULT_NUM_WORKERS:
         log.info(
-            f"{workers} DataLoader worker(s) per rank instead of {DEFAULT_NUM_WORKERS}: {cpus} CPU(s) for "
-            f"{ranks_per_node} rank(s) on this node (--num-workers N to choose)"
+            f"{count(workers, 'DataLoader worker')} per rank instead of {DEFAULT_NUM_WORKERS}: "
+            f"{count(cpus, 'CPU')} for {count(ranks_per_node, 'rank')} on this node (--num-workers N to choose)"
         )
     return _OneLineErrorLoader(
         KeyedSamples(dataset, config.seed),

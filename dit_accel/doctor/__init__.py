@@ -29,6 +29,7 @@ from dit_accel.doctor.output import check_output
 from dit_accel.doctor.plan import PlanFacts, load_plan
 from dit_accel.doctor.report import render
 from dit_accel.errors import UserError, exits_cleanly
+from dit_accel.train_config import DEFAULT_NUM_WORKERS, TrainConfig, loader_workers
 
 PROG = "dit-accel doctor"
 
@@ -49,8 +50,6 @@ class _Parser(OneLineParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dit_accel.train_config import TrainConfig
-
     defaults = TrainConfig()
     parser = _Parser(
         prog=PROG,
@@ -82,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--num_workers",
         dest="num_workers",
         type=nonnegative_int,
-        default=defaults.num_workers,
-        help=f"the run's data-loader workers per rank (the trainer's default: {defaults.num_workers})",
+        default=None,
+        help=f"the run's --num-workers, data-loader workers per rank (default: as the trainer picks them, "
+        f"{DEFAULT_NUM_WORKERS} or fewer where the node's CPUs cannot run that many)",
     )
     parser.add_argument(
         "--keep-last",
@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list[Check]:
     config_path = args.accelerate_config or plan.path.parent / "accelerate_config.yaml"
     checks = check_environment(plan, probes.environment(), config_path)
-    checks += check_host(plan, probes.host(), loader_facts(plan, args.num_workers))
+    host = probes.host()
+    workers = loader_workers(args.num_workers, plan.gpus_per_node, host.cpu_count)  # the trainer's own rule
+    checks += check_host(plan, host, loader_facts(plan, workers))
     checks += check_data(plan, args.data_path, args.latents, args.vae, args.full)
     if args.output_dir is None:
         checks.append(

@@ -10,6 +10,7 @@ from pathlib import Path
 from dit_accel.doctor.checks import Check, failed, passed, warned
 from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
+from planner.units import plural
 
 GROUP = "data"
 SIZE_SAMPLE = 64  # image headers read for the size check: cheap, and enough to see a wrong folder
@@ -178,7 +179,8 @@ def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None, full: bo
             GROUP,
             "latent cache",
             f"{latents}: {count} images of {manifest.get('data_path', '?')}, "
-            f"latents {manifest.get('latent_shape')} ({manifest.get('dtype')}), {len(manifest['shards'])} shard(s)",
+            f"latents {manifest.get('latent_shape')} ({manifest.get('dtype')}), {len(manifest['shards'])} "
+            f"{plural(len(manifest['shards']), 'shard')}",
         )
     ]
     try:  # the trainer's own check: resolution, latent shape, classes against the plan's model

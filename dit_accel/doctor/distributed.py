@@ -17,6 +17,7 @@ import yaml
 
 from dit_accel.doctor.checks import Check, failed, passed, warned
 from dit_accel.doctor.plan import PlanFacts
+from planner.units import count
 
 GROUP = "distributed"
 DEFAULT_PORT = 29500  # torch.distributed's and accelerate's default rendezvous port
@@ -164,7 +165,7 @@ def check_distributed(
                 GROUP,
                 "main process address",
                 f"main_process_ip {rendezvous.address} is a loopback address: the "
-                f"other {plan.nodes - 1} node(s) cannot reach it",
+                f"other {count(plan.nodes - 1, 'node')} cannot reach it",
                 "set main_process_ip to the main node's address on the network the nodes share",
             )
         ]

@@ -20,10 +20,12 @@ from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
 from planner.rules import LaunchSettings, launch_problems
+from planner.units import count, plural
 
 GROUP = "environment"
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 tensor cores
 TF32_MIN_CAPABILITY = (8, 0)
+CUDA_INDEX = "https://download.pytorch.org/whl/cu128"  # the README's CUDA build of torch
 LOW_FREE_MARGIN = 0.05  # free memory within 5% of the total above the plan's peak: allocator headroom is thin
 
 
@@ -198,6 +200,23 @@ def cpu_requested(facts: EnvironmentFacts) -> bool:
     return facts.env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
 
 
+def cpu_machine(facts: EnvironmentFacts) -> bool:
+    """No GPU, no CUDA device torch can open and no NVIDIA driver: a laptop or a CPU node, where the trainer
+    runs the plan's processes on CPUs over gloo (`make_accelerator`: cpu=not torch.cuda.is_available())."""
+    return not facts.gpus and not facts.cuda_available and facts.driver_version is None
+
+
+def cpu_run_is_fine(plan: PlanFacts, facts: EnvironmentFacts) -> bool:
+    """A CPU machine with a plan that names no GPU (`dit-plan --vram` alone, as the CPU demo's): the run is a
+    CPU run by intent, a warning; a plan for a named GPU (`--gpu h100-80g`) on such a machine is a failure."""
+    return cpu_machine(facts) and not plan.gpu
+
+
+def cuda_torch_install(torch_version: str) -> str:
+    """The install line of the README: this torch's version from PyTorch's CUDA 12.8 index."""
+    return f"pip install torch=={torch_version.split('+')[0]} --index-url {CUDA_INDEX}"
+
+
 def check_versions(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
     cudnn = (
         f"{facts.cudnn // 10000}.{facts.cudnn // 100 % 100}.{facts.cudnn % 100}"
@@ -211,12 +230,16 @@ def check_versions(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
     )
     if cpu_requested(facts):
         return passed(GROUP, "versions", summary + "; ACCELERATE_USE_CPU=1: CUDA not needed")
+    if cpu_run_is_fine(plan, facts):
+        return passed(
+            GROUP, "versions", summary + "; no GPU here: a CPU run needs no CUDA (see GPUs visible)"
+        )
     if facts.cuda_build is None:
         return failed(
             GROUP,
             "versions",
-            summary + f"; the plan needs {plan.gpus_per_node} GPU(s) per node",
-            "install a CUDA build of torch, e.g. `pip install torch --index-url https://download.pytorch.org/whl/cu126`",
+            summary + f"; the plan needs {count(plan.gpus_per_node, 'GPU')} per node",
+            f"install a CUDA build of torch: `{cuda_torch_install(facts.torch)}`",
         )
     if facts.driver_cuda:
         built, supported = _major_minor(facts.cuda_build), _major_minor(facts.driver_cuda)
@@ -241,7 +264,7 @@ def check_versions(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
         return failed(
             GROUP,
             "versions",
-            summary + f"; {plan.world_size} processes need NCCL and this torch has none",
+            summary + f"; {count(plan.world_size, 'process')} need NCCL and this torch has none",
             "install the official CUDA build of torch (it bundles NCCL)",
         )
     return passed(GROUP, "versions", summary)
@@ -253,8 +276,18 @@ def check_gpus_visible(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
         return warned(
             GROUP,
             "GPUs visible",
-            f"ACCELERATE_USE_CPU=1: {need} CPU process(es) per node stand in for the plan's GPUs",
+            f"ACCELERATE_USE_CPU=1: {need} CPU {plural(need, 'process')} per node stand in for the plan's GPUs",
             "unset ACCELERATE_USE_CPU for a real run",
+        )
+    if cpu_run_is_fine(plan, facts):
+        return warned(
+            GROUP,
+            "GPUs visible",
+            f"no GPU and no NVIDIA driver on this machine: the plan's {count(need, 'process')} per node train "
+            f"on CPUs (gloo), as the trainer does without CUDA: fine for the demo and dry runs, far too slow "
+            f"for a real run",
+            f"for a GPU run: a node with the NVIDIA driver and `{cuda_torch_install(facts.torch)}`; a plan "
+            f"made with `dit-plan --gpu NAME` makes this check a failure",
         )
     if seen == 0:
         visible = facts.env.get("CUDA_VISIBLE_DEVICES")
@@ -264,7 +297,7 @@ def check_gpus_visible(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
                 "unset CUDA_VISIBLE_DEVICES or list the GPU ids",
             )
         elif facts.cuda_build is None:
-            why, fix = "this torch is a CPU-only build", "install a CUDA build of torch (see versions)"
+            why, fix = "this torch is a CPU-only build", f"`{cuda_torch_install(facts.torch)}` (see versions)"
         elif facts.driver_version is None:
             why, fix = (
                 "nvidia-smi finds no driver",
@@ -276,13 +309,16 @@ def check_gpus_visible(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
                 "check `nvidia-smi` and that the driver matches torch's CUDA",
             )
         return failed(
-            GROUP, "GPUs visible", f"the plan needs {need} GPU(s) per node and no GPU is visible: {why}", fix
+            GROUP,
+            "GPUs visible",
+            f"the plan needs {count(need, 'GPU')} per node and no GPU is visible: {why}",
+            fix,
         )
     if seen < need:
         return failed(
             GROUP,
             "GPUs visible",
-            f"the plan needs {need} GPU(s) per node, {seen} visible",
+            f"the plan needs {count(need, 'GPU')} per node, {seen} visible",
             f"run on a node with {need} GPUs (check CUDA_VISIBLE_DEVICES), or re-plan with dit-plan --gpus {seen * plan.nodes}",
         )
     names = sorted({gpu.name for gpu in facts.gpus})
@@ -293,7 +329,7 @@ def check_gpus_visible(plan: PlanFacts, facts: EnvironmentFacts) -> Check:
             f"{seen} GPUs visible ({', '.join(names)}), the plan uses {need}",
             f"re-plan with dit-plan --gpus {seen * plan.nodes} to use them all, or set CUDA_VISIBLE_DEVICES",
         )
-    return passed(GROUP, "GPUs visible", f"{seen} GPU(s) visible ({', '.join(names)}), as planned")
+    return passed(GROUP, "GPUs visible", f"{count(seen, 'GPU')} visible ({', '.join(names)}), as planned")
 
 
 def _holders(facts: EnvironmentFacts, gpu: GpuFacts) -> str:
@@ -419,7 +455,7 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
         problems.append(f"num_processes is {num_processes}, the plan's world size is {plan.world_size}")
     num_machines = config.get("num_machines", 1)
     if num_machines != plan.nodes:
-        problems.append(f"num_machines is {num_machines}, the plan has {plan.nodes} node(s)")
+        problems.append(f"num_machines is {num_machines}, the plan has {count(plan.nodes, 'node')}")
     # The trainer's own rule for which launches run the plan (it applies it to the environment this file makes).
     problems += launch_problems(
         plan.sharding, plan.precision, LaunchSettings.from_yaml(config), plan.world_size, plan.nodes
@@ -432,7 +468,8 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
     return passed(
         GROUP,
         name,
-        f"{config_path.name}: {distributed_type}, {num_processes} process(es) on {num_machines} machine(s), "
+        f"{config_path.name}: {distributed_type}, {count(num_processes, 'process')} on "
+        f"{count(num_machines, 'machine')}, "
         f"mixed_precision {mixed}, as planned",
     )
 
@@ -448,7 +485,7 @@ def check_trainer_runs_plan(plan: PlanFacts) -> Check:
     return passed(
         GROUP,
         "trainer",
-        f"dit_accel.train runs this plan: {plan.sharding}, {plan.world_size} process(es), "
+        f"dit_accel.train runs this plan: {plan.sharding}, {count(plan.world_size, 'process')}, "
         f"micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = global batch {plan.global_batch}",
     )
 

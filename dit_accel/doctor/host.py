@@ -15,6 +15,8 @@ from pathlib import Path
 
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
+from dit_accel.train_config import usable_cpus
+from planner.units import count
 
 GROUP = "host"
 RAM_WARN_FRACTION = 0.9  # an estimate within 10% of what is available is too close to call
@@ -65,7 +67,7 @@ def read_host(
     shm_path: str | Path = "/dev/shm",
     cgroup_root: str | Path = "/sys/fs/cgroup",
     open_files: Callable[[], tuple[int, int]] = lambda: resource.getrlimit(resource.RLIMIT_NOFILE),
-    cpu_count: Callable[[], int] = lambda: len(os.sched_getaffinity(0)),
+    cpu_count: Callable[[], int] = usable_cpus,
 ) -> HostFacts:
     memory = parse_meminfo(Path(meminfo_path).read_text())
     shm_total = shm_free = None
@@ -153,8 +155,8 @@ def check_shm(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> Check:
         return passed(GROUP, name, "no data-loader workers: batches stay in the rank's own memory")
     need = shm_needed_bytes(plan, loader)
     what = (
-        f"{plan.gpus_per_node} rank(s) x {loader.workers_per_rank} worker(s) x {PREFETCH_FACTOR} batches of "
-        f"{plan.micro_batch} need about {gib(need)}"
+        f"{count(plan.gpus_per_node, 'rank')} x {count(loader.workers_per_rank, 'worker')} x {PREFETCH_FACTOR} "
+        f"batches of {plan.micro_batch} need about {gib(need)}"
     )
     fix = (
         "enlarge it (docker run --shm-size=16g; Kubernetes: an emptyDir with medium Memory on /dev/shm), "
@@ -199,7 +201,10 @@ def check_open_files(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> C
 def check_cpus(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> Check:
     name = "CPUs"
     need = plan.gpus_per_node * (loader.workers_per_rank + 1)
-    what = f"{host.cpu_count} usable; {plan.gpus_per_node} rank(s) x ({loader.workers_per_rank} worker(s) + 1) = {need}"
+    what = (
+        f"{host.cpu_count} usable; {count(plan.gpus_per_node, 'rank')} x "
+        f"({count(loader.workers_per_rank, 'worker')} + 1) = {need}"
+    )
     if host.cpu_count < need:
         per_rank = host.cpu_count // max(plan.gpus_per_node, 1) - 1
         fix = (

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
+from planner.units import plural
 
 GROUP = "log"
 
@@ -363,7 +364,7 @@ def find_nccl(text: str) -> list[Check]:
     timeout = _NCCL_TIMEOUT.search(text)
     if timeout:
         ranks = sorted({int(m["rank"]) for m in _NCCL_TIMEOUT.finditer(text) if m["rank"] is not None})
-        who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "a rank"
+        who = f"{plural(len(ranks), 'rank')} {', '.join(map(str, ranks))}" if ranks else "a rank"
         checks.append(
             failed(
                 GROUP,

@@ -9,16 +9,18 @@ from collections import Counter
 from tabulate import tabulate
 
 from dit_accel.doctor.checks import Check, Status, exit_code
+from planner.units import count
 
-FIXED_COLUMNS_WIDTH = 62  # group, check (wrapped at 20), status and the grid's borders
-MIN_TEXT_WIDTH = 50  # reason + fix never squeezed below this, however narrow the terminal
+TABLE_WIDTH = 100  # at most, like dit-plan's tables; a narrower terminal (COLUMNS) narrows it
+CHECK_WIDTH = 18  # the check's name, wrapped
+FIXED_COLUMNS_WIDTH = CHECK_WIDTH + 8 + 10  # the check, the status (its header padded) and the borders
+MIN_TEXT_WIDTH = 40  # the finding and fix never squeezed below this, however narrow the terminal
 
 
-def text_widths(columns: int | None = None) -> tuple[int, int]:
-    """Reason and fix column widths that fill the terminal (COLUMNS, else 160 when not a terminal), 3:2."""
-    columns = columns or shutil.get_terminal_size((160, 24)).columns
-    text = max(MIN_TEXT_WIDTH, columns - FIXED_COLUMNS_WIDTH)
-    return text * 3 // 5, text - text * 3 // 5
+def text_width(columns: int | None = None) -> int:
+    """The width of the finding-and-fix column: the table fills the terminal up to TABLE_WIDTH columns."""
+    columns = min(columns or shutil.get_terminal_size((TABLE_WIDTH, 24)).columns, TABLE_WIDTH)
+    return max(MIN_TEXT_WIDTH, columns - FIXED_COLUMNS_WIDTH)
 
 
 VERDICTS = {
@@ -39,19 +41,23 @@ def summary_line(checks: list[Check], strict: bool, mode: str = "preflight") -> 
     counts = Counter(check.status for check in checks)
     verdict = VERDICTS[mode][exit_code(checks, strict)]
     return (
-        f"{counts[Status.PASS]} passed, {counts[Status.WARN]} warning(s), {counts[Status.FAIL]} failed: "
-        f"{verdict}"
+        f"{counts[Status.PASS]} passed, {count(counts[Status.WARN], 'warning')}, {counts[Status.FAIL]} "
+        f"failed: {verdict}"
     )
 
 
 def format_table(checks: list[Check], strict: bool = False, mode: str = "preflight") -> str:
-    rows = [(check.group, check.name, check.status.value, check.reason, check.fix or "-") for check in checks]
-    reason_width, fix_width = text_widths()
+    """One row per check, at most TABLE_WIDTH columns wide: the check, its status, and what was found with
+    the fix below it (the group is in the JSON; the checks come grouped)."""
+    rows = [
+        (check.name, check.status.value, check.reason + (f"\nfix: {check.fix}" if check.fix else ""))
+        for check in checks
+    ]
     table = tabulate(
         rows,
-        headers=("group", "check", "status", "reason", "fix"),
+        headers=("check", "status", "finding and fix"),
         tablefmt="simple_grid",
-        maxcolwidths=[None, 20, None, reason_width, fix_width],
+        maxcolwidths=[CHECK_WIDTH, None, text_width()],
     )
     return table + "\n" + summary_line(checks, strict, mode)
 

@@ -222,7 +222,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
             loss = steplog.write(step, result, state["skipped_steps"])
             progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
         preempted = bool(result.stop_ranks) and step < config.max_steps  # every rank saves this step, exits
-        if preempted or step % config.checkpoint_every == 0 or step == config.max_steps:
+        final = step == config.max_steps and config.final_checkpoint
+        if preempted or step % config.checkpoint_every == 0 or final:
             last_good = checkpointer.save(step, dict(state, **order.position(step)))
             log.info(f"checkpoint {last_good}")
         if samples.due(step) and not preempted:
@@ -234,7 +235,10 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
                 f"exit {EXIT_PREEMPTED} (requeue and resume with --resume auto)"
             )
 
-    log.info(f"done: step {state['step']}, {state['skipped_steps']} skipped; newest checkpoint {last_good}")
+    newest = (
+        f"newest checkpoint {last_good}" if last_good else "no checkpoint written (--no-final-checkpoint)"
+    )
+    log.info(f"done: step {state['step']}, {state['skipped_steps']} skipped; {newest}")
     finish()
     return 0
 

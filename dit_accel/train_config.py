@@ -86,6 +86,13 @@ class TrainConfig:
         default=3,
         metadata={"help": "complete checkpoints to keep; older ones are deleted after a new one is complete"},
     )
+    final_checkpoint: bool = field(
+        default=True,
+        metadata={
+            "help": "write a checkpoint at --max-steps (--no-final-checkpoint: a speed or memory measurement "
+            "that keeps no weights; --checkpoint-every still applies)"
+        },
+    )
     log_every: int = field(default=100, metadata={"help": "optimizer steps between log lines"})
 
     lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate (before --scale-lr)"})

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU checks, in one command on a lent CUDA machine (prepared for one H200: about 7 minutes), most
+# important first, each result written as soon as it is measured so that a timeout still returns it:
+#   (a) the trainer eager: images/s, max allocated / reserved memory against the plan, at the micro-batch
+#       `dit-plan --gpu h200 --gpus 1` plans for DiT-XL/2 @256 bf16 (synthetic latent cache);
+#   (b) the same run compiled (--compile): images/s;
+#   (c) `dit-accel calibrate` of the plan: the planner-vs-GPU points (then, if time is left, 14 of 28 blocks
+#       checkpointed).
+# The machine runs the tree as it is: python3 with torch but without diffusers (carried as wheels in .whl/,
+# from benchmarks/gpu_wheels.sh), the tree not installed (PYTHONPATH), no dit-plan / dit-accel / python.
+#
+#   bash benchmarks/gpu_wheels.sh                            # here, once: .whl/
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480)
+#   bash benchmarks/gpu_check.sh --dry-run                   # any machine, on the CPU: tiny sizes, same flow
+#
+# Into $OUT (at most 8 files): summary.json, summary.md, log-tail.txt, plan.json, calibration.json,
+# calibration-ckpt14.json, runs.tar.gz (metrics and logs, no weights). Everything else (data, plans, run
+# folders) is made in a scratch folder outside $OUT: $GPU_CHECK_WORK, or a new one under /tmp.
+# BUDGET_S (default 420) bounds the whole check; each stage gets its cap or what is left, whichever is less.
+# SKIP=compiled,calibrate (stage names, comma-separated) leaves stages out, e.g. in a rerun on a warm machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+dry_run=0
+[[ "${1:-}" == "--dry-run" ]] && dry_run=1
+out="${OUT:-${TMPDIR:-/tmp}/gpu_check_out}"
+work="${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}"
+budget_s="${BUDGET_S:-420}"
+mkdir -p "$out" "$work"
+: > "$work/stages.tsv"
+log="$work/check.log"
+
+say() { echo "[gpu_check +$SECONDS s] $*" | tee -a "$log"; }
+summarise() { python3 benchmarks/gpu_check.py summary "$work" "$out" >> "$log" 2>&1 || say "summary failed (see the log)"; }
+
+# stage NAME CAP_S COMMAND...: at most CAP_S seconds or what is left of the budget; output to WORK/NAME.log
+stage() {
+    local name=$1 cap=$2 left=$((budget_s - SECONDS))
+    shift 2
+    local limit=$((cap < left ? cap : left))
+    if [[ ",${SKIP:-}," == *",$name,"* ]] || ((limit < 20)); then
+        say "$name: skipped (SKIP=${SKIP:-}; $left s of the ${budget_s} s budget left)"
+        printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >> "$work/stages.tsv"
+        return 1
+    fi
+    say "$name: at most $limit s"
+    local started=$SECONDS rc=0
+    timeout -k 15 "$limit" "$@" > "$work/$name.log" 2>&1 || rc=$?
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" "$limit" >> "$work/stages.tsv"
+    say "$name: exit $rc after $((SECONDS - started)) s$( ((rc == 124 || rc == 137)) && echo ' (timed out)')"
+    summarise
+    return "$rc"
+}
+
+say "work $work, out $out, budget $budget_s s, dry run $dry_run"
+# 0. The carried wheels (diffusers) into a folder of their own; the tree itself on PYTHONPATH.
+site="$work/site"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$site" .whl/*.whl >> "$log" 2>&1 || say "installing .whl/*.whl failed (see the log)"
+fi
+export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+export TORCHINDUCTOR_CACHE_DIR="$work/inductor"
+if ((dry_run)); then
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    plan_args=(--model DiT-S/2 --depth 2 --hidden 32 --heads 2 --resolution 32 --num-classes 4 --gpus 1
+        --vram 8G --global-batch 8 --precision fp32)  # fp32: a CPU's bf16 matmuls are emulated and slow
+    resolution=32 per_class=4 steps=4 log_every=2 workers=0
+    # Compiled with torch's aot_eager backend: the graphs are captured and their backward derived as on the
+    # GPU, but no kernels are generated (inductor's C++ build of the block takes 80 s on 2 cores).
+    ((${DRY_RUN_INDUCTOR:-0})) || export TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager"
+else
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+    plan_args=(--gpu "${GPU:-h200}" --gpus 1 --model DiT-XL/2 --resolution 256 --precision bf16)
+    resolution=256 per_class=64 steps="${STEPS:-30}" log_every="${LOG_EVERY:-6}" workers=4
+fi
+
+python3 benchmarks/gpu_check.py machine > "$work/machine.json" 2>> "$log"
+if ! grep -q '"diffusers": "' "$work/machine.json"; then
+    say "diffusers (or torch) is not importable here (log-tail.txt): run 'bash benchmarks/gpu_wheels.sh' where pip works, carry .whl"
+    summarise
+    exit 2
+fi
+
+# 1. The plan, and the synthetic latent cache (demo images through a tiny 8x VAE: latents of the plan's shape).
+stage plan 60 python3 -m planner.cli "${plan_args[@]}" --latents precomputed --out "$work/plan" &&
+    stage images 60 python3 -m dit_accel.cli demo-data "$work/images" --classes 4 --per-class "$per_class" \
+        --resolution "$resolution" --vae "$work/vae" &&
+    stage latents 60 python3 -m dit_accel.cli extract-latents --data-path "$work/images" --vae "$work/vae" \
+        --resolution "$resolution" --out "$work/latents" --num-workers "$workers" || {
+    say "no plan or no latent cache: nothing to train on"
+    exit 1
+}
+
+# 2. The trainer, eager then compiled, at the plan's micro-batch; no checkpoint (10 GiB for DiT-XL/2).
+train=(python3 -m dit_accel.cli train --plan "$work/plan/plan.json" --latents "$work/latents"
+    --max-steps "$steps" --log-every "$log_every" --checkpoint-every 1000000 --no-final-checkpoint
+    --report-to none --no-progress-bar --preempt-signals '' --num-workers "$workers")
+stage eager 120 "${train[@]}" --output-dir "$work/run-eager" --no-compile
+stage compiled 170 "${train[@]}" --output-dir "$work/run-compiled" --compile
+
+# 3. The calibration points, written after each one (on the CPU calibrate refuses in one line: exit 2).
+if ((dry_run)); then
+    stage calibrate 60 python3 -m dit_accel.cli calibrate --plan "$work/plan/plan.json" --micro-batches 2,4 \
+        --steps 1 --out "$out/calibration.json"
+else
+    stage calibrate 150 python3 -m dit_accel.cli calibrate --plan "$work/plan/plan.json" \
+        --micro-batches 32,64,128 --steps 2 --max-micro-batch 1024 --out "$out/calibration.json"
+    if ((budget_s - SECONDS >= 90)); then
+        stage plan-ckpt14 30 python3 -m planner.cli "${plan_args[@]}" --latents precomputed --checkpointing 14 \
+            --out "$work/plan-ckpt14" &&
+            stage calibrate-ckpt14 150 python3 -m dit_accel.cli calibrate --plan "$work/plan-ckpt14/plan.json" \
+                --micro-batches 32,64,128 --steps 2 --max-micro-batch 2048 --out "$out/calibration-ckpt14.json"
+    fi
+fi
+say "done"
+summarise

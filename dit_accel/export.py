@@ -107,6 +107,16 @@ def unpad_class_table(parameters: dict, num_classes: int) -> dict:
     return out
 
 
+def refuse_pixel_space(spec) -> None:
+    """Asked before anything else (the VAE above all): a pixel-space model has no DiTPipeline form."""
+    if spec.latents == "pixel":
+        raise UserError(
+            "this model works in pixel space, but a DiTPipeline always decodes latents with a VAE",
+            "sample it with `dit-accel sample`, or train on latents to export (on a laptop: "
+            "`dit-accel demo-data DIR --resolution 64 --vae VAE_DIR`, then extract-latents; README, CPU tour)",
+        )
+
+
 def write_pipeline(
     model,
     vae_path: str,
@@ -124,11 +134,7 @@ def write_pipeline(
 
     out_dir = Path(out_dir)
     spec = spec_from_model(model)
-    if spec.latents == "pixel":
-        raise UserError(
-            "this model works in pixel space, but a DiTPipeline always decodes latents with a VAE: "
-            "sample it with `dit-accel sample` instead"
-        )
+    refuse_pixel_space(spec)
     if class_names is not None and len(class_names) > spec.num_classes:
         raise UserError(
             f"{len(class_names)} class names for a model with {spec.num_classes} classes: pass the "
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     refuse_file(args.out, "--out")
     source = load_source(args.checkpoint, use_ema=args.ema)
+    refuse_pixel_space(source.spec)
     vae_path = args.vae or default_vae_path(source)
     if not vae_path:
         raise UserError(

@@ -1,9 +1,15 @@
 """`dit-accel demo-data DIR`: a small class-conditional image folder a newcomer can train on with a CPU.
 
-Each class is one coloured shape (class 0 a red circle, 1 a green square, ...): shape and colour both
-carry the class, so a tiny DiT learns to tell them apart within minutes. Position, size, rotation,
-hue and background vary per image. The output is the ImageNet layout (DIR/<class>/<image>.png),
+Each class is one coloured shape (red_circle, green_square, blue_triangle, yellow_diamond, ...): shape and
+colour both carry the class, so a tiny DiT learns to tell them apart within minutes. Position, size,
+rotation, hue and background vary per image. The output is the ImageNet layout (DIR/<class>/<image>.png),
 a pure function of the arguments, and appears all at once (written to a temporary folder, then renamed).
+Labels follow the sorted folder names, as for any image folder.
+
+`--vae VAE_DIR` also writes a tiny AutoencoderKL (random weights, 8x downsampling, 4 latent channels,
+its scaling factor measured on these images), so the latent-space flow (extract-latents, training on the
+cache, export to a DiTPipeline) runs offline on a laptop. It decodes nothing recognisable: it stands in for
+the Stable Diffusion VAE to exercise the plumbing, not to make pictures.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from PIL import Image, ImageDraw
 from dit_accel.atomic import staged_folder
 from dit_accel.cli_args import OneLineParser, positive_int, seed_int
 from dit_accel.errors import UserError, exits_cleanly
+from planner.spec import VAE_DOWNSAMPLE
 
 SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
 COLOURS = {
@@ -34,12 +41,12 @@ SUPERSAMPLE = 4  # draw at 4x and shrink with a box filter: anti-aliased edges w
 
 
 def class_name(index: int) -> str:
-    """Class `index` as a folder name that sorts in index order, e.g. '00_red_circle'.
-
-    Shape and colour follow a Latin square, so the first six classes differ in both."""
+    """The `index`-th demo class as its folder name, e.g. 'red_circle': the name a user types
+    (`get_label_ids(["red_circle"])`). Shape and colour follow a Latin square, so the first six classes
+    differ in both."""
     shape = SHAPES[index % len(SHAPES)]
     colour = list(COLOURS)[(index % len(SHAPES) + index // len(SHAPES)) % len(COLOURS)]
-    return f"{index:02d}_{colour}_{shape}"
+    return f"{colour}_{shape}"
 
 
 def _polygon(
@@ -62,7 +69,7 @@ def _polygon(
 
 def draw_example(class_index: int, resolution: int, rng: np.random.Generator) -> Image.Image:
     """One image of class `class_index`: the class's shape in the class's colour, jittered."""
-    _, colour_name, shape = class_name(class_index).split("_")
+    colour_name, shape = class_name(class_index).split("_")
     size = resolution * SUPERSAMPLE
     background = rng.integers(70, 190) + rng.integers(-25, 26, size=3)
     image = Image.new("RGB", (size, size), tuple(int(v) for v in np.clip(background, 0, 255)))
@@ -122,6 +129,61 @@ def write_demo_data(
     return target
 
 
+def demo_vae(resolution: int = 64, seed: int = 0):
+    """A tiny randomly initialised AutoencoderKL with the Stable Diffusion VAE's geometry (8x downsampling,
+    4 latent channels) and 25K parameters: the smallest VAE the latent-space code paths accept."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=resolution,
+    )
+
+
+def write_demo_vae(
+    out: str | os.PathLike, images: str | os.PathLike, *, seed: int = 0, force: bool = False
+) -> Path:
+    """Save `demo_vae` to `out` with its scaling factor chosen as Stable Diffusion's was: the inverse
+    standard deviation of the latents of the training images (here, every PNG under `images`)."""
+    import torch
+
+    paths = sorted(Path(images).rglob("*.png"))
+    pixels = torch.stack(
+        [torch.from_numpy(np.asarray(Image.open(path).convert("RGB"), dtype=np.float32)) for path in paths]
+    ).permute(0, 3, 1, 2)
+    vae = demo_vae(pixels.shape[-1], seed).eval()
+    with torch.inference_mode():
+        latents = vae.encode(pixels / 127.5 - 1).latent_dist.mean
+    vae.register_to_config(scaling_factor=float(1 / latents.std()))
+    target = Path(out).expanduser().absolute()
+    with staged_folder(target, overwrite=force) as staging:
+        vae.save_pretrained(staging)
+    return target
+
+
+def _check_vae_target(out: str | os.PathLike, resolution: int, force: bool) -> None:
+    """Refused before any image is drawn, so a bad --vae leaves nothing half-made."""
+    if resolution % VAE_DOWNSAMPLE:
+        raise UserError(
+            f"--vae needs a --resolution divisible by {VAE_DOWNSAMPLE}, not {resolution}",
+            "pass e.g. --resolution 64 (8x8 latents)",
+        )
+    target = Path(out).expanduser()
+    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not force)):
+        raise UserError(
+            f"--vae {target} exists and is not an empty folder", "pick a new folder or pass --force"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="dit-accel demo-data", description=__doc__.splitlines()[0])
     parser.add_argument("out", metavar="DIR", help="folder to create (DIR/<class>/<image>.png)")
@@ -140,13 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--resolution", type=positive_int, default=64, help="image side in pixels (default 64)"
     )
     parser.add_argument("--seed", type=seed_int, default=0, help="same seed, same images (default 0)")
-    parser.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
+    parser.add_argument(
+        "--vae",
+        metavar="VAE_DIR",
+        help="also write a tiny random AutoencoderKL here (8x downsampling, 4 latent channels) for the "
+        "offline latent-space flow: extract-latents, training on the cache, export (default: none)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="replace DIR (and VAE_DIR) if not empty (default: refuse)"
+    )
     return parser
 
 
 @exits_cleanly("dit-accel demo-data")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.vae:
+        _check_vae_target(args.vae, args.resolution, args.force)
     target = write_demo_data(
         args.out,
         classes=args.classes,
@@ -159,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {args.classes * args.per_class} images ({args.classes} classes x {args.per_class}, "
         f"{args.resolution}x{args.resolution} px) to {target}"
     )
+    if args.vae:
+        vae = write_demo_vae(args.vae, target, seed=args.seed, force=args.force)
+        side = args.resolution // VAE_DOWNSAMPLE
+        print(f"wrote a tiny random AutoencoderKL ({side}x{side}x4 latents) to {vae}")
     return 0
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from dit_accel.atomic import write_atomically, write_json_atomically
+from dit_accel.cpu_threads import cpu_threads
 from dit_accel.errors import UserError, exits_cleanly
 from dit_accel.sample_args import GUIDANCE_MODES, SAMPLERS, build_parser
 
@@ -582,7 +583,8 @@ def sample_eval_batch(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_args(args)
-    return sample_eval_batch(args) if args.npz is not None else sample_grid(args)
+    with cpu_threads():
+        return sample_eval_batch(args) if args.npz is not None else sample_grid(args)
 
 
 if __name__ == "__main__":

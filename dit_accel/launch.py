@@ -18,6 +18,10 @@ DIT_ACCEL_EXIT_DIR, a folder made here. It forwards SIGTERM, SIGINT and SIGUSR1 
 group (the ranks too), has torch elastic forward SIGUSR1 as well, and lets Linux SIGTERM the launcher if the
 wrapper itself is killed, so no rank trains on orphaned. When the ranks explain the failure, the launcher's
 own traceback (ChildFailedError, SignalException) is left out: the one line a rank printed is the answer.
+
+A stop signal (the trainer's --preempt-signals) that ends the run before the ranks could say so themselves
+(the wrapper or the launcher still starting, ranks still importing, or killed after the launcher's grace
+period) is still a preemption: the wrapper exits 4, with one line, so that the job is requeued.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ from pathlib import Path
 from dit_accel.cli_args import DefaultsHelpFormatter
 from dit_accel.errors import (
     EXIT_DIR_ENV,
+    EXIT_HUNG,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+    EXIT_USER,
     UserError,
     exit_code_of_ranks,
     exits_cleanly,
@@ -178,31 +186,72 @@ class _LauncherStderr(threading.Thread):
             sys.stderr.buffer.flush()
 
 
-def run_launcher(command: list[str]) -> int:
-    """Run the launcher in its own process group, forwarding stop signals to it; its ranks' exit code."""
+class _Received:
+    """The stop signals the wrapper got, from its start on: forwarded to the launcher once it runs."""
+
+    def __init__(self) -> None:
+        self.signums: list[int] = []  # every one, for the exit code
+        self._pending: list[int] = []  # those before the launcher ran, forwarded once it does
+        self._launcher: subprocess.Popen | None = None
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in FORWARDED_SIGNALS}
+
+    def _handle(self, signum, _frame) -> None:
+        self.signums.append(signum)
+        if self._launcher is None:
+            self._pending.append(signum)
+        else:
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        try:
+            os.killpg(self._launcher.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def started(self, launcher: subprocess.Popen) -> None:
+        self._launcher = launcher
+        while self._pending:
+            self._forward(self._pending.pop(0))
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def stop(self, stop_signals) -> int:
+        """The first of the trainer's stop signals received (0: none)."""
+        return next((signum for signum in self.signums if signum in set(stop_signals)), 0)
+
+
+def _preempted_line(signum: int) -> str:
+    return (
+        f"dit-accel train: preempted by {signal.Signals(signum).name} before the ranks could save (they were "
+        f"starting, or outlived the launcher's grace period): nothing new is saved; exit {EXIT_PREEMPTED} "
+        "(requeue and resume with --resume auto)"
+    )
+
+
+def run_launcher(command: list[str], received: _Received, stop_signals=()) -> int:
+    """Run the launcher in its own process group, forwarding stop signals to it; its ranks' exit code, or
+    4 when one of `stop_signals` ended the run before a rank said why."""
+    if received.stop(stop_signals):  # stopped before anything started: nothing to start
+        print(_preempted_line(received.stop(stop_signals)), file=sys.stderr)
+        return EXIT_PREEMPTED
     with tempfile.TemporaryDirectory(prefix="dit-accel-exit-") as exit_dir:
         env = dict(os.environ, **{EXIT_DIR_ENV: exit_dir})
         env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ELASTIC_SIGNALS)
         launcher = subprocess.Popen(
             command, env=env, start_new_session=True, preexec_fn=_die_with_wrapper, stderr=subprocess.PIPE
         )
+        received.started(launcher)  # signals from now on go to its process group
         stderr = _LauncherStderr(launcher.stderr)
         stderr.start()
-
-        def forward(signum, _frame):
-            try:
-                os.killpg(launcher.pid, signum)
-            except ProcessLookupError:
-                pass
-
-        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-        try:
-            launcher_code = launcher.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        records = read_exit_records(Path(exit_dir))
-        code = exit_code_of_ranks(launcher_code, records)
+        launcher_code = launcher.wait()
+        code = exit_code_of_ranks(launcher_code, read_exit_records(Path(exit_dir)))
+        stopped = received.stop(stop_signals)
+        if stopped and code not in (0, EXIT_USER, EXIT_STOPPED, EXIT_PREEMPTED, EXIT_HUNG):
+            stderr.finish(explained=True)  # the launcher's SignalException is not the story
+            print(_preempted_line(stopped), file=sys.stderr)
+            return EXIT_PREEMPTED
         stderr.finish(explained=code != launcher_code or (code == 0))
         return code
 
@@ -216,17 +265,23 @@ def main(argv: list[str] | None = None) -> int:
         print(build_parser().format_help())
         trainer_parser().print_help()
         return 0
-    command = launch_command(argv)
-    if build_parser().parse_known_args(argv)[0].print_command:
-        print(shlex.join(["accelerate", "launch", *command[3:]]))
-        return 0
-    check_trainer_flags(command)
-    return run_launcher(command)
+    received = _Received()  # from here on a stop signal is a preemption, also before the launcher runs
+    try:
+        command = launch_command(argv)
+        if build_parser().parse_known_args(argv)[0].print_command:
+            print(shlex.join(["accelerate", "launch", *command[3:]]))
+            return 0
+        config = check_trainer_flags(command)
+        from dit_accel.train_config import parse_signals
+
+        return run_launcher(command, received, parse_signals(config.preempt_signals))
+    finally:
+        received.restore()
 
 
-def check_trainer_flags(command: list[str]) -> None:
+def check_trainer_flags(command: list[str]):
     """The trainer's own flag checks, here before any process starts: a bad --lr is then one line, not one
-    line per rank inside the launcher's failure report."""
+    line per rank inside the launcher's failure report. Returns the trainer's config."""
     from dit_accel.train_config import parse_config
 
-    parse_config(command[command.index("dit_accel.train") + 1 :])
+    return parse_config(command[command.index("dit_accel.train") + 1 :])

@@ -47,6 +47,7 @@ log = logging.getLogger("dit_accel.train")  # dit_accel.runlog's: its handlers a
 
 def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.checkpoint import PLAN, TRAIN_CONFIG, Checkpointer  # here: --help needs none of these
+    from dit_accel.consensus import gathered
     from dit_accel.data.loader import build_dataset, check_data_mode, make_loader
     from dit_accel.data.order import SampleNoise, SampleOrder
     from dit_accel.distributed import check_launch, make_accelerator, set_tf32
@@ -92,7 +93,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     )
     state = restore(start, accelerator, components, len(dataset), config.seed)
     faults.install(components.raw_model, state["step"], d.grad_accum)
-    watchdog.watch(components.raw_model)  # after the faults' hooks: a sleep injected in a forward is inside it
+    watchdog.watch(components.raw_model)  # after the faults' hooks: a sleep injected there is in the forward
 
     if is_main:
         from dit_accel.atomic import write_json_atomically
@@ -172,6 +173,16 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         )
         return TrainingStopped(f"{reason}; {where}")
 
+    # A stop signal during set-up (imports, data, model): every rank learns of it here, and none trains a
+    # step that it would then have to save inside the launcher's grace period.
+    early = next(filter(None, gathered(accelerator, stop_request.signum)), 0)
+    if early:
+        finish()
+        raise Preempted(
+            f"preempted by {signal_name(early)} while starting, before step {state['step'] + 1}: nothing new to "
+            f"save ({f'resumes from {last_good}' if last_good else 'no checkpoint yet'}); exit {EXIT_PREEMPTED} "
+            "(requeue and resume with --resume auto)"
+        )
     stop_request.in_loop = True
     watchdog.start()
     while state["step"] < config.max_steps:

@@ -45,7 +45,8 @@ def slurm_script(
 # Submit from the plan directory:   sbatch launch.slurm {data} --output-dir runs/{job}
 # Arguments after the script name go to dit_accel.train, after --resume auto (a requeued job continues).
 # Preemption: USR1 {SIGNAL_LEAD_S} s before the limit is forwarded to the step; every rank saves the step it
-# is at and exits {EXIT_PREEMPTED}; the job then requeues itself and resumes from that checkpoint.
+# is at and exits {EXIT_PREEMPTED}; the job then requeues itself and resumes from that checkpoint. A step that
+# such a signal ended before a rank could say so (the launcher or the ranks still starting) requeues too.
 #SBATCH --job-name={job}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
@@ -87,7 +88,8 @@ step_pid=$!
 
 # SLURM signals only this shell (B:); pass the signal on to the step, whose tasks get it from srun.
 interrupted=0
-forward() {{ interrupted=1; kill -"$1" "$step_pid" 2>/dev/null || true; }}
+stopped=0
+forward() {{ interrupted=1; stopped=1; kill -"$1" "$step_pid" 2>/dev/null || true; }}
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 while :; do
@@ -99,9 +101,13 @@ while :; do
   break
 done
 
+# Requeue on {EXIT_PREEMPTED}, or a rank's record of it; or when a stop signal ended the step before any rank
+# recorded a code that says otherwise (bad input, a NaN stop, a hang).
+explained() {{ grep -qsE '"code": [235][,}}]' "$DIT_ACCEL_EXIT_DIR"/exit_rank*.json; }}
 if [ "$code" -eq {EXIT_PREEMPTED} ] \\
-    || grep -qs '"code": {EXIT_PREEMPTED}' "$DIT_ACCEL_EXIT_DIR"/exit_rank*.json; then
-  echo "launch.slurm: preempted (exit {EXIT_PREEMPTED}), the step is saved: requeueing job $SLURM_JOB_ID"
+    || grep -qs '"code": {EXIT_PREEMPTED}' "$DIT_ACCEL_EXIT_DIR"/exit_rank*.json \\
+    || {{ [ "$stopped" = 1 ] && [ "$code" -ne 0 ] && ! explained; }}; then
+  echo "launch.slurm: preempted (exit {EXIT_PREEMPTED}): requeueing job $SLURM_JOB_ID, which resumes from its newest checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi

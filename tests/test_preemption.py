@@ -228,6 +228,51 @@ def test_sigterm_to_the_wrapper_is_forwarded_and_its_exit_code_is_the_ranks(work
     assert not any(map(_alive, [launcher, *ranks, *workers]))
 
 
+def _wait_for(condition, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.01)
+
+
+@pytest.mark.launched
+def test_sigterm_while_the_launcher_starts_exits_4_in_one_line(workspace, tmp_path):
+    """Preempted before torch elastic (or any rank) has a handler: the launcher dies of the signal itself.
+    That is still a preemption (the SLURM script requeues only on 4): exit 4, one line, no traceback."""
+    out = tmp_path / "early"
+    wrapper = _wrapper(workspace, out, *LONG)
+    _wait_for(lambda: _children(wrapper.pid), wrapper)  # the launcher exists, still importing
+    os.kill(wrapper.pid, signal.SIGTERM)
+    code, err = _finish(wrapper)
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "dit-accel train: preempted by SIGTERM before the ranks could save (they were starting, or outlived "
+        "the launcher's grace period): nothing new is saved; exit 4 (requeue and resume with --resume auto)"
+    ), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert _checkpoints(out) == []
+
+
+@pytest.mark.launched
+def test_sigterm_while_the_ranks_set_up_stops_them_before_a_step(workspace, tmp_path):
+    """The ranks have their handlers but are still setting up (data, model): every rank learns of the stop
+    before the first step and exits 4 without training a step it would have to save."""
+    out = tmp_path / "setup"
+    wrapper = _wrapper(workspace, out, *LONG)
+    _wait_for(lambda: (out / "logs" / "rank1.log").exists(), wrapper)
+    os.kill(wrapper.pid, signal.SIGTERM)
+    code, err = _finish(wrapper)
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    lines = [line for line in err.splitlines() if "preempted by" in line]
+    assert lines == [
+        "dit_accel.train: preempted by SIGTERM while starting, before step 1: nothing new to save (no "
+        "checkpoint yet); exit 4 (requeue and resume with --resume auto)"
+    ], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert _checkpoints(out) == [] and not (out / "run.lock").exists()
+    assert not (out / "logs" / "heartbeat_rank0.json").exists()  # no step was started
+
+
 @pytest.mark.launched
 def test_ranks_end_when_their_launcher_is_killed(workspace, tmp_path):
     out = tmp_path / "orphans"

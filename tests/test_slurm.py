@@ -36,13 +36,13 @@ def fakes(tmp_path):
     plan_dir.mkdir()
     script = _write(plan_dir, "launch.slurm", slurm_script(_plan()))
     calls = tmp_path / "calls"
-    # srun: tell the test it started; on USR1, record it and exit like preempted ranks; else exit $SRUN_EXIT,
-    # after writing the exit record $SRUN_RECORD (a rank's code) if asked.
+    # srun: tell the test it started; on USR1, record it and exit like preempted ranks (4, or $SRUN_USR1_EXIT);
+    # else exit $SRUN_EXIT, after writing the exit record $SRUN_RECORD (a rank's code) if asked.
     _write(
         bin_dir,
         "srun",
         """#!/bin/bash
-trap 'echo "srun got USR1" >> "$CALLS"; exit 4' USR1
+trap 'echo "srun got USR1" >> "$CALLS"; exit "${SRUN_USR1_EXIT:-4}"' USR1
 echo "srun $1" >> "$CALLS"
 [ -n "${SRUN_RECORD:-}" ] && echo "{\\"rank\\": 0, \\"code\\": $SRUN_RECORD}" > "$DIT_ACCEL_EXIT_DIR/exit_rank0.json"
 if [ -n "${SRUN_WAIT:-}" ]; then touch "$SRUN_WAIT"; for i in $(seq 600); do sleep 0.05; done; fi
@@ -106,14 +106,23 @@ def test_exit_4_requeues_the_job_and_nothing_else_does(fakes, srun_exit, record,
     assert _calls(fakes)[0] == "srun --ntasks=2"
 
 
-def test_usr1_to_the_batch_shell_reaches_the_step_and_requeues(fakes):
+@pytest.mark.parametrize(
+    "step_exit, record, requeued",
+    [("4", None, True), ("1", None, True), ("1", "2", False), ("1", "5", False), ("0", None, False)],
+)
+def test_usr1_to_the_batch_shell_reaches_the_step_and_requeues(fakes, step_exit, record, requeued):
+    """A step the signal ended requeues when it exits 4, and also when it fails before any rank recorded a
+    code (preempted while the launcher or the ranks were starting: plain accelerate launch says 1); not when
+    a rank recorded bad input or a hang, nor when the step still ended well."""
     started = fakes["tmp"] / "started"
-    env = dict(fakes["env"], SRUN_WAIT=str(started))
+    env = dict(fakes["env"], SRUN_WAIT=str(started), SRUN_USR1_EXIT=step_exit)
+    if record is not None:
+        env["SRUN_RECORD"] = record
     shell = subprocess.Popen(["bash", str(fakes["script"])], env=env)
     deadline = time.monotonic() + 20
     while not started.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert started.exists()
     os.kill(shell.pid, signal.SIGUSR1)  # what `--signal=B:USR1@300` does
-    assert shell.wait(timeout=20) == 0
-    assert _calls(fakes)[1:] == ["srun got USR1", "scontrol requeue 4242"]
+    assert shell.wait(timeout=20) == (0 if requeued else int(step_exit))
+    assert _calls(fakes)[1:] == ["srun got USR1"] + ["scontrol requeue 4242"] * requeued

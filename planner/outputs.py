@@ -46,14 +46,14 @@ def provenance(command: str | None = None) -> dict:
 
 def render_files(plan: dict, command: str | None = None, chart: bool = True) -> dict[str, str | bytes]:
     """File name -> contents (text, or the chart's bytes). The SLURM script only for multi-node plans;
-    the memory chart (matplotlib) unless `chart` is False."""
+    the memory chart (Pillow) unless `chart` is False."""
     files = {
         "plan.json": json.dumps(plan, indent=2) + "\n",
         "plan.md": plan_markdown(plan, provenance(command), MEMORY_CHART if chart else None),
         "accelerate_config.yaml": accelerate_yaml(plan),
     }
     if chart:
-        from planner.plot import memory_chart
+        from planner.memorychart import memory_chart
 
         files[MEMORY_CHART] = memory_chart(plan)
     if plan["cluster"]["nodes"] > 1:

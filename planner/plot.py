@@ -1,19 +1,16 @@
-"""Charts of a plan: plan/memory.png (memory per component against the budget, and the step's moments) and
-`dit-plan --plot FILE` (peak memory and images/s across a sweep or across the candidates of one plan).
+"""`dit-plan --plot FILE`: peak memory and images/s across a sweep or across the candidates of one plan, as
+PNG, SVG or PDF.
 
-matplotlib (and so numpy) is imported inside the functions, with the Agg backend, so that planning and the
-tables never pay for it. Charts are rendered to bytes: planner/outputs.py writes them with the other files.
+matplotlib (and so numpy) is imported inside the functions, with the Agg backend, so that planning, the
+tables and plan/memory.png (Pillow, planner/memorychart.py) never pay for it: its import alone costs about
+three times a plan's whole CPU time. Charts are rendered to bytes and written atomically by the caller.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
-import textwrap
 
 from planner.errors import PlanError
-from planner.memory import COMPONENTS
-from planner.report.tables import PHASE_NAMES
 
 CHART_FORMATS = ("png", "svg", "pdf")
 _GIB = 2**30
@@ -34,86 +31,6 @@ def _save(fig, fmt: str = "png") -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, dpi=100, metadata={"Software": None} if fmt == "png" else None)
     return buffer.getvalue()
-
-
-def alternative_components(plan: dict, alternative: dict) -> dict[str, int] | None:
-    """Every component of an alternative at its peak, recomputed from the plan's own inputs with the
-    planner's memory model; None when the recomputation does not give the plan's recorded peak."""
-    from planner.hardware import Assumptions, gpu_preset
-    from planner.memory import Cluster, Decision, step_memory
-    from planner.planfile import spec_from_plan
-
-    try:
-        c = plan["cluster"]
-        cluster = Cluster(
-            c["nodes"], c["gpus_per_node"], c["vram_bytes"], gpu_preset(c["gpu"]) if c["gpu"] else None
-        )
-        names = {f.name for f in dataclasses.fields(Decision)}
-        decision = Decision(**{k: v for k, v in alternative.items() if k in names})
-        estimate = step_memory(spec_from_plan(plan), decision, cluster, Assumptions(**plan["assumptions"]))
-    except (PlanError, KeyError, TypeError, ValueError):
-        return None
-    if estimate.peak_bytes != alternative["peak_bytes"]:
-        return None
-    return estimate.phases[estimate.peak_phase]
-
-
-def _label(choice: dict) -> str:
-    return f"{choice['sharding']}\nmb {choice['micro_batch']}\nckpt {choice['checkpointed_blocks']}"
-
-
-def _stack(ax, labels: list[str], parts: list[dict], colors: dict) -> None:
-    bottoms = [0.0] * len(labels)
-    for name in COMPONENTS + ("peak",):
-        heights = [p.get(name, 0) / _GIB for p in parts]
-        if not any(heights):
-            continue
-        ax.bar(
-            labels, heights, bottom=bottoms, label=name, color=colors[name], edgecolor="white", linewidth=0.5
-        )
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-
-
-def memory_chart(plan: dict) -> bytes:
-    """PNG: left, stacked components of the decision and each alternative at its peak against the budget and
-    the VRAM; right, the decision's components at each moment of the step."""
-    Figure = _pyplot()
-    from matplotlib import colormaps
-
-    m = plan["memory"]
-    palette = colormaps["tab10"]
-    colors = {name: palette(i) for i, name in enumerate(COMPONENTS)}
-    colors["peak"] = "0.6"  # an alternative whose components could not be recomputed: its peak alone
-    decision = {name: m[name] for name in COMPONENTS}
-    labels, parts = ["decision\n" + _label(plan["decision"])], [decision]
-    for alt in plan["alternatives"]:
-        labels.append(_label(alt))
-        parts.append(alternative_components(plan, alt) or {"peak": alt["peak_bytes"]})
-    phases = m["phases"]
-    fig = Figure(figsize=(13, 5.5))  # laid out by hand: constrained layout costs more than the drawing
-    left, right = fig.subplots(1, 2, width_ratios=[max(3, len(labels)), max(3, len(phases))])
-    _stack(left, labels, parts, colors)
-    moments = [textwrap.fill(PHASE_NAMES.get(p, p.replace("_", " ")), 12) for p in phases]
-    _stack(right, moments, [phases[p] for p in phases], colors)
-    for ax in (left, right):
-        ax.axhline(m["budget_bytes"] / _GIB, color="red", linestyle="--", linewidth=1.2, label="budget")
-        ax.axhline(m["vram_bytes"] / _GIB, color="black", linewidth=1, label="VRAM")
-        ax.set_ylabel("GiB per GPU")
-        ax.tick_params(axis="x", labelsize=8)
-    left.set_title("At the peak: the decision and the alternatives")
-    right.set_title("The decision at each moment of the step")
-    handles, names = [], []
-    for ax in (left, right):
-        for handle, name in zip(*ax.get_legend_handles_labels()):
-            if name not in names:
-                handles.append(handle)
-                names.append(name)
-    fig.subplots_adjust(left=0.05, right=0.87, bottom=0.2, top=0.88, wspace=0.18)
-    fig.legend(handles, names, loc="center right", fontsize=8)
-    fig.suptitle(
-        f"{plan['model']['name']} @ {plan['model']['resolution']} px, global batch {plan['global_batch']}"
-    )
-    return _save(fig)
 
 
 def chart_format(path: str) -> str:

@@ -203,12 +203,12 @@ def test_plan_md_is_ordered_for_a_reviewer(tmp_path, capsys):
 def test_memory_png_is_written_with_the_plan(tmp_path, capsys):
     assert run(["--gpus", "8", "--vram", "40G", "--out", str(tmp_path / "p")], capsys)[0] == 0
     with Image.open(tmp_path / "p" / "memory.png") as image:
-        assert image.format == "PNG" and image.size == (1300, 550)
+        assert image.format == "PNG" and image.size == (1600, 900)
 
 
 def test_the_chart_shows_every_alternative_by_component(plans):
     from planner.memory import COMPONENTS
-    from planner.plot import alternative_components
+    from planner.memorychart import alternative_components
 
     for plan in plans:
         for alternative in plan["alternatives"]:
@@ -218,12 +218,12 @@ def test_the_chart_shows_every_alternative_by_component(plans):
 
 
 def test_a_failing_chart_leaves_no_file(tmp_path, capsys, monkeypatch):
-    import planner.plot
+    import planner.memorychart
 
     def broken(plan):
         raise RuntimeError("no fonts")
 
-    monkeypatch.setattr(planner.plot, "memory_chart", broken)
+    monkeypatch.setattr(planner.memorychart, "memory_chart", broken)
     with pytest.raises(RuntimeError):
         cli.main(["--gpus", "8", "--vram", "40G", "--out", str(tmp_path / "p")])
     assert list(tmp_path.iterdir()) == []
@@ -271,3 +271,30 @@ def test_no_chart_writes_the_plan_without_it(tmp_path, capsys):
     assert run(["--gpus", "8", "--vram", "40G", "--no-chart", "--out", str(tmp_path / "p")], capsys)[0] == 0
     assert not (tmp_path / "p" / "memory.png").exists()
     assert "memory.png" not in (tmp_path / "p" / "plan.md").read_text()
+
+
+def test_the_memory_chart_says_whether_it_fits_and_starts_at_the_vram_line(plans):
+    """The verdict line is green when the peak fits the budget and red when it does not; the VRAM line is at
+    the top of the panels (no empty strip above it)."""
+    import copy
+    import io
+
+    from PIL import ImageColor
+
+    from planner import memorychart
+
+    def colours(plan) -> tuple[set, Image.Image]:
+        image = Image.open(io.BytesIO(memorychart.memory_chart(plan))).convert("RGB")
+        verdict = image.crop((40, 64, 1000, 100))
+        return {colour for _, colour in verdict.getcolors(1_000_000)}, image
+
+    fits, over = (ImageColor.getrgb(c) for c in (memorychart.FITS, memorychart.OVER))
+    seen, image = colours(plans[0])
+    assert fits in seen and over not in seen
+    ink = ImageColor.getrgb(memorychart.INK)
+    first_ink = next(y for y in range(150, 600) if image.getpixel((100, y)) == ink)
+    assert first_ink <= 220  # the panels start at 210: the VRAM line, not an empty strip
+    tight = copy.deepcopy(plans[0])
+    tight["memory"]["budget_bytes"] = tight["memory"]["peak_bytes"] // 2
+    seen, _ = colours(tight)
+    assert over in seen and fits not in seen

@@ -10,7 +10,11 @@ from typing import TYPE_CHECKING
 from dit_accel.cli_args import OneLineParser, positive_int
 from dit_accel.errors import UserError, exits_cleanly
 from dit_accel.memtrace.comparison import (
+    ABSOLUTE_TOLERANCE_BYTES,
+    COMPONENT_TOLERANCE,
+    PEAK_TOLERANCE,
     RESERVED_TOLERANCE,
+    SMALL_COMPONENT,
     Comparison,
     ShardedComparison,
     compare,
@@ -18,6 +22,8 @@ from dit_accel.memtrace.comparison import (
     relative_error,
 )
 from planner.planfile import Plan, read_plan
+
+EXIT_OUTSIDE_TOLERANCE = 1  # as diff and cmp exit: compared, and it differs (2 stays bad input)
 
 if TYPE_CHECKING:  # annotations only: `dit-accel verify --help` imports no torch
     from dit_accel.memtrace.tracker import TraceResult
@@ -58,6 +64,7 @@ def format_report(
     """The traced step beside the planner's estimate, and what the trace cannot see."""
     from tabulate import tabulate
 
+    missed = set(comparison.outside_tolerance(result.precision))
     rows = [
         (name, _gib(traced), _gib(planned), _percent(error))
         for name, traced, planned, error in comparison.rows
@@ -71,14 +78,8 @@ def format_report(
         )
     )
     for mode, replayed, planned, error in comparison.reserved:
-        rows.append(
-            (
-                f"reserved peak, {mode} segments",
-                _gib(replayed),
-                _gib(planned),
-                _percent(error) + ("" if abs(error) <= RESERVED_TOLERANCE[mode] else " (outside tolerance)"),
-            )
-        )
+        rows.append((f"reserved peak, {mode} segments", _gib(replayed), _gib(planned), _percent(error)))
+    rows = [(*row[:3], row[3] + (" (outside tolerance)" if row[0] in missed else "")) for row in rows]
     depths = _depths_text(result)
     lines = [
         f"traced training step of {plan_path}: micro-batch {result.micro_batch}, {result.precision} "
@@ -107,6 +108,16 @@ def format_report(
         )
     else:
         lines.append(f"reserved: not replayed ({result.allocator_depths})")
+    lines.append(
+        f"tolerances: the traceable peak {PEAK_TOLERANCE[result.precision]:.0%} ({result.precision}), each "
+        f"component {COMPONENT_TOLERANCE:.0%} (of {SMALL_COMPONENT:.0%} of the peak for smaller ones), and "
+        f"never tighter than {ABSOLUTE_TOLERANCE_BYTES // 2**20} MiB (the allocator's granularity); "
+        + (
+            f"outside: {'; '.join(sorted(missed))} (exit {EXIT_OUTSIDE_TOLERANCE})"
+            if missed
+            else "every figure is within"
+        )
+    )
     lines += ["", "not seen by a tensor trace (the planner adds these as overhead, not checked here):"]
     lines += [f"  - {item}" for item in result.unseen if not item.startswith("the caching allocator")]
     return "\n".join(lines)
@@ -209,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="dit-accel verify",
         description="Trace one real training step of the plan on fake tensors (nothing is allocated) and compare "
         "its peak memory, component by component, with the planner's estimate.",
+        epilog=f"Exit codes: 0 every figure within its tolerance (printed under the table; a sharded plan's "
+        f"report has none), {EXIT_OUTSIDE_TOLERANCE} a figure outside it, 2 bad input.",
     )
     parser.add_argument("plan", help="plan.json written by dit-plan")
     parser.add_argument(
@@ -292,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                     mode: {"replayed_peak_bytes": replayed, "planner_peak_bytes": planned, "error": error}
                     for mode, replayed, planned, error in comparison.reserved
                 },
+                "outside_tolerance": comparison.outside_tolerance(result.precision),
             },
         )
-    return 0
+    return EXIT_OUTSIDE_TOLERANCE if comparison.outside_tolerance(result.precision) else 0

@@ -33,6 +33,19 @@ log="$work/check.log"
 say() { echo "[gpu_check +$SECONDS s] $*" | tee -a "$log"; }
 summarise() { python3 benchmarks/gpu_check.py summary "$work" "$out" >> "$log" 2>&1 || say "summary failed (see the log)"; }
 
+# After a run killed at its limit: until its processes have let go of the GPU (30 s at most), so that the
+# next stage does not start beside their memory.
+gpu_released() {
+    command -v nvidia-smi > /dev/null || return 0
+    local used
+    for _ in $(seq 30); do
+        used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2> /dev/null | head -1)
+        [[ -z $used || $used -lt 2048 ]] && return 0
+        sleep 1
+    done
+    say "the GPU still holds $used MiB 30 s after the stage ended"
+}
+
 # stage NAME CAP_S COMMAND...: at most CAP_S seconds or what is left of the budget; output to WORK/NAME.log
 stage() {
     local name=$1 cap=$2 left=$((budget_s - SECONDS))
@@ -48,6 +61,7 @@ stage() {
     timeout -k 15 "$limit" "$@" > "$work/$name.log" 2>&1 || rc=$?
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" "$limit" >> "$work/stages.tsv"
     say "$name: exit $rc after $((SECONDS - started)) s$( ((rc == 124 || rc == 137)) && echo ' (timed out)')"
+    ((rc == 124 || rc == 137)) && gpu_released
     summarise
     return "$rc"
 }
@@ -66,7 +80,7 @@ if ((dry_run)); then
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     plan_args=(--model DiT-S/2 --depth 2 --hidden 32 --heads 2 --resolution 32 --num-classes 4 --gpus 1
         --vram 8G --global-batch 8 --precision fp32)  # fp32: a CPU's bf16 matmuls are emulated and slow
-    resolution=32 per_class=4 steps=4 log_every=2 workers=0
+    resolution=32 per_class=4 steps="${STEPS:-4}" log_every="${LOG_EVERY:-2}" workers=0
     # Compiled with torch's aot_eager backend: the graphs are captured and their backward derived as on the
     # GPU, but no kernels are generated (inductor's C++ build of the block takes 80 s on 2 cores).
     ((${DRY_RUN_INDUCTOR:-0})) || export TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager"

@@ -449,6 +449,7 @@ def test_a_sweep_over_the_total_shows_nodes_x_gpus(capsys):
     code, out, _ = run(["--gpu", "h100-80g", "--gpus", "8,16", "--format", "json"], capsys)
     rows = json.loads(out)
     assert code == 0 and [(r["nodes"], r["gpus"], r["world_size"]) for r in rows] == [(1, 8, 8), (2, 8, 16)]
+    assert out.endswith("]\n")
     code, out, _ = run(["--gpu", "h100-80g", "--gpus", "8,16"], capsys)
     assert "1 x 8" in out and "2 x 8" in out and "1 x 16" not in out
 

@@ -34,6 +34,7 @@ def _config(tiny_plan, tmp_path, *argv) -> TrainConfig:
 
 def test_every_recipe_is_listed_here_and_has_a_description():
     assert sorted(p.name for p in RECIPES.glob("*.yaml")) == [
+        "demo-cpu.yaml",
         "dit-xl2-256.yaml",
         "dit-xl2-512.yaml",
         "finetune-from-import.yaml",

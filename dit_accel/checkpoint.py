@@ -26,6 +26,7 @@ Layout of one checkpoint folder (see docs/training.md):
     plan.json                  the plan this run trained with
     train_config.json          the run's TrainConfig
     dit_accel.json             the network's spec and timestep shift (0 for weights from an original DiT)
+    metrics.jsonl              the run's metrics.jsonl as it was at this step: the timeline a resume restores
     COMPLETE                   written last; its presence is what makes the folder a checkpoint: step,
                                world size, id, parent, sequence and the manifest (size, sha256 per file)
 
@@ -63,6 +64,7 @@ PLAN = "plan.json"
 TRAIN_CONFIG = "train_config.json"
 # step_N, or a kept branch's step_N.branch-ID (older versions named some `step_N.branch-step_000`)
 _NAME = re.compile(r"^step_(\d{8,})(\.branch-[0-9a-z_]+)?$")
+METRICS = "metrics.jsonl"  # RUN/metrics.jsonl, and its copy in each checkpoint
 CONTINUE = "continue"  # save_checkpoint's default parent: the folder's most recently written checkpoint
 
 
@@ -331,6 +333,8 @@ def save_checkpoint(
                 from dit_accel.model import SIDECAR_NAME
 
                 write_json_atomically(tmp_dir / SIDECAR_NAME, sidecar)
+            if (run_dir / METRICS).is_file():  # the lines of this checkpoint's timeline, for a resume
+                shutil.copyfile(run_dir / METRICS, tmp_dir / METRICS)
     except Exception as error:
         failure = error
     # One collective, reached by every rank whatever happened: every rank's random_states_R.pkl is on disk,

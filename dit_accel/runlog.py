@@ -1,5 +1,10 @@
 """What a run tells its user: one log per rank, the terminal line, metrics.jsonl and the trackers, and the
-GPU memory it measured against the plan's estimate."""
+GPU memory it measured against the plan's estimate.
+
+metrics.jsonl holds one timeline: a run that resumes from an older checkpoint (a rollback), or from one
+behind steps a killed run had logged, puts back the checkpoint's own copy of the file and moves every other
+line to metrics.abandoned.jsonl (`rewind_metrics`); TensorBoard is told to hide the old events from the first
+resumed step on (its `purge_step`, `trackers.start_trackers`)."""
 
 from __future__ import annotations
 
@@ -87,6 +92,42 @@ def tracker_config(config, plan: Plan) -> dict:
     return values
 
 
+ABANDONED_METRICS = "metrics.abandoned.jsonl"
+
+
+def rewind_metrics(run_dir: Path, checkpoint: Path | None) -> int:
+    """RUN/metrics.jsonl made the timeline this run continues: the copy in its `checkpoint` (none for a run
+    from step 0; for a checkpoint without a copy, the lines up to its step); every other line is appended
+    to RUN/metrics.abandoned.jsonl. Returns how many lines were moved there. Main process only."""
+    from dit_accel.atomic import write_bytes_atomically
+    from dit_accel.checkpoint import METRICS, read_train_state
+
+    path = run_dir / METRICS
+    current = path.read_text().splitlines(keepends=True) if path.is_file() else []
+    if checkpoint is None:
+        kept = []
+    elif (checkpoint / METRICS).is_file():
+        kept = (checkpoint / METRICS).read_text().splitlines(keepends=True)
+    else:  # written before checkpoints held a copy
+        last = read_train_state(checkpoint)["step"]
+        kept = [line for line in current if _logged_step(line) <= last]
+    keep = set(kept)
+    moved = [line for line in current if line not in keep]
+    if moved:
+        with (run_dir / ABANDONED_METRICS).open("a") as handle:
+            handle.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+    if kept != current:
+        write_bytes_atomically(path, "".join(kept).encode())
+    return len(moved)
+
+
+def _logged_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # an unreadable line belongs to no timeline
+
+
 class StepLog:
     """Every `log_every` steps: the mean loss since the last line, images/s, and the GPU's measured peak memory
     beside the plan's, to the terminal, the rank logs, metrics.jsonl (main process) and the trackers.
@@ -95,10 +136,26 @@ class StepLog:
     plan adds for the CUDA context, cuBLAS, NCCL and fragmentation (which max_memory_reserved partly shows).
     """
 
-    def __init__(self, run_dir: Path, plan: Plan, accelerator, device: torch.device, max_steps: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        plan: Plan,
+        accelerator,
+        device: torch.device,
+        max_steps: int,
+        resumed_from: Path | None = None,
+    ):
         self.metrics_path = run_dir / "metrics.jsonl"
         self.plan, self.accelerator, self.device, self.max_steps = plan, accelerator, device, max_steps
         self.warned_memory = False
+        if accelerator.is_main_process:  # one timeline in metrics.jsonl: the one this run continues
+            moved = rewind_metrics(run_dir, resumed_from)
+            if moved:
+                log.info(
+                    f"metrics.jsonl holds this run's timeline: {moved} lines of another (an abandoned branch, "
+                    f"or steps logged after {resumed_from.name if resumed_from else 'step 0'} by a killed run) "
+                    f"moved to {ABANDONED_METRICS}"
+                )
         self._start_window()
 
     def _start_window(self) -> None:

@@ -56,15 +56,23 @@ def chosen_trackers(report_to: str, tensorboard: bool = True) -> list[str]:
     return [name for name in names if tensorboard or name != "tensorboard"]
 
 
-def start_trackers(accelerator, names: list[str], hparams: dict, run_name: str, run_dir) -> None:
+def start_trackers(
+    accelerator, names: list[str], hparams: dict, run_name: str, run_dir, first_step: int = 1
+) -> None:
     """Replace the trackers the accelerator was made with by `names`, and start them (the main process
-    writes; Accelerate makes the call a no-op elsewhere)."""
+    writes; Accelerate makes the call a no-op elsewhere). TensorBoard hides the events an earlier launch wrote
+    at `first_step` and after (its purge_step): after a rollback it shows the one timeline this run continues."""
     from accelerate.tracking import filter_trackers
 
     accelerator.log_with = filter_trackers(names, accelerator.logging_dir) if names else []
     if accelerator.log_with:
         accelerator.init_trackers(
-            PROJECT, config=hparams, init_kwargs={"wandb": {"name": run_name, "dir": str(run_dir)}}
+            PROJECT,
+            config=hparams,
+            init_kwargs={
+                "wandb": {"name": run_name, "dir": str(run_dir)},
+                "tensorboard": {"purge_step": first_step},
+            },
         )
 
 

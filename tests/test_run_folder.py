@@ -144,20 +144,49 @@ def test_rotation_and_resume_auto_follow_the_newest_timeline(timeline):
 def test_a_new_lr_on_resume_applies_from_the_resumed_step(timeline):
     run = timeline["run"]
     assert "--lr changed on resume: 0.003 -> 0.0015, applied from step 3" in timeline["rollback_log"]
-    lrs = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        lrs.setdefault(record["step"], []).append(record["lr"])
-    assert lrs[1] == lrs[2] == [3e-3] * len(lrs[1])  # the first launch (no warmup)
-    # metrics.jsonl appends every launch's lines: the last one of each step is the newest timeline's.
-    assert all(lrs[step][-1] == pytest.approx(1.5e-3) for step in (3, 4, 5))
-    assert lrs[6][-1] == pytest.approx(1.5e-3)
     final = run / "checkpoints" / "step_00000006"
+    # metrics.jsonl holds one timeline, the current one (it once read 1..6, 3..5, 6: two timelines mixed);
+    # the abandoned branch's lines (3 to 6 of the first launch) were moved to metrics.abandoned.jsonl.
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    lrs = {m["step"]: m["lr"] for m in metrics}
+    assert lrs[1] == lrs[2] == 3e-3  # the first launch (no warmup)
+    assert all(lrs[step] == pytest.approx(1.5e-3) for step in (3, 4, 5, 6))
+    abandoned = [json.loads(line) for line in (run / "metrics.abandoned.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["lr"]) for m in abandoned] == [(step, 3e-3) for step in (3, 4, 5, 6)]
+    assert (
+        "4 lines of another" in timeline["rollback_log"]
+        and "metrics.abandoned.jsonl" in timeline["rollback_log"]
+    )
+    assert (final / "metrics.jsonl").read_text() == (
+        run / "metrics.jsonl"
+    ).read_text()  # the checkpoint's copy
     scheduler = torch.load(final / "custom_checkpoint_0.pkl", weights_only=False)
     assert scheduler["base_lrs"] == [pytest.approx(1.5e-3)]
     groups = torch.load(final / "optimizer.bin", weights_only=False)["param_groups"]
     assert all(group["lr"] == pytest.approx(1.5e-3) for group in groups)
     assert "changed on resume" not in timeline["auto"].stdout  # the same lr again: nothing to say
+
+
+def test_tensorboard_and_metrics_show_one_timeline_after_a_rollback(workspace, tmp_path):
+    """Steps 1-4, back to step 2, on to 3: TensorBoard (read by its own EventAccumulator) and metrics.jsonl
+    read 1, 2, 3 of the current timeline, not 1, 2, 3, 4, 3."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    tracked = [a for a in _single(workspace, run) if a != "--no-tensorboard"]  # TensorBoard on
+    assert e2e.run_in_process([*tracked, "--max-steps", 4, "--checkpoint-every", 2]) == 0
+    second = run / "checkpoints" / "step_00000002"
+    assert e2e.run_in_process([*tracked, "--resume", second, "--max-steps", 3]) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    folder = run / "tensorboard" / "dit-accel"  # the scalars of both launches (hparams in subfolders)
+    assert len(list(folder.glob("events.out.tfevents.*"))) == 2
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    losses = events.Scalars("loss")
+    assert [event.step for event in losses] == [1, 2, 3]
+    assert [event.value for event in losses] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
 
 
 def test_the_plans_shape_cannot_change_on_resume(workspace, tmp_path, capsys):

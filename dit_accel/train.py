@@ -102,9 +102,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         save_config(config, run_dir / TRAIN_CONFIG)
         write_json_atomically(run_dir / PLAN, plan.to_json())
         write_classes_json(run_dir, dataset.classes)  # the names sample and export give the class indices
-    start_trackers(  # from the first step of this launch: an older timeline's later events are hidden
-        accelerator, trackers, tracker_config(config, plan), run_dir.name, run_dir, state["step"] + 1
-    )
+    start_trackers(accelerator, trackers, tracker_config(config, plan), run_dir.name, run_dir)
     samples = TrainingSamples(config, plan, spec, accelerator, components, run_dir, dataset.classes)
 
     latent_shape = (spec.in_channels, spec.latent_size, spec.latent_size)  # what the network sees
@@ -129,7 +127,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         before_commit=faults.before_commit,
         parent=start.checkpoint,  # the timeline this run continues (None: a new one)
     )
-    steplog = StepLog(run_dir, plan, accelerator, components.device, config.max_steps, start.checkpoint)
+    steplog = StepLog(run_dir, plan, accelerator, components.device, config.max_steps)
     last_good = start.checkpoint
 
     layout = (
@@ -235,8 +233,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
             loss = steplog.write(step, result, state["skipped_steps"])
             progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
         preempted = bool(result.stop_ranks) and step < config.max_steps  # every rank saves this step, exits
-        final = step == config.max_steps and config.final_checkpoint
-        if preempted or step % config.checkpoint_every == 0 or final:
+        if preempted or config.saves_checkpoint_at(step):
             last_good = checkpointer.save(step, dict(state, **order.position(step)))
             log.info(f"checkpoint {last_good}")
         if samples.due(step) and not preempted:
@@ -248,10 +245,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
                 f"exit {EXIT_PREEMPTED} (requeue and resume with --resume auto)"
             )
 
-    newest = (
-        f"newest checkpoint {last_good}" if last_good else "no checkpoint written (--no-final-checkpoint)"
-    )
-    log.info(f"done: step {state['step']}, {state['skipped_steps']} skipped; {newest}")
+    log.info(f"done: step {state['step']}, {state['skipped_steps']} skipped; newest checkpoint {last_good}")
     finish()
     return 0
 

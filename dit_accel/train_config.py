@@ -218,6 +218,10 @@ class TrainConfig:
         },
     )
 
+    def saves_checkpoint_at(self, step: int) -> bool:
+        """Every --checkpoint-every steps, and at --max-steps unless --no-final-checkpoint."""
+        return step % self.checkpoint_every == 0 or (step == self.max_steps and self.final_checkpoint)
+
     def check(self) -> None:
         """Refuse bad values up front, before any process group or model exists."""
         if not self.plan:

@@ -205,8 +205,59 @@ def test_cache_made_with_another_vae_or_resolution_is_refused(assets, tmp_path):
 def test_vae_that_cannot_be_loaded_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match="--vae .*nope does not exist"):
         load_vae(str(tmp_path / "nope"))
-    with pytest.raises(UserError, match="cannot load the VAE 'someone/tiny-vae' from the Hugging Face hub"):
-        load_vae("someone/tiny-vae")  # HF_HUB_OFFLINE=1 (conftest): the network is refused
+    with pytest.raises(UserError, match="no hub model 'someone/tiny-vae' in the local Hugging Face cache"):
+        load_vae("someone/tiny-vae")
+
+
+HUB_ID_RUN = """
+import sys, time
+import dit_accel.data.latents  # torch, safetensors: imported before the clock starts
+from dit_accel.cli import main
+from dit_accel.data.vae import load_vae
+if sys.argv[1] == "load":
+    print(load_vae(sys.argv[2])[1]["source"])
+else:
+    start = time.perf_counter()
+    code = main(["extract-latents", "--data-path", sys.argv[2], "--vae", "nope", "--out", sys.argv[3]])
+    print(code, time.perf_counter() - start)
+"""
+
+
+@pytest.mark.launched
+def test_a_hub_id_is_read_from_the_local_cache_only(assets, tmp_path):
+    """No network at run time, whatever HF_HUB_OFFLINE says: `--vae nope` (a missing folder, or an id no
+    cache holds) fails at once in one line naming both, where it used to retry the hub 5 times (~23 s, 14
+    lines); an id the local Hugging Face cache holds loads from it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["HF_HOME"] = str(tmp_path / "hf")
+    out = tmp_path / "cache"
+    run = [sys.executable, "-c", HUB_ID_RUN]
+    result = subprocess.run(
+        [*run, "extract", str(assets / "images"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    code, seconds = result.stdout.split()
+    assert int(code) == 2 and float(seconds) < 5, result.stdout
+    [line] = result.stderr.strip().splitlines()
+    assert (
+        "--vae nope: no folder" in line and str(tmp_path / "hf" / "hub") in line and "save_pretrained" in line
+    )
+    assert not out.exists()
+    # the hub cache's layout: models--ORG--NAME/refs/main names the snapshot that holds the files
+    repo, snapshot = (
+        tmp_path / "hf" / "hub" / "models--someone--tiny-vae",
+        "0123456789abcdef" * 2 + "01234567",
+    )
+    shutil.copytree(assets / "vae", repo / "snapshots" / snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot)
+    result = subprocess.run(
+        [*run, "load", "someone/tiny-vae"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "someone/tiny-vae", result.stderr
 
 
 def test_bad_image_stops_the_cli_or_is_skipped_and_counted(assets, tmp_path, capsys):

@@ -1,11 +1,11 @@
-"""The frozen VAE: loaded from a local folder (or the hub when the network allows), identified by a hash of
-its weights so a latent cache can name the VAE it was made with, and its posterior for a batch of pixels."""
+"""The frozen VAE: loaded from a local folder (or a hub id already in the local Hugging Face cache: nothing
+is downloaded at run time), identified by a hash of its weights so a latent cache can name the VAE it was
+made with, and its posterior for a batch of pixels."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -18,12 +18,14 @@ def sha256_json(payload) -> str:
 
 
 def load_vae(source: str):
-    """A diffusers AutoencoderKL from a local folder (its own, or a pipeline folder with vae/), or from
-    a hub id when the network allows. Returns (vae in eval mode on the CPU, identity dict)."""
-    from diffusers import AutoencoderKL  # imported here: reading a cache does not need diffusers
-
+    """A diffusers AutoencoderKL from a local folder (its own, or a pipeline folder with vae/), or from a hub
+    id already in the local Hugging Face cache. Returns (vae in eval mode on the CPU, identity dict)."""
     path = Path(source).expanduser()
     looks_local = path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
+    if not looks_local:
+        _refuse_uncached_hub_id(source)  # before diffusers is imported: a missing path fails at once
+    from diffusers import AutoencoderKL  # imported here: reading a cache does not need diffusers
+
     if looks_local:
         if not path.is_dir():
             raise UserError(
@@ -50,24 +52,34 @@ def load_vae(source: str):
             ) from None
         source = str(path.absolute())
     else:
-        try:
-            # In offline mode only the local hub cache is searched: a clear error now instead of retries.
-            vae = AutoencoderKL.from_pretrained(source, local_files_only=_hub_offline())
+        try:  # the local cache only: no network at run time, so no retries against an unreachable hub
+            vae = AutoencoderKL.from_pretrained(source, local_files_only=True)
         except Exception as error:  # noqa: BLE001 - hub failures come as many types; all mean the same here
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise UserError(
-                f"cannot load the VAE {source!r} from the Hugging Face hub ({reason})",
-                "without network access pass a local folder written by AutoencoderKL.save_pretrained",
+                f"cannot load the VAE {source!r} from the local Hugging Face cache ({reason})",
+                "pass a local folder written by AutoencoderKL.save_pretrained",
             ) from None
     vae.eval().requires_grad_(False)
     return vae, vae_identity(vae, source)
 
 
-def _hub_offline() -> bool:
-    return any(
-        os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
-        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
+def _refuse_uncached_hub_id(source: str) -> None:
+    """`--vae NAME` that is no folder here may be a hub id; one that the local cache does not hold is one
+    line now, naming the path it is not and the cache it is not in (the hub is never asked)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(source, "config.json")
+    except ValueError:  # not a valid repo id either
+        cached = None
+    if not isinstance(cached, str):
+        raise UserError(
+            f"--vae {source}: no folder {Path(source).expanduser().absolute()} and no hub model {source!r} "
+            f"in the local Hugging Face cache {constants.HF_HUB_CACHE}",
+            "pass a folder written by AutoencoderKL.save_pretrained (or a pipeline folder with vae/), or "
+            f"download the model once where there is a network: `huggingface-cli download {source}`",
+        )
 
 
 def vae_identity(vae, source: str) -> dict:

@@ -102,7 +102,9 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         save_config(config, run_dir / TRAIN_CONFIG)
         write_json_atomically(run_dir / PLAN, plan.to_json())
         write_classes_json(run_dir, dataset.classes)  # the names sample and export give the class indices
-    start_trackers(accelerator, trackers, tracker_config(config, plan), run_dir.name, run_dir)
+    start_trackers(  # from the first step of this launch: an older timeline's later events are hidden
+        accelerator, trackers, tracker_config(config, plan), run_dir.name, run_dir, state["step"] + 1
+    )
     samples = TrainingSamples(config, plan, spec, accelerator, components, run_dir, dataset.classes)
 
     latent_shape = (spec.in_channels, spec.latent_size, spec.latent_size)  # what the network sees
@@ -127,7 +129,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         before_commit=faults.before_commit,
         parent=start.checkpoint,  # the timeline this run continues (None: a new one)
     )
-    steplog = StepLog(run_dir, plan, accelerator, components.device, config.max_steps)
+    steplog = StepLog(run_dir, plan, accelerator, components.device, config.max_steps, start.checkpoint)
     last_good = start.checkpoint
 
     layout = (

@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+from dit_accel.cpu_threads import cpu_threads
 from dit_accel.errors import (
     EXIT_PREEMPTED,
     EXIT_STOPPED,
@@ -265,7 +266,8 @@ def _main(argv) -> int:
         raise
     stop_request = StopRequest().install(parse_signals(config.preempt_signals))
     try:
-        return train(config, stop_request)
+        with cpu_threads():
+            return train(config, stop_request)
     except USER_ERRORS as error:
         write_exit_record(EXIT_USER, str(error))
         if rank == 0:
@@ -288,13 +290,13 @@ def _main(argv) -> int:
         write_exit_record(EXIT_PREEMPTED, str(preempted))
         return EXIT_PREEMPTED
     except RuntimeError as error:
+        from dit_accel.distributed import lost_peer_message
+
         message = lost_peer_message(error, config.output_dir)  # another rank died: its error is the story
         if message is None:
             raise
         print(f"dit_accel.train: [rank {rank}] {message}", file=sys.stderr)
         log.error(message, extra={"file_only": True})
-        from dit_accel.distributed import lost_peer_message
-
         write_exit_record(1, message)
         return 1
     finally:

@@ -42,6 +42,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -465,10 +466,48 @@ def load_checkpoint(accelerator, checkpoint: str | Path, *, ema) -> dict:
     return read_train_state(checkpoint)
 
 
+def intact_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True) -> Path:
+    """The checkpoint `load_for_inference` reads, the files it reads checked against the manifest (as
+    `--resume auto` checks a whole checkpoint): a damaged checkpoint folder is refused in one line; a run folder
+    gives its newest intact checkpoint, with a warning naming a damaged newer one."""
+    from dit_accel.model import SIDECAR_NAME
+
+    path = Path(checkpoint_or_run_dir)
+    checkpoint = resolve_checkpoint(path)  # refuses what does not exist or holds no complete checkpoint
+
+    def problem_of(folder: Path) -> str | None:
+        weights = SHARDED_MODEL if (folder / SHARDED_MODEL).is_dir() else MODEL_WEIGHTS
+        names = [PLAN, TRAIN_STATE, TRAIN_CONFIG, SIDECAR_NAME, EMA_WEIGHTS if use_ema else weights]
+        return lineage.damage(folder, names)
+
+    problem = problem_of(checkpoint)
+    if problem is None:
+        return checkpoint
+    if checkpoint == path or _NAME.match(path.name):
+        raise UserError(
+            f"checkpoint {checkpoint} is damaged: {problem}",
+            "pass an older checkpoint (a run folder gives its newest intact one) or restore the file",
+        )
+    for node in current_lineage(checkpoint.parent.parent)[1:]:
+        if problem_of(node.path) is None:
+            if int(os.environ.get("RANK", "0") or 0) == 0:  # each rank checks what it reads; one says so
+                print(
+                    f"warning: skipping damaged checkpoint {checkpoint.name} ({problem}); reading "
+                    f"{node.path.name}, the newest intact one of {path}",
+                    file=sys.stderr,
+                )
+            return node.path
+    raise UserError(
+        f"every checkpoint of the current timeline in {checkpoint.parent} is damaged (newest: {problem})",
+        "restore the files, or pass another checkpoint",
+    )
+
+
 def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, device="cpu"):
     """(model, spec, info) for sampling or export: the EMA weights by default, in fp32, in eval mode.
 
-    `checkpoint_or_run_dir` is a checkpoint folder or a run folder (its newest complete checkpoint). The
+    `checkpoint_or_run_dir` is a checkpoint folder or a run folder (its newest intact checkpoint: the files
+    read are checked against the manifest first, `intact_for_inference`). The
     timestep shift comes from the checkpoint's `dit_accel.json` when it has one (0 for weights that began as an
     original DiT checkpoint), else it is diffusers' (1). `info` holds the train state plus `checkpoint` (the
     folder) and `weights` ("ema" or "model").
@@ -477,7 +516,7 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
 
     from dit_accel.model import DIFFUSERS_FREQ_SHIFT, build_model, read_sidecar
 
-    checkpoint = resolve_checkpoint(checkpoint_or_run_dir)
+    checkpoint = intact_for_inference(checkpoint_or_run_dir, use_ema)
     spec = read_plan(checkpoint / PLAN).spec()
     model = build_model(
         spec, timestep_freq_shift=read_sidecar(checkpoint).get("timestep_freq_shift", DIFFUSERS_FREQ_SHIFT)

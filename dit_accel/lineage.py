@@ -162,15 +162,22 @@ def build_manifest(folder: Path) -> dict:
     return {path.relative_to(folder).as_posix(): entry for path, entry in zip(paths, hashed)}
 
 
-def damage(folder: Path) -> str | None:
+def damage(folder: Path, names: list[str] | None = None) -> str | None:
     """What is wrong with a checkpoint's marker or its files against its manifest (naming the file), or None
-    when intact. An old-style marker (written before manifests existed) is taken as intact."""
+    when intact. An old-style marker (written before manifests existed) is taken as intact. `names`: check
+    only these files and folders (what a reader of the weights reads), not the whole checkpoint."""
     marker, problem = _load_marker(folder)
     if problem:
         return problem
     manifest = marker.get("manifest")
     if manifest is None:
         return None
+    if names is not None:
+        manifest = {
+            name: entry
+            for name, entry in manifest.items()
+            if any(name == wanted or name.startswith(wanted + "/") for wanted in names)
+        }
     for name, expected in sorted(manifest.items()):  # the cheap checks first: presence and size
         path = folder / name
         if not path.is_file():

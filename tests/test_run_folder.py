@@ -180,7 +180,7 @@ def test_tensorboard_and_metrics_show_one_timeline_after_a_rollback(workspace, t
     assert e2e.run_in_process([*tracked, "--resume", second, "--max-steps", 3]) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    folder = run / "tensorboard" / "dit-accel"  # the scalars of both launches (hparams in subfolders)
+    folder = run / "tensorboard" / "dit-accel"  # both launches: their scalars and hparams
     assert len(list(folder.glob("events.out.tfevents.*"))) == 2
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     events.Reload()
@@ -293,6 +293,37 @@ def test_a_garbage_marker_is_damage_for_the_trainer(workspace, tmp_path, capsys)
     text = _log(run)
     assert f"skips damaged checkpoint step_00000002: {newest / 'COMPLETE'} is not JSON" in text
     assert "step_00000001 at step 1" in text
+
+
+def test_sample_export_and_init_from_check_the_manifest_too(workspace, tmp_path, capsys):
+    """One byte of the newest ema.safetensors flipped: the very checkpoint --resume auto skips. Sampling,
+    exporting or fine-tuning from it exits 2 in one line (it once sampled with no warning); a run folder gives
+    its newest intact checkpoint, and says which it skipped."""
+    from dit_accel import export, sample
+
+    run = tmp_path / "run"
+    assert e2e.run_in_process(_single(workspace, run, "--max-steps", 2, "--checkpoint-every", 1)) == 0
+    newest = run / "checkpoints" / "step_00000002"
+    _flip_a_byte(newest / "ema.safetensors")
+    capsys.readouterr()
+    named = f"checkpoint {newest} is damaged: {newest / 'ema.safetensors'} does not match its sha256"
+    assert sample.main(["--checkpoint", str(newest), "--out", str(tmp_path / "grid.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dit-accel sample: error: {named}"), err
+    assert export.main(["--checkpoint", str(newest), "--out", str(tmp_path / "pipeline")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+    init = _single(
+        workspace, tmp_path / "finetune", "--max-steps", 1, "--init-from", newest, "--init-from-ema"
+    )
+    assert named in e2e._one_line_error(capsys, init)
+
+    model, _spec, info = ckpt.load_weights(run)  # what sample, export and --init-from read of a run folder
+    assert info["checkpoint"] == str(run / "checkpoints" / "step_00000001")
+    err = capsys.readouterr().err
+    assert "warning: skipping damaged checkpoint step_00000002" in err and "reading step_00000001" in err
+    # The raw weights are intact: reading them is not refused.
+    assert ckpt.load_weights(newest, use_ema=False)[2]["checkpoint"] == str(newest)
 
 
 @pytest.mark.parametrize("marker", ["old-style", "garbage"])

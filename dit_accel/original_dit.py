@@ -113,6 +113,7 @@ def spec_from_original_state_dict(
 ) -> DiTSpec:
     """Depth, width, patch, channels, latent size, classes and learned sigma, read off the tensor shapes
     (`heads`, and `latent_size` when the state dict has no pos_embed, must be given where they cannot be)."""
+    _check_complete(state)
     hidden, in_channels, patch, _ = state["x_embedder.proj.weight"].shape
     depth = len({key.split(".")[1] for key in state if key.startswith("blocks.")})
     out_channels = state["final_layer.linear.weight"].shape[0] // (patch * patch)
@@ -141,6 +142,32 @@ def spec_from_original_state_dict(
         latent_size=latent_size,
         num_classes=num_classes,
     )
+
+
+_TOP_LAYERS = ("x_embedder.proj", "t_embedder.mlp.0", "t_embedder.mlp.2", "final_layer.adaLN_modulation.1")
+_BLOCK_LAYERS = ("adaLN_modulation.1", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+
+
+def _check_complete(state: dict[str, torch.Tensor]) -> None:
+    """Every tensor a DiT of this depth has (the depth: its highest block), before any is read: a partial
+    state dict (a truncated save, a subset, another network) is one line naming what is missing."""
+    blocks = {
+        int(key.split(".")[1]) for key in state if key.startswith("blocks.") and key.split(".")[1].isdigit()
+    }
+    layers = [*_TOP_LAYERS, "final_layer.linear"]
+    layers += [f"blocks.{n}.{layer}" for n in range(max(blocks, default=-1) + 1) for layer in _BLOCK_LAYERS]
+    wanted = [f"{layer}.{kind}" for layer in layers for kind in ("weight", "bias")]
+    wanted.append("y_embedder.embedding_table.weight")
+    missing = [key for key in wanted if not isinstance(state.get(key), torch.Tensor)]
+    if not blocks:
+        missing.insert(0, "blocks.0.*")
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise UserError(
+            f"the original DiT checkpoint is incomplete: it lacks {', '.join(missing[:4])}{more} "
+            f"({len(state)} tensors found)",
+            "pass the whole .pt state dict of the DiT repository (a truncated or partial save cannot be imported)",
+        )
 
 
 def _check_same_network(spec: DiTSpec, inferred: DiTSpec) -> None:

@@ -277,6 +277,9 @@ def test_import_dit_makes_a_checkpoint_that_is_the_original_and_samples(vae_dir,
 
 def test_import_dit_refuses_what_is_not_an_original_checkpoint(tmp_path, capsys):
     torch.save({"weight": torch.zeros(2)}, tmp_path / "other.pt")
+    partial = original_state_dict()  # a partial state dict: once a KeyError and a 20-line traceback
+    del partial["final_layer.linear.weight"], partial["blocks.1.attn.qkv.bias"]
+    torch.save(partial, tmp_path / "partial.pt")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("x")
     torch.save(original_state_dict(), tmp_path / "dit.pt")
@@ -285,6 +288,10 @@ def test_import_dit_refuses_what_is_not_an_original_checkpoint(tmp_path, capsys)
         (
             ["--checkpoint", str(tmp_path / "other.pt"), "--out", str(tmp_path / "a")],
             "not an original DiT state dict",
+        ),
+        (
+            ["--checkpoint", str(tmp_path / "partial.pt"), "--out", str(tmp_path / "a"), "--heads", "2"],
+            "incomplete: it lacks final_layer.linear.weight, blocks.1.attn.qkv.bias (",
         ),
         (["--checkpoint", str(tmp_path / "dit.pt"), "--out", str(tmp_path / "a")], "pass heads"),
         (

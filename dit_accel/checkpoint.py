@@ -50,6 +50,7 @@ from dit_accel import lineage
 from dit_accel.atomic import replace_folder, write_json_atomically
 from dit_accel.consensus import agreed, gathered, main_decides
 from dit_accel.errors import UserError
+from dit_accel.train_config import CONFIG_FILE
 from planner.planfile import read_plan
 
 log = logging.getLogger("dit_accel.train")
@@ -62,7 +63,7 @@ EMA_WEIGHTS = "ema.safetensors"
 MODEL_WEIGHTS = "model.safetensors"
 SHARDED_MODEL = "pytorch_model_fsdp_0"  # accelerate's FSDP SHARDED_STATE_DICT folder for model 0
 PLAN = "plan.json"
-TRAIN_CONFIG = "train_config.json"
+TRAIN_CONFIG = CONFIG_FILE  # the run's TrainConfig (dit_accel.train_config)
 # step_N, or a kept branch's step_N.branch-ID (older versions named some `step_N.branch-step_000`)
 _NAME = re.compile(r"^step_(\d{8,})(\.branch-[0-9a-z_]+)?$")
 METRICS = "metrics.jsonl"  # RUN/metrics.jsonl, and its copy in each checkpoint

@@ -16,7 +16,7 @@ from dit_accel import runlock
 from dit_accel.consensus import main_decides
 from dit_accel.errors import UserError
 from dit_accel.optim import effective_lr
-from dit_accel.train_config import TrainConfig
+from dit_accel.train_config import TrainConfig, inherited_notes
 from planner.planfile import Plan, read_plan
 from planner.units import count
 
@@ -179,6 +179,8 @@ def choose_start(
     main process picks (and verifies) the checkpoint; every rank resumes the same one."""
     while _claim_notes:
         log.warning(_claim_notes.pop(0))
+    for note in inherited_notes():  # the settings --resume took from the run's record
+        log.info(note)
     start = Start(checkpoint=main_decides(accelerator, lambda: ckpt.resolve_resume(config.resume, run_dir)))
     if config.init_from:
         existing = start.checkpoint or main_decides(accelerator, lambda: ckpt.resolve_resume("auto", run_dir))

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dit_accel.cli_args import OneLineParser
+from dit_accel.cli_args import OneLineParser, shown_default
 from dit_accel.errors import UserError
 
 NAN_POLICIES = ("abort", "skip")
@@ -344,7 +345,9 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
     return tuple(found)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(given_only: bool = False) -> argparse.ArgumentParser:
+    """The trainer's flags; `given_only`: without defaults, so that a parse holds only the flags given."""
+    unset = argparse.SUPPRESS if given_only else None
     parser = _Parser(
         prog="dit_accel.train",
         description="Train a DiT exactly as plan.json says. Launch with "
@@ -352,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--config",
-        default=None,
+        default=unset,
         help="a recipe: flat YAML whose keys are these flags (e.g. configs/recipes/dit-xl2-256.yaml); "
         "flags on the command line override it",
     )
@@ -361,12 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
         if "_" in spec.name:
             flags.append(f"--{spec.name}")
         help_text = spec.metadata.get("help", "").replace("%", "%%")  # argparse %-formats every help
+        default = argparse.SUPPRESS if given_only else spec.default
         if spec.type == "bool" or isinstance(spec.default, bool) or spec.name in ("hflip", "compile"):
             parser.add_argument(
                 *flags,
                 dest=spec.name,
                 action=argparse.BooleanOptionalAction,
-                default=spec.default,
+                default=default,
                 help=help_text,
             )
         elif spec.name == "betas":
@@ -375,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                 dest=spec.name,
                 type=float,
                 nargs=2,
-                default=spec.default,
+                default=default,
                 metavar=("BETA1", "BETA2"),
                 help=help_text,
             )
@@ -384,27 +388,98 @@ def build_parser() -> argparse.ArgumentParser:
             if spec.name == "grad_clip":
                 kind = float
             if spec.name == "num_workers":  # not given: None, so that the trainer may cap the default
-                parser.add_argument(*flags, dest=spec.name, type=int, default=None, help=help_text)
+                parser.add_argument(*flags, dest=spec.name, type=int, default=unset, help=help_text)
                 continue
-            parser.add_argument(*flags, dest=spec.name, type=kind, default=spec.default, help=help_text)
+            parser.add_argument(*flags, dest=spec.name, type=kind, default=default, help=help_text)
     return parser
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
-    """The command line, after the recipe of `--config FILE` when there is one (the command line wins)."""
+    """The command line, after the recipe of `--config FILE` when there is one (the command line wins); with
+    --resume, every flag neither names takes the value the run recorded (`inherit_recorded`)."""
     from dit_accel.recipe import recipe_argv
 
     argv = list(argv)
     namespace = build_parser().parse_args(argv)
     if namespace.config:
         fields = [field.name for field in dataclasses.fields(TrainConfig)]
-        namespace = build_parser().parse_args([*recipe_argv(namespace.config, fields), *argv])
+        argv = [*recipe_argv(namespace.config, fields), *argv]
+        namespace = build_parser().parse_args(argv)
     values = vars(namespace)
     values.pop("config")
     values["betas"] = tuple(values["betas"])
     config = TrainConfig(**values)
+    if config.resume:
+        inherit_recorded(config, given_fields(argv))
     config.check()
     return config
+
+
+CONFIG_FILE = "train_config.json"  # the run's TrainConfig, in the run folder and in every checkpoint
+# Never taken from the record: where the run is and how it starts are what this command line says.
+NOT_INHERITED = ("plan", "output_dir", "resume", "init_from", "init_from_ema")
+DATA_SOURCES = ("data_path", "latents")  # one choice: either given, neither is inherited
+_inherited_notes: list[str] = []  # what inherit_recorded took, logged by resume.choose_start
+
+
+def given_fields(argv: list[str]) -> set[str]:
+    """The TrainConfig fields `argv` names, whatever their values (the default's too)."""
+    return set(vars(build_parser(given_only=True).parse_args(argv))) - {"config"}
+
+
+def recorded_settings(config: TrainConfig) -> tuple[dict, Path] | None:
+    """The settings the run being resumed recorded: RUN/train_config.json (its latest start), else, for
+    `--resume PATH` from another folder, PATH's own (a run or checkpoint folder holds one)."""
+    candidates = [Path(config.output_dir) / CONFIG_FILE]
+    if config.resume not in ("auto", "latest"):
+        candidates.append(Path(config.resume) / CONFIG_FILE)
+    for path in candidates:
+        if path.is_file():
+            try:
+                return json.loads(path.read_text()), path
+            except (OSError, ValueError) as error:
+                raise UserError(
+                    f"cannot read the run's recorded settings {path}: {error}",
+                    "restore the file, or delete it to resume with the defaults",
+                ) from None
+    return None
+
+
+def inherit_recorded(config: TrainConfig, given: set[str]) -> list[str]:
+    """A resumed run continues as it was: every field the command line (and its recipe) does not name takes
+    the run's recorded value, so `--resume auto` alone keeps the run's --lr, --log-every, --seed, ...; a
+    flag given says what changes (resume.apply_recipe_changes logs it). Returns the inherited fields whose
+    values differ from the defaults, as flags, also noted for the run's log."""
+    found = recorded_settings(config)
+    if found is None:
+        return []
+    recorded, path = found
+    skip = {*NOT_INHERITED, *given, *(DATA_SOURCES if given & set(DATA_SOURCES) else ())}
+    defaults = TrainConfig()
+    taken = []
+    for spec in dataclasses.fields(TrainConfig):
+        if spec.name in skip or spec.name not in recorded:
+            continue
+        value = tuple(recorded[spec.name]) if spec.name == "betas" else recorded[spec.name]
+        setattr(config, spec.name, value)
+        if value != getattr(defaults, spec.name):
+            flag = _flag(spec.name)
+            taken.append(
+                (f"--{flag}" if value else f"--no-{flag}")
+                if isinstance(value, bool)
+                else f"--{flag} {shown_default(value)}"
+            )
+    if taken:
+        _inherited_notes.append(
+            f"flags not given take the run's recorded values ({path}): {', '.join(taken)}"
+        )
+    return taken
+
+
+def inherited_notes() -> list[str]:
+    """What `inherit_recorded` took since the last call, for the run's log."""
+    notes, _inherited_notes[:] = list(_inherited_notes), []
+    return notes
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

@@ -125,6 +125,47 @@ def test_resume_latest_is_auto(workspace, tracked, tmp_path):
     )
 
 
+def test_a_resume_continues_with_the_runs_recorded_flags(workspace, tmp_path):
+    """The README's resume command names no --lr, --log-every or --checkpoint-every: a resumed run takes them
+    from its train_config.json (it resumed the demo at 10x lower lr before); a flag given still changes it."""
+    run = tmp_path / "run"
+    required = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", run]
+    first = [*required, "--lr", "2e-3", "--log-every", 1, "--checkpoint-every", 2, "--num-workers", 0]
+    assert run_in_process([*first, "--max-steps", 4, "--no-progress-bar", "--report-to", "none"]) == 0
+    assert run_in_process([*required, "--max-steps", 6, "--resume", "auto"]) == 0
+    recorded = json.loads((run / ckpt.TRAIN_CONFIG).read_text())
+    assert (recorded["lr"], recorded["log_every"], recorded["checkpoint_every"]) == (2e-3, 1, 2)
+    assert (recorded["max_steps"], recorded["report_to"], recorded["progress_bar"]) == (6, "none", False)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]  # --log-every 1 held
+    assert {m["lr"] for m in metrics} == {2e-3}
+    assert sorted(p.name for p in ckpt.checkpoints_dir(run).iterdir())[-1] == "step_00000006"
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "flags not given take the run's recorded values" in log and "--lr 0.002" in log
+    # a flag given on the resuming command line wins, and says so
+    assert run_in_process([*required, "--max-steps", 7, "--resume", "auto", "--lr", "1e-3"]) == 0
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "--lr changed on resume: 0.002 -> 0.001, applied from step 7" in log
+    assert json.loads((run / ckpt.TRAIN_CONFIG).read_text())["lr"] == 1e-3
+
+
+def test_what_a_resume_inherits_and_what_it_never_does(tmp_path):
+    from dit_accel.train_config import parse_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = {"lr": 5e-3, "seed": 7, "betas": [0.9, 0.95], "latents": "/old/cache", "init_from": "/w"}
+    recorded.update(resume="auto", plan="/old/plan.json", max_steps=100, hflip=False, unknown_key=1)
+    (run / ckpt.TRAIN_CONFIG).write_text(json.dumps(recorded))
+    argv = ["--plan", tmp_path / "plan.json", "--output-dir", run, "--data-path", tmp_path]
+    config = parse_config([str(a) for a in [*argv, "--resume", "auto", "--seed", 0]])
+    assert (config.lr, config.betas, config.max_steps, config.hflip) == (5e-3, (0.9, 0.95), 100, False)
+    assert config.seed == 0  # given: the command line's, even where it is the default
+    assert config.latents is None and config.data_path == str(tmp_path)  # one data source, the given one
+    assert config.plan == str(tmp_path / "plan.json") and config.init_from is None
+    assert parse_config([str(a) for a in argv]).lr == 1e-4  # no --resume: a new start, the defaults
+
+
 def _one_line(capsys, argv) -> str:
     code = run_in_process(argv)
     err = capsys.readouterr().err.strip()

@@ -46,14 +46,14 @@ def chosen_trackers(report_to: str, tensorboard: bool = True) -> list[str]:
         return []
     if names == ["all"]:
         names = [name for name in TRACKERS if installed(name)]
-    else:
-        for name in names:
-            if not installed(name):
-                raise UserError(
-                    f"--report-to {name}: the {name} package is not installed",
-                    f"{INSTALL[name]}, or pass --report-to none",
-                )
-    return [name for name in names if tensorboard or name != "tensorboard"]
+    names = [name for name in names if tensorboard or name != "tensorboard"]  # off: never looked for
+    for name in names:
+        if not installed(name):
+            raise UserError(
+                f"--report-to {name}: the {name} package is not installed",
+                f"{INSTALL[name]}, or pass --report-to none",
+            )
+    return names
 
 
 def start_trackers(
@@ -68,12 +68,30 @@ def start_trackers(
     if accelerator.log_with:
         accelerator.init_trackers(
             PROJECT,
-            config=hparams,
             init_kwargs={
                 "wandb": {"name": run_name, "dir": str(run_dir)},
                 "tensorboard": {"purge_step": first_step},
             },
         )
+        for tracker in accelerator.trackers if accelerator.is_main_process else ():
+            if tracker.name == "tensorboard":
+                write_tensorboard_hparams(tracker.writer, hparams)
+            else:
+                tracker.store_init_configuration(hparams)
+
+
+def write_tensorboard_hparams(writer, hparams: dict) -> None:
+    """The run's settings into its own event file, so TensorBoard shows ONE run with its hparams: Accelerate's
+    `store_init_configuration` calls SummaryWriter.add_hparams, which writes them into a new subfolder named
+    by the time, and TensorBoard lists each such folder as another, empty run."""
+    try:
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+    except ImportError:  # Accelerate's tracker writes with tensorboardX when torch's writer is missing
+        from tensorboardX.summary import hparams as hparams_summaries
+
+    for summary in hparams_summaries(hparams, {}):  # experiment, session start, session end
+        writer.file_writer.add_summary(summary)
+    writer.flush()
 
 
 def log_image(accelerator, key: str, image, step: int) -> None:

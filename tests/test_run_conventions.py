@@ -81,6 +81,45 @@ def test_tensorboard_scalars_are_the_metrics_of_metrics_jsonl(tracked):
     assert len({m["loss"] for m in metrics}) == 4  # four different losses, not one value repeated
 
 
+def test_tensorboard_shows_one_run_holding_the_hparams(tracked):
+    """Accelerate's add_hparams writes the settings into a subfolder per launch, which TensorBoard lists as
+    another, empty run: here every event file is in the one run folder, and that run holds the hparams."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folders = {path.parent for path in (tracked["run"] / "tensorboard").rglob("events.out.tfevents.*")}
+    assert folders == {tracked["run"] / "tensorboard" / "dit-accel"}
+    assert not [path for path in folders.pop().iterdir() if path.is_dir()]  # no hparams subfolders either
+    events = EventAccumulator(str(tracked["run"] / "tensorboard" / "dit-accel"))
+    events.Reload()
+    hparams = events.PluginTagToContent("hparams")
+    assert "_hparams_/session_start_info" in hparams
+    assert b"ema_decay" in hparams["_hparams_/session_start_info"]  # the run's TrainConfig
+
+
+NO_TENSORBOARD = """
+import sys
+for name in ("tensorboard", "tensorboardX", "torch.utils.tensorboard"):
+    sys.modules[name] = None  # an environment without either package: importing one fails
+from dit_accel.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.launched
+def test_no_tensorboard_needs_no_tensorboard_package(workspace, tmp_path):
+    import subprocess
+    import sys
+
+    argv = [str(a) for a in _args(workspace, tmp_path / "run", "--max-steps", 1, "--no-tensorboard")]
+    result = subprocess.run([sys.executable, "-c", NO_TENSORBOARD, *argv], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()
+    assert not (tmp_path / "run" / "tensorboard").exists()
+    blocked = [sys.executable, "-c", NO_TENSORBOARD, *argv[:-1], "--output-dir", str(tmp_path / "other")]
+    result = subprocess.run(blocked, capture_output=True, text=True)  # TensorBoard on: refused, one line
+    assert result.returncode == 2 and "the tensorboard package is not installed" in result.stderr
+
+
 def test_sample_grids_go_to_the_run_folder_and_to_tensorboard(tracked):
     samples = tracked["run"] / "samples"
     assert sorted(p.name for p in samples.iterdir()) == ["step_2.png", "step_4.png"]

@@ -49,9 +49,12 @@ def gathered(accelerator, value) -> list:
 def agreed(error: BaseException) -> BaseException:
     """`error`, which every rank is about to raise alike, after this rank has left the process group: no
     collective follows, and a rank that exits while a peer's gloo threads still expect it would otherwise
-    die in their teardown (SIGABRT, "terminate called without an active exception") instead of exiting 2."""
+    die in their teardown (SIGABRT, "terminate called without an active exception") instead of exiting 2.
+    Marked `on_every_rank`: rank 0 says it once, also when it happens in the training loop (a full disk),
+    where a rank's own error (a bad image only it reads) is printed by that rank."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    error.on_every_rank = True
     return error

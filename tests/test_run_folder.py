@@ -575,6 +575,8 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(
     assert result.returncode != 0
     lines = _error_lines(result)
     assert len(lines) == 1, result.stderr[-3000:]
+    # Said once, not once per rank (rank 1 once added `dit_accel.train: [rank 1] error: no space left ...`).
+    assert sum("no space left on" in line for line in result.stderr.splitlines()) == 1, result.stderr[-3000:]
     pattern = (
         rf"dit_accel.train: error: no space left on {re.escape(str(small_disk))} while saving checkpoint "
         r"step_00000007: needs about [0-9.e-]+ GiB, [0-9.e-]+ GiB free; free space or point --output-dir at a "

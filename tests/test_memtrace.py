@@ -272,30 +272,11 @@ def test_verify_prints_the_trace_beside_the_planner_and_what_it_cannot_see(tmp_p
         assert replayed == expected.allocator[mode]["reserved_peak_bytes"] >= expected.peak_bytes
 
 
-README_CPU_PLAN = [
-    "--model",
-    "DiT-S/2",
-    "--depth",
-    "2",
-    "--hidden",
-    "32",
-    "--heads",
-    "2",
-    "--resolution",
-    "32",
-]
-README_CPU_PLAN += [
-    "--latents",
-    "pixel",
-    "--num-classes",
-    "4",
-    "--gpus",
-    "2",
-    "--vram",
-    "8G",
-    "--global-batch",
-    "8",
-]
+# the README's CPU demo plan: 2 blocks of width 32 at 32 px, two processes
+README_CPU_PLAN = (
+    "--model DiT-S/2 --depth 2 --hidden 32 --heads 2 --resolution 32 --latents pixel --num-classes 4 "
+    "--gpus 2 --vram 8G --global-batch 8"
+).split()
 
 
 def _verify(tmp_path, capsys, plan_flags: list[str]) -> tuple[int, str, dict]:
@@ -322,22 +303,11 @@ def test_verify_holds_tiny_figures_to_an_absolute_floor(tmp_path, capsys):
 def test_verify_exits_1_when_the_planner_is_outside_tolerance(tmp_path, capsys):
     """A plan made with --assume attention=math sizes a softmax per block that the trainer's fused attention
     never stores: 1,024 tokens make that 2 x 64 MiB the trace does not see, outside tolerance, exit 1."""
-    flags = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "64", "--heads", "2", "--resolution", "64"]
-    flags += [
-        "--latents",
-        "pixel",
-        "--num-classes",
-        "4",
-        "--gpus",
-        "1",
-        "--vram",
-        "8G",
-        "--global-batch",
-        "8",
-    ]
-    code, out, saved = _verify(
-        tmp_path, capsys, [*flags, "--precision", "fp32", "--assume", "attention=math"]
-    )
+    flags = (
+        "--model DiT-S/2 --depth 2 --hidden 64 --heads 2 --resolution 64 --latents pixel --num-classes 4 "
+        "--gpus 1 --vram 8G --global-batch 8 --precision fp32 --assume attention=math"
+    ).split()
+    code, out, saved = _verify(tmp_path, capsys, flags)
     assert code == 1
     assert {"activations", "traceable peak"} <= set(saved["outside_tolerance"])
     activations = next(line for line in out.splitlines() if line.startswith("activations"))

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from dit_accel.memtrace.allocator import CachingAllocator, replay, replay_both, round_request, segment_bytes
+from dit_accel.memtrace.allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    least_reserved,
+    replay,
+    replay_both,
+    round_request,
+    segment_bytes,
+)
 
 MiB = 1 << 20
 
@@ -94,6 +102,82 @@ def test_expandable_segments_still_fragment_around_a_live_block():
 def test_zero_byte_requests_and_unknown_frees_allocate_nothing():
     peaks = replay([("empty", 0), ("empty", None), ("before the trace", None)])
     assert (peaks.requested_peak_bytes, peaks.reserved_peak_bytes) == (0, 0)
+
+
+def test_expandable_best_fit_keeps_the_growable_tail():
+    """x 30 MiB maps 2 pages (40 MiB); y 12 MiB grows the tail block [30, 40) by a page: y at [30, 42), the
+    tail [42, 60) free. Freeing x leaves a 30 MiB hole. z 15 MiB fits the tail (18) best, but the source skips
+    the growable tail for the next block that fits: z goes to the hole [0, 15). w 25 MiB then fits neither the
+    hole's rest (15) nor the tail (18): the tail grows by 20 MiB, reserved 80 MiB (60 if z had taken the tail)."""
+    allocator = CachingAllocator(expandable_segments=True)
+    x = allocator.malloc(30 * MiB)
+    allocator.malloc(12 * MiB)
+    assert allocator.reserved == 60 * MiB
+    allocator.free(x)
+    allocator.malloc(15 * MiB)
+    assert allocator.reserved == 60 * MiB
+    allocator.malloc(25 * MiB)
+    assert allocator.reserved == 80 * MiB
+
+
+# --- memory pressure: release the cache and retry -----------------------------------------------------------
+
+PRESSURE = [("a", 100 * MiB), ("b", 100 * MiB), ("a", None), ("b", None), ("c", 210 * MiB)]
+
+
+def test_fixed_segments_release_whole_free_segments_and_retry():
+    """a and b are segments of their own (100 MiB each), both free when c (210 MiB) comes: unbounded, c is a
+    new segment beside them (410 MiB, 200 of it reclaimable at that peak). Under a 300 MiB limit the new
+    segment would pass it, so both free segments go back to the driver and c is cudaMalloc'ed: reserved 210."""
+    unbounded = replay(PRESSURE)
+    assert (unbounded.reserved_peak_bytes, unbounded.reclaimable_at_peak_bytes) == (410 * MiB, 200 * MiB)
+    assert unbounded.releases == 0
+    tight = replay(PRESSURE, limit_bytes=300 * MiB)
+    assert (tight.reserved_peak_bytes, tight.releases) == (210 * MiB, 1)
+    with pytest.raises(OutOfMemory):
+        replay(PRESSURE, limit_bytes=209 * MiB)  # 210 MiB cannot fit even with nothing cached
+
+
+def test_a_split_segment_is_not_released():
+    """x and y (5 MiB each) share a 20 MiB segment; with x freed the segment still holds y, so a release
+    returns nothing: a 30 MiB request needs 20 + 30 = 50 MiB, out of memory under 40, fine under 50."""
+    events = [("x", 5 * MiB), ("y", 5 * MiB), ("x", None), ("z", 30 * MiB)]
+    with pytest.raises(OutOfMemory):
+        replay(events, limit_bytes=40 * MiB)
+    assert replay(events, limit_bytes=50 * MiB).reserved_peak_bytes == 50 * MiB
+    assert replay(events).reclaimable_at_peak_bytes == 0
+
+
+def test_expandable_segments_unmap_the_pages_inside_free_blocks():
+    """a, b 100 MiB each map 10 pages; a freed leaves a 100 MiB hole (5 pages wholly inside it); c 110 MiB
+    does not fit the hole and grows the segment by 6 pages: 320 MiB unbounded, 100 reclaimable. Under 240 MiB
+    the hole's 5 pages are unmapped first (reserved 100), then c maps its 6: 220 MiB."""
+    events = [("a", 100 * MiB), ("b", 100 * MiB), ("a", None), ("c", 110 * MiB)]
+    unbounded = replay(events, expandable_segments=True)
+    assert (unbounded.reserved_peak_bytes, unbounded.reclaimable_at_peak_bytes) == (320 * MiB, 100 * MiB)
+    tight = replay(events, expandable_segments=True, limit_bytes=240 * MiB)
+    assert (tight.reserved_peak_bytes, tight.releases) == (220 * MiB, 1)
+
+
+def test_expandable_pages_unmapped_by_a_release_are_mapped_again_on_use():
+    """After the release above the hole [0, 100) is unmapped; d 60 MiB fits it and maps its 3 pages again:
+    220 + 60 = 280 MiB, under a 300 MiB limit (a release then finds nothing more to unmap)."""
+    events = [("a", 100 * MiB), ("b", 100 * MiB), ("a", None), ("c", 110 * MiB), ("d", 60 * MiB)]
+    peaks = replay(events, expandable_segments=True, limit_bytes=300 * MiB)
+    assert (peaks.reserved_peak_bytes, peaks.releases) == (280 * MiB, 1)
+
+
+def test_least_reserved_is_the_smallest_limit_the_step_runs_under():
+    """The pressure case runs under any limit from 210 MiB (its allocated peak) and not below: the
+    bisection finds 210 MiB to its 2 MiB resolution, far under the unbounded 410."""
+    assert 210 * MiB <= least_reserved(PRESSURE) < 212 * MiB
+    assert (
+        220 * MiB
+        <= least_reserved(
+            [("a", 100 * MiB), ("b", 100 * MiB), ("a", None), ("c", 110 * MiB)], expandable_segments=True
+        )
+        < 222 * MiB
+    )  # b's 100 MiB and c's 6 pages: the hole is unmapped
 
 
 # --- the planner's analytic reserved model (planner/allocator.py) ----------------------------------------

@@ -2,7 +2,7 @@
 *reserved* bytes (what the allocator holds from the driver, what nvidia-smi shows and an OOM is decided on).
 
 The rules are those of c10/cuda/CUDACachingAllocator.cpp with the default settings (no max_split_size, no
-roundup_power2_divisions, no garbage collection threshold), one stream, and memory that never runs out:
+roundup_power2_divisions, no garbage collection threshold) and one stream:
 
 - every request is rounded up to a multiple of 512 B (`round_request`);
 - requests up to 1 MiB come from the small pool, larger ones from the large pool; each pool caches free
@@ -12,18 +12,23 @@ roundup_power2_divisions, no garbage collection threshold), one stream, and memo
   is handed out (torch's "allocated" counts it whole);
 - a freed block merges with its free neighbours in the same segment;
 - fixed segments (the default allocator): when no free block fits, a new segment is cudaMalloc'ed: 2 MiB
-  for a small request, 20 MiB for a request under 10 MiB, otherwise the request rounded up to 2 MiB.
-  Segments are never released: empty_cache is not called during training, and with unbounded memory the
-  allocator never needs to free cached segments to retry (on a full GPU it would, so a replay's reserved
-  peak is what the step asks for, an upper bound on what a nearly full GPU ends up holding);
+  for a small request, 20 MiB for a request under 10 MiB, otherwise the request rounded up to 2 MiB;
 - expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, the trainer's default on CUDA):
   one growing virtual segment per pool, backed by physical pages mapped on demand, 2 MiB pages for the
   small pool and 20 MiB for the large one. When no free block fits, pages are mapped at the segment's end
-  (merging with a free block there), so reserved is the peak of the mapped pages: the highest address the
-  step ever needed, rounded to a page. Holes in the middle still fragment, but far less.
+  (merging with a free block there), so reserved is the mapped pages. Best fit skips the free block at the
+  segment's end (it can grow) for the next larger free block that fits, as the source does: it keeps the
+  growable tail for requests nothing else takes. Holes in the middle still fragment, but far less;
+- memory pressure (`limit_bytes`, the GPU's memory for the allocator): when new memory would pass the
+  limit, the allocator first releases what it caches unused (fixed: every free block that is a whole
+  segment; expandable: every page wholly inside a free block), then retries once; past the limit still,
+  the request is out of memory (`OutOfMemory`). Without a limit memory never runs out and nothing is
+  released, so `reserved_peak_bytes` is what a GPU with room to spare shows; `least_reserved` finds the
+  smallest limit the step runs under (what a nearly full GPU needs), and `reclaimable_at_peak_bytes` says
+  what a release could have returned at the unbounded peak.
 
-Not modelled: several streams (NCCL's, record_stream), CUDA graphs' private pools, the expandable search's
-preference for a block that can grow, allocations outside PyTorch (CUDA context, cuBLAS, NCCL).
+Not modelled: several streams (NCCL's, record_stream), CUDA graphs' private pools, allocations outside
+PyTorch (CUDA context, cuBLAS, NCCL), a release's order of segments (all are released at once).
 """
 
 from __future__ import annotations
@@ -63,24 +68,36 @@ def round_up(nbytes: int, multiple: int) -> int:
     return -(-nbytes // multiple) * multiple
 
 
+class OutOfMemory(RuntimeError):
+    """A request that does not fit under the limit even after the allocator released its cache."""
+
+
+class _NeedsMemory(Exception):
+    """Internal: new memory would pass the limit (nothing was changed)."""
+
+
 class _Block:
-    __slots__ = ("address", "size", "free", "prev", "next", "small")
+    __slots__ = ("address", "size", "free", "prev", "next", "small", "reclaim")
 
     def __init__(self, address: int, size: int, small: bool):
         self.address, self.size, self.free, self.small = address, size, True, small
         self.prev: _Block | None = None
         self.next: _Block | None = None
+        self.reclaim = 0  # while free: the bytes a release would return from it
 
 
 @dataclass(frozen=True)
 class AllocatorPeaks:
     """The replayed step: peaks of what the program asked for, of what the allocator handed out (torch's
-    max_memory_allocated: whole blocks) and of what it held (max_memory_reserved)."""
+    max_memory_allocated: whole blocks) and of what it held (max_memory_reserved); what a release could
+    have returned at that reserved peak; the releases a limit forced (each a device synchronisation)."""
 
     requested_peak_bytes: int
     allocated_peak_bytes: int
     reserved_peak_bytes: int
     segments: int  # cudaMallocs (fixed) or page mappings (expandable) made
+    reclaimable_at_peak_bytes: int = 0
+    releases: int = 0
 
     @property
     def fragmentation(self) -> float:
@@ -89,25 +106,33 @@ class AllocatorPeaks:
 
 
 class CachingAllocator:
-    """The allocator's state: `malloc(nbytes)` returns a handle, `free(handle)` returns its block."""
+    """The allocator's state: `malloc(nbytes)` returns a handle, `free(handle)` returns its block. With
+    `limit_bytes`, reserved never passes it: the cache is released and the request retried, else
+    `OutOfMemory`."""
 
-    def __init__(self, expandable_segments: bool = False):
+    def __init__(self, expandable_segments: bool = False, limit_bytes: int | None = None):
         self.expandable = expandable_segments
+        self.limit_bytes = limit_bytes
         self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # sorted (size, addr)
         self._live: dict[int, tuple[_Block, int]] = {}  # handle -> (block, requested bytes)
         self._next_handle = 0
         self._next_address = 0
-        self._tail: dict[bool, int] = {True: 0, False: 0}  # expandable: mapped bytes of each pool's segment
+        self._tail: dict[bool, int] = {True: 0, False: 0}  # expandable: virtual bytes of each pool's segment
         self._base: dict[bool, int] = {}  # expandable: each pool's segment start address
         self._last: dict[bool, _Block | None] = {True: None, False: None}  # expandable: the block at the end
+        self._mapped: dict[bool, set[int]] = {True: set(), False: set()}  # expandable: mapped page indices
         self.requested = self.allocated = self.reserved = 0
         self.requested_peak = self.allocated_peak = self.reserved_peak = 0
-        self.segments = 0
+        self.reclaimable = 0  # what `release_cached` would return now
+        self.reclaimable_at_peak = 0
+        self.segments = self.releases = 0
 
     # --- free-block index ------------------------------------------------------------------------------
     def _insert_free(self, block: _Block) -> None:
         block.free = True
         bisect.insort(self._free[block.small], (block.size, block.address, block))
+        block.reclaim = self._reclaim_of(block)
+        self.reclaimable += block.reclaim
 
     def _remove_free(self, block: _Block) -> None:
         entries = self._free[block.small]
@@ -115,55 +140,132 @@ class CachingAllocator:
         assert entries[index][2] is block
         del entries[index]
         block.free = False
+        self.reclaimable -= block.reclaim
+        block.reclaim = 0
 
     def _best_fit(self, small: bool, size: int) -> _Block | None:
         entries = self._free[small]
         index = bisect.bisect_left(entries, (size, -1))
-        return entries[index][2] if index < len(entries) else None
+        if index >= len(entries):
+            return None
+        block = entries[index][2]
+        if self.expandable and block is self._last[small] and index + 1 < len(entries):
+            return entries[index + 1][2]  # the growable tail is kept for what nothing else fits
+        return block
+
+    # --- pages (expandable segments) -------------------------------------------------------------------------
+    def _page_range(self, small: bool, start: int, end: int, inside: bool) -> range:
+        """Page indices covering [start, end) (inside=False) or lying wholly inside it (inside=True)."""
+        page, base = PAGE_BYTES[small], self._base[small]
+        if inside:
+            return range(-(-(start - base) // page), (end - base) // page)
+        return range((start - base) // page, -(-(end - base) // page))
+
+    def _reclaim_of(self, block: _Block) -> int:
+        if not self.expandable:
+            return block.size if block.prev is None and block.next is None else 0  # a whole segment
+        mapped = self._mapped[block.small]
+        pages = self._page_range(block.small, block.address, block.address + block.size, inside=True)
+        return PAGE_BYTES[block.small] * sum(1 for page in pages if page in mapped)
+
+    def _missing_pages(self, small: bool, start: int, size: int) -> list[int]:
+        mapped = self._mapped[small]
+        return [
+            page for page in self._page_range(small, start, start + size, inside=False) if page not in mapped
+        ]
+
+    def _check_limit(self, new_bytes: int) -> None:
+        if self.limit_bytes is not None and self.reserved + new_bytes > self.limit_bytes:
+            raise _NeedsMemory
 
     # --- new memory --------------------------------------------------------------------------------------
     def _new_segment(self, small: bool, size: int) -> _Block:
         nbytes = segment_bytes(size)
+        self._check_limit(nbytes)
         block = _Block(self._next_address, nbytes, small)
         self._next_address += nbytes
         self.reserved += nbytes
         self.segments += 1
         return block
 
-    def _grow(self, small: bool, size: int) -> _Block:
-        """Expandable segments: map pages at the pool's segment end, merged with a free block there."""
+    def _expandable_block(self, small: bool, size: int) -> _Block:
+        """Expandable segments: the best-fit free block, else the segment grown at its end (merged with a
+        free block there); the pages under the request are mapped, within the limit."""
         if small not in self._base:
             self._base[small] = self._next_address
             self._next_address += 1 << 50  # each pool's virtual range is far from the other's
+        block = self._best_fit(small, size)
         last = self._last[small]
-        reuse = last if last is not None and last.free else None
-        have = reuse.size if reuse is not None else 0
-        mapped = round_up(size - have, PAGE_BYTES[small])
-        self._tail[small] += mapped
-        self.reserved += mapped
-        self.segments += 1
-        if reuse is not None:
-            self._remove_free(reuse)
-            reuse.size += mapped
-            return reuse
-        block = _Block(self._base[small] + self._tail[small] - mapped, mapped, small)
-        block.prev = last
-        if last is not None:
-            last.next = block
-        self._last[small] = block
+        reuse = last if block is None and last is not None and last.free else None
+        if block is not None:
+            start = block.address
+        else:
+            start = reuse.address if reuse is not None else self._base[small] + self._tail[small]
+        missing = self._missing_pages(small, start, size)
+        self._check_limit(len(missing) * PAGE_BYTES[small])
+        if block is not None:
+            self._remove_free(block)
+        else:
+            have = reuse.size if reuse is not None else 0
+            grown = round_up(size - have, PAGE_BYTES[small])
+            self._tail[small] += grown
+            if reuse is not None:
+                self._remove_free(reuse)
+                reuse.size += grown
+                block = reuse
+            else:
+                block = _Block(start, grown, small)
+                block.prev = last
+                if last is not None:
+                    last.next = block
+                self._last[small] = block
+        self._mapped[small].update(missing)
+        self.reserved += len(missing) * PAGE_BYTES[small]
+        self.segments += len(missing) > 0
         return block
 
+    def release_cached(self) -> int:
+        """Return what the cache holds unused to the driver (fixed: free whole segments; expandable: the
+        pages wholly inside free blocks); the bytes released."""
+        released = 0
+        for small, entries in self._free.items():
+            for _, _, block in [entry for entry in entries if entry[2].reclaim]:
+                released += block.reclaim
+                if self.expandable:
+                    pages = self._page_range(small, block.address, block.address + block.size, inside=True)
+                    self._mapped[small].difference_update(pages)
+                    self.reclaimable -= block.reclaim
+                    block.reclaim = 0
+                else:
+                    self._remove_free(block)  # the segment goes back to the driver
+        self.reserved -= released
+        return released
+
     # --- the two calls -------------------------------------------------------------------------------------
+    def _take(self, size: int) -> _Block:
+        small = is_small(size)
+        if self.expandable:
+            return self._expandable_block(small, size)
+        block = self._best_fit(small, size)
+        if block is None:
+            return self._new_segment(small, size)
+        self._remove_free(block)
+        return block
+
     def malloc(self, nbytes: int) -> int:
         size = round_request(nbytes)
         small = is_small(size)
-        block = self._best_fit(small, size)
-        if block is not None:
-            self._remove_free(block)
-        elif self.expandable:
-            block = self._grow(small, size)
-        else:
-            block = self._new_segment(small, size)
+        try:
+            block = self._take(size)
+        except _NeedsMemory:
+            self.release_cached()
+            self.releases += 1
+            try:
+                block = self._take(size)
+            except _NeedsMemory:
+                raise OutOfMemory(
+                    f"{size} B past the limit of {self.limit_bytes} B ({self.reserved} B reserved)"
+                ) from None
         rest = block.size - size
         if small or self.expandable:
             split = rest >= MIN_BLOCK_BYTES
@@ -186,7 +288,8 @@ class CachingAllocator:
         self.allocated += block.size
         self.requested_peak = max(self.requested_peak, self.requested)
         self.allocated_peak = max(self.allocated_peak, self.allocated)
-        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        if self.reserved > self.reserved_peak:
+            self.reserved_peak, self.reclaimable_at_peak = self.reserved, self.reclaimable
         return handle
 
     def free(self, handle: int) -> None:
@@ -210,14 +313,22 @@ class CachingAllocator:
         self._insert_free(block)
 
     def peaks(self) -> AllocatorPeaks:
-        return AllocatorPeaks(self.requested_peak, self.allocated_peak, self.reserved_peak, self.segments)
+        return AllocatorPeaks(
+            self.requested_peak,
+            self.allocated_peak,
+            self.reserved_peak,
+            self.segments,
+            self.reclaimable_at_peak,
+            self.releases,
+        )
 
 
-def replay(events, expandable_segments: bool = False) -> AllocatorPeaks:
+def replay(events, expandable_segments: bool = False, limit_bytes: int | None = None) -> AllocatorPeaks:
     """Replay `events`, each (key, nbytes) for an allocation (nbytes >= 0) or (key, None) for the free of
     the allocation made under `key`, and return the peaks. A zero-byte request allocates nothing (as on
-    CUDA); a free of an unknown key (a storage that existed before the trace) is ignored."""
-    allocator = CachingAllocator(expandable_segments)
+    CUDA); a free of an unknown key (a storage that existed before the trace) is ignored. Under
+    `limit_bytes` a request that cannot fit after a release raises `OutOfMemory`."""
+    allocator = CachingAllocator(expandable_segments, limit_bytes)
     handles: dict = {}
     for key, nbytes in events:
         if nbytes is None:
@@ -227,6 +338,23 @@ def replay(events, expandable_segments: bool = False) -> AllocatorPeaks:
         elif nbytes > 0:
             handles[key] = allocator.malloc(nbytes)
     return allocator.peaks()
+
+
+def least_reserved(events, expandable_segments: bool = False, resolution_bytes: int = 2 << 20) -> int:
+    """The smallest limit (to `resolution_bytes`) the step runs under with release-and-retry: the reserved
+    memory a nearly full GPU needs for it. Between the allocated peak (nothing less can work) and the
+    unbounded reserved peak (always works), by bisection."""
+    events = list(events)
+    unbounded = replay(events, expandable_segments)
+    low, high = unbounded.allocated_peak_bytes - 1, unbounded.reserved_peak_bytes  # low fails, high runs
+    while high - low > resolution_bytes:
+        middle = (low + high) // 2
+        try:
+            replay(events, expandable_segments, limit_bytes=middle)
+            high = middle
+        except OutOfMemory:
+            low = middle
+    return high
 
 
 def replay_both(events) -> dict[str, AllocatorPeaks]:

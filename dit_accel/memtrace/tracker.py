@@ -115,14 +115,18 @@ class StorageTracker(TorchDispatchMode):
 
     def allocator_peaks(self) -> dict[str, dict[str, int]]:
         """The recorded allocations and frees replayed through the caching-allocator model, in both modes:
-        {"fixed" | "expandable": {requested_peak_bytes, allocated_peak_bytes, reserved_peak_bytes}}."""
-        from dit_accel.memtrace.allocator import replay_both
+        {"fixed" | "expandable": {requested_peak_bytes, allocated_peak_bytes, reserved_peak_bytes (memory to
+        spare), reclaimable_at_peak_bytes (what a release returns there), least_reserved_bytes (the least
+        the step runs in, releasing its cache under pressure)}}."""
+        from dit_accel.memtrace.allocator import least_reserved, replay_both
 
         return {
             mode: {
                 "requested_peak_bytes": peaks.requested_peak_bytes,
                 "allocated_peak_bytes": peaks.allocated_peak_bytes,
                 "reserved_peak_bytes": peaks.reserved_peak_bytes,
+                "reclaimable_at_peak_bytes": peaks.reclaimable_at_peak_bytes,
+                "least_reserved_bytes": least_reserved(self.events, mode == "expandable"),
             }
             for mode, peaks in replay_both(self.events).items()
         }

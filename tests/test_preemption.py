@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import test_train_e2e as e2e
-from test_train_e2e import QUIET, _env, assert_same_state, make_workspace
+from test_train_e2e import QUIET, _env, assert_same_rng, assert_same_state, make_workspace
 
 from dit_accel import checkpoint as ckpt
 from dit_accel.errors import EXIT_HUNG, EXIT_PREEMPTED, EXIT_USER
@@ -187,6 +187,7 @@ def test_a_preempted_run_resumes_bit_identically(preempted_launcher, workspace, 
     )
     assert code == 0, err[-3000:]
     assert_same_state(straight / "checkpoints" / target, resumed / "checkpoints" / target)
+    assert_same_rng(straight / "checkpoints" / target, resumed / "checkpoints" / target)  # both ranks
 
 
 @pytest.mark.launched

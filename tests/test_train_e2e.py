@@ -190,6 +190,22 @@ def _checksums(run_dir: Path, rank: int) -> dict[int, str]:
     return found
 
 
+def assert_same_rng(a: Path, b: Path) -> None:
+    """Every rank's saved python, numpy and torch RNG states are the same in two checkpoints: a resumed run's
+    global RNGs continue as the straight run's do (the DataLoader draws its seed from its own generator)."""
+    import numpy as np
+
+    files = sorted(path.name for path in a.glob("random_states_*.pkl"))
+    assert files and files == sorted(path.name for path in b.glob("random_states_*.pkl"))
+    for name in files:
+        first, second = (torch.load(folder / name, weights_only=False) for folder in (a, b))
+        assert first["random_state"] == second["random_state"], name
+        assert all(
+            np.array_equal(x, y) for x, y in zip(first["numpy_random_seed"], second["numpy_random_seed"])
+        )
+        assert torch.equal(first["torch_manual_seed"], second["torch_manual_seed"]), name
+
+
 def assert_same_state(
     a: Path, b: Path, exact: bool = True, atol: float = 0.0, layouts_differ: bool = False
 ) -> None:
@@ -274,6 +290,7 @@ def test_exact_resume_one_process_and_a_killed_checkpoint_is_never_loaded(worksp
     assert_same_state(
         straight / "checkpoints" / "step_00000004", interrupted / "checkpoints" / "step_00000004"
     )
+    assert_same_rng(straight / "checkpoints" / "step_00000004", interrupted / "checkpoints" / "step_00000004")
     assert not partial.exists()  # cleaned once a newer checkpoint was committed
     state = ckpt.read_train_state(interrupted / "checkpoints" / "step_00000004")
     assert (state["step"], state["applied_steps"], state["world_size"], state["global_batch"]) == (4, 4, 1, 8)

@@ -356,8 +356,8 @@ def build_parser(given_only: bool = False) -> argparse.ArgumentParser:
     parser.add_argument(
         "--config",
         default=unset,
-        help="a recipe: flat YAML whose keys are these flags (e.g. configs/recipes/dit-xl2-256.yaml); "
-        "flags on the command line override it",
+        help="a recipe: a shipped recipe's name (e.g. dit-xl2-256 or demo-cpu; an unknown name lists them) or "
+        "a flat YAML file whose keys are these flags; flags on the command line override it",
     )
     for spec in dataclasses.fields(TrainConfig):
         flags = [f"--{spec.name.replace('_', '-')}"]

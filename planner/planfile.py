@@ -21,6 +21,7 @@ from planner.errors import PlanError
 from planner.memory import COMPONENTS, Decision
 from planner.rules import PRECISIONS, SHARDING_MODES, Precision, ShardingMode
 from planner.spec import LATENT_MODES, NUM_CLASSES, DiTSpec, custom_spec, model_spec
+from planner.units import count
 
 SCHEMA = "dit-plan/1"
 KNOWN_SCHEMAS = (SCHEMA,)
@@ -242,8 +243,8 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
         cluster.nodes > 1 and cluster.gpus_per_node > 1
     ):  # hsdp's mesh is nodes x GPUs per node: both known, both more than one
         top.fail(
-            f"decision.sharding hsdp needs several nodes of several GPUs, the cluster is {cluster.nodes} "
-            f"node(s) of {cluster.gpus_per_node or 'unknown'} GPU(s)"
+            f"decision.sharding hsdp needs several nodes of several GPUs, the cluster is "
+            f"{count(cluster.nodes, 'node')} of {count(cluster.gpus_per_node or 0, 'GPU')}"
         )
     global_batch = top.get("global_batch", int, minimum=1)
     if decision.micro_batch * decision.grad_accum * cluster.world_size != global_batch:

@@ -88,12 +88,11 @@ def parse_headroom(text, vram_bytes: int) -> int:
     return int(fraction * vram_bytes)
 
 
-_PLURALS = {"process": "processes"}
-
-
 def plural(n: int, noun: str) -> str:
-    """The noun as it reads after the count n: GPU for 1, GPUs for 8; process, processes."""
-    return noun if n == 1 else _PLURALS.get(noun, noun + "s")
+    """The noun as it reads after the count n: GPU for 1, GPUs for 8; (CPU) process, (CPU) processes."""
+    if n == 1:
+        return noun
+    return noun + ("es" if noun.endswith(("s", "x", "sh", "ch")) else "s")
 
 
 def count(n: int, noun: str) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from dit_accel.cpu_threads import cpu_threads
@@ -48,7 +49,7 @@ log = logging.getLogger("dit_accel.train")  # dit_accel.runlog's: its handlers a
 
 def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.checkpoint import PLAN, TRAIN_CONFIG, Checkpointer  # here: --help needs none of these
-    from dit_accel.consensus import gathered
+    from dit_accel.consensus import gathered, main_decides
     from dit_accel.data.loader import build_dataset, check_data_mode, make_loader
     from dit_accel.data.order import SampleNoise, SampleOrder
     from dit_accel.distributed import check_launch, make_accelerator, set_tf32
@@ -84,7 +85,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     stop_request.closing.append(watchdog.stop)
 
     # The parts: data, where the run starts, model/EMA/optimizer, then the state restored into them.
-    dataset = build_dataset(plan, config, spec)
+    # An image folder is listed once, by the main process, into RUN/data_index that every rank maps.
+    dataset = build_dataset(plan, config, spec, run_dir / "data_index", partial(main_decides, accelerator))
     config.hflip = dataset.flip  # as resolved (a cache's own setting): recorded in the run, held on resume
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
     start = choose_start(config, run_dir, plan, spec, world_size, accelerator=accelerator)

@@ -245,6 +245,11 @@ class Assumptions:
     loader_worker_bytes: int = 512 * MiB  # resident set of one worker process beyond shared pages
     prefetch_factor: int = 2  # batches each worker keeps ready (PyTorch's default)
     pinned_batches: int = 2  # pin_memory copies in flight
+    # an image folder (online or pixel latents) of ImageNet's size, 1.28M files (benchmarks/folder_listing_scale.py):
+    folder_index_bytes: int = (
+        64 * MiB
+    )  # its listing as each rank maps it (RUN/data_index, 50 MB, shared pages)
+    folder_listing_bytes: int = 400 * MiB  # the main process's peak while it lists the folder, once per job
 
     def replace(self, **changes) -> Assumptions:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

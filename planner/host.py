@@ -1,7 +1,9 @@
 """Host RAM per node: what kills ranks with `exitcode: -9` (the kernel's OOM killer) before a GPU ever fills.
 
 Every rank on a node is its own process holding its own CPU copies while it starts or resumes, and each
-spawns its own data-loader workers. The estimate is per rank, times the GPUs of a node.
+spawns its own data-loader workers. The estimate is per rank, times the GPUs of a node, plus what the main
+process alone holds once: the listing of an image folder, which it makes for every rank (the ranks map the
+index it writes).
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ def per_rank_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) 
         "loader_workers": assumptions.loader_workers * assumptions.loader_worker_bytes,
         "loader_prefetch": assumptions.loader_workers * assumptions.prefetch_factor * batch,
         "pinned_batches": assumptions.pinned_batches * batch,
+        "folder_index": assumptions.folder_index_bytes if decision.latents != "precomputed" else 0,
     }
+
+
+def main_process_bytes(decision: Decision, assumptions: Assumptions) -> dict[str, int]:
+    """What the main process holds beyond a rank's share, once per job (so on the first node): the listing of
+    an image folder while it checks it and writes the index every rank reads."""
+    return {"folder_listing": assumptions.folder_listing_bytes if decision.latents != "precomputed" else 0}
 
 
 def host_estimate(
@@ -48,10 +57,12 @@ def host_estimate(
     """The plan's `host` section and its warnings (with the fix) when --host-ram is too small."""
     parts = per_rank_bytes(spec, decision, assumptions)
     rank_total = sum(parts.values())
-    node_total = rank_total * cluster.gpus_per_node
+    once = main_process_bytes(decision, assumptions)
+    node_total = rank_total * cluster.gpus_per_node + sum(once.values())  # the main process's node
     host = {
         "per_rank": parts,
         "per_rank_bytes": rank_total,
+        "main_process_once": once,
         "ranks_per_node": cluster.gpus_per_node,
         "per_node_bytes": node_total,
         "host_ram_bytes": host_ram_bytes,

@@ -13,8 +13,10 @@ from dit_accel.data.folder import (
     center_crop_adm,
     list_image_folder,
     read_classes_json,
+    read_folder_index,
     validate_image_folder,
     write_classes_json,
+    write_folder_index,
 )
 from dit_accel.errors import UserError
 
@@ -115,6 +117,25 @@ def test_full_check_finds_a_bad_image_the_sample_misses(folder):
     assert validate_image_folder(folder, sample=True).images_decoded == 3
     with pytest.raises(UserError, match="zebra/2.png"):
         validate_image_folder(folder, full=True)
+
+
+def test_a_folder_index_is_the_listing_every_rank_reads(folder, tmp_path):
+    """What the main process writes once for all ranks (the summary, the paths and labels memory-mapped)
+    serves the same items as a rank's own listing, bad images it skipped included."""
+    (folder / "ant" / "0.png").write_bytes(b"garbage")
+    summary = validate_image_folder(folder, sample=True, skip_bad_images=True)
+    index = write_folder_index(summary, tmp_path / "run" / "data_index")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["data_index"]  # no staging left behind
+    read, records = read_folder_index(index)
+    assert read.listing is None and read.describe() == summary.describe()
+    assert (read.bad_images, read.images_per_class) == (["ant/0.png"], summary.images_per_class)
+    own = ImageFolderData(folder, 8, flip=False, summary=summary, skip_bad_images=True)
+    shared = ImageFolderData(folder, 8, flip=False, summary=read, records=records, skip_bad_images=True)
+    assert len(shared) == len(own) == 9 and shared.bad_images_seen == own.bad_images_seen == 1
+    for index_ in range(len(own)):
+        assert all(torch.equal(a, b) for a, b in zip(own[index_], shared[index_]))
+    write_folder_index(summary, index)  # a later start replaces it whole
+    assert read_folder_index(index)[0].num_images == 9
 
 
 def test_classes_json_is_written_atomically_and_read_back(tmp_path):

@@ -358,6 +358,10 @@ def test_a_bad_image_only_rank_1_reads_is_shown_on_the_console_and_exits_2(works
     )
     code, err = _finish(wrapper)
     assert code == EXIT_USER, err[-3000:]
+    # The folder was listed once, by rank 0, into the run's index that both ranks read.
+    logs = [(tmp_path / "bad" / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    assert "listed once for every rank: " in logs[0] and "listed once" not in logs[1]
+    assert (tmp_path / "bad" / "data_index" / "summary.json").is_file()
     line = next(line for line in err.splitlines() if "cannot decode image" in line)
     assert (
         line.startswith("dit_accel.train: [rank 1] error: cannot decode image ")

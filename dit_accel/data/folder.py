@@ -5,6 +5,10 @@ Validation runs before anything heavy (a VAE, a process group, eight ranks) so t
 fails in a second with one line that says what to fix. The cheap checks (listing, extensions) always
 run; decoding the first image of every class is cheap and on by request; decoding every image is
 opt-in (`full=True`) because on ImageNet it reads 140 GB.
+
+Listing ImageNet (1.28M files) costs seconds and most of a gigabyte of host memory, so a multi-process
+run lists it once: the main process writes the checked listing as a memory-mapped index
+(`write_folder_index`) and every rank reads that (`read_folder_index`), sharing its pages.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,7 +84,7 @@ class FolderSummary:
     images_decoded: int  # how many the check decoded: 0, one per class, or all
     bad_images: list[str]  # relative paths that failed to decode and were skipped
     ignored_files: int  # files with a non-image extension, and images lying in the root itself
-    listing: FolderListing = field(repr=False)
+    listing: FolderListing | None = field(default=None, repr=False)  # None: read from an index
 
     @property
     def num_classes(self) -> int:
@@ -274,6 +279,41 @@ def validate_image_folder(
     )
 
 
+_INDEX_FORMAT = "dit-accel-folder-index/1"
+_INDEX_SUMMARY, _INDEX_RECORDS = "summary.json", "records"
+
+
+def write_folder_index(summary: FolderSummary, folder: str | os.PathLike) -> Path:
+    """The checked listing of `summary` as a folder: its summary (JSON) and the paths and labels as an Arrow
+    table on disk, which `read_folder_index` memory-maps. Written whole or not at all (a staging folder)."""
+    import datasets
+
+    from dit_accel.atomic import replace_folder
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(f".{folder.name}.writing")
+    shutil.rmtree(staging, ignore_errors=True)
+    records = datasets.Dataset.from_dict({"path": summary.listing.paths, "label": summary.listing.labels})
+    records.save_to_disk(str(staging / _INDEX_RECORDS))
+    fields = {
+        name: getattr(summary, name) for name in FolderSummary.__dataclass_fields__ if name != "listing"
+    }
+    write_json_atomically(staging / _INDEX_SUMMARY, dict(fields, format=_INDEX_FORMAT))
+    return replace_folder(staging, folder)
+
+
+def read_folder_index(folder: str | os.PathLike) -> tuple[FolderSummary, object]:
+    """(summary without its listing, the records as a memory-mapped `datasets.Dataset`) of an index."""
+    import datasets
+
+    folder = Path(folder)
+    fields = json.loads((folder / _INDEX_SUMMARY).read_text())
+    if fields.pop("format", None) != _INDEX_FORMAT:
+        raise UserError(f"{folder} is not a folder index of this dit-accel version", f"delete {folder}")
+    return FolderSummary(**fields), datasets.load_from_disk(str(folder / _INDEX_RECORDS))
+
+
 def write_classes_json(folder: str | os.PathLike, classes: list[str]) -> Path:
     """Save the class-to-index map (index = position in the sorted class folder names) with a run,
     atomically, so samples can be named and a different folder noticed."""
@@ -337,7 +377,9 @@ class ImageFolderData(torch.utils.data.Dataset):
 
     The file list lives in a `datasets.Dataset` built with `from_dict`: an in-memory Arrow table (no
     cache files, no network, no scanning builder), which DataLoader workers share without the
-    copy-on-read that a Python list of a million strings suffers from reference counting.
+    copy-on-read that a Python list of a million strings suffers from reference counting. The trainer
+    passes `summary` and `records` from the run's folder index instead (`read_folder_index`): the table
+    memory-mapped, its pages shared by every rank of the node.
     Decoding happens lazily per item. An image that does not decode raises UserError naming it; with
     `skip_bad_images` the next image in the list is served instead. The bad ones are marked in an array
     shared by this rank's DataLoader workers, so each is logged once per rank with the rank's running
@@ -355,6 +397,7 @@ class ImageFolderData(torch.utils.data.Dataset):
         max_bad_images: int = 100,
         check: str = "sample",
         summary: FolderSummary | None = None,
+        records=None,
     ):
         import datasets  # imported here: the validation functions above should not pay for it
 
@@ -365,7 +408,7 @@ class ImageFolderData(torch.utils.data.Dataset):
                 path, sample=check == "sample", full=check == "full", skip_bad_images=skip_bad_images
             )
         self.summary = summary
-        self.root = summary.listing.root
+        self.root = summary.listing.root if summary.listing is not None else Path(path).expanduser()
         self.classes = summary.classes
         self.resolution = resolution
         self.flip = flip
@@ -373,9 +416,11 @@ class ImageFolderData(torch.utils.data.Dataset):
         self.skip_bad_images = skip_bad_images
         self.max_bad_images = max_bad_images
         self.epoch = 0
-        self.records = datasets.Dataset.from_dict(
-            {"path": summary.listing.paths, "label": summary.listing.labels}
-        )
+        if records is None:  # else an index's memory-mapped table (`read_folder_index`)
+            records = datasets.Dataset.from_dict(
+                {"path": summary.listing.paths, "label": summary.listing.labels}
+            )
+        self.records = records
         # Shared with the DataLoader workers (inherited, or passed as they start): a flag per image, a count.
         self._bad = multiprocessing.Array("b", len(self.records)) if skip_bad_images else None
         self._bad_count = multiprocessing.Value("i", 0)

@@ -51,8 +51,12 @@ def check_data_mode(plan: Plan, config: TrainConfig) -> None:
         )
 
 
-def build_dataset(plan: Plan, config: TrainConfig, spec):
-    """The dataset the plan's latent mode reads, checked against the plan (resolution, VAE, classes)."""
+def build_dataset(plan: Plan, config: TrainConfig, spec, index_dir=None, once=None):
+    """The dataset the plan's latent mode reads, checked against the plan (resolution, VAE, classes).
+
+    An image folder with `index_dir` and `once` (`once(fn)` runs fn on the main process, every rank waiting,
+    as `consensus.main_decides` does): the folder is listed and checked once, by the main process, into an
+    index there (`data.folder.write_folder_index`) that every rank memory-maps, instead of once per rank."""
     if plan.decision.latents == "precomputed":
         from dit_accel.data.latent_cache import LatentCache
 
@@ -67,8 +71,25 @@ def build_dataset(plan: Plan, config: TrainConfig, spec):
         # A two-view cache flips unless told not to; --no-hflip then reads the images only.
         dataset.flip = dataset.views == 2 and config.hflip is not False
     else:
-        from dit_accel.data.folder import ImageFolderData
+        from dit_accel.data.folder import (
+            ImageFolderData,
+            read_folder_index,
+            validate_image_folder,
+            write_folder_index,
+        )
 
+        summary = records = None
+        if index_dir is not None and once is not None:
+
+            def list_the_folder() -> None:
+                checked = validate_image_folder(
+                    config.data_path, sample=True, skip_bad_images=config.skip_bad_images
+                )
+                write_folder_index(checked, index_dir)
+                log.info(f"listed once for every rank: {checked.describe()}; index {index_dir}")
+
+            once(list_the_folder)
+            summary, records = read_folder_index(index_dir)
         # Unseeded flips draw from torch's RNG, which KeyedSamples seeds per sample: exact on resume.
         dataset = ImageFolderData(
             config.data_path,
@@ -77,6 +98,8 @@ def build_dataset(plan: Plan, config: TrainConfig, spec):
             seed=None,
             skip_bad_images=config.skip_bad_images,
             max_bad_images=config.max_bad_images,
+            summary=summary,
+            records=records,
         )
         classes = len(dataset.classes)
         if classes > spec.num_classes:

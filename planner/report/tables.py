@@ -338,6 +338,11 @@ def host_rows(plan: dict) -> tuple[list, list]:
     h = plan["host"]
     rows = [[name.replace("_", " "), gib_cell(v)] for name, v in h["per_rank"].items() if v]
     rows.append(["per rank", gib_cell(h["per_rank_bytes"])])
+    rows += [
+        [f"{name.replace('_', ' ')} (main process, once)", gib_cell(v)]
+        for name, v in h.get("main_process_once", {}).items()
+        if v
+    ]
     rows.append([f"per node ({count(h['ranks_per_node'], 'rank')})", gib_cell(h["per_node_bytes"])])
     if h["host_ram_bytes"]:
         rows.append(["--host-ram", gib_cell(h["host_ram_bytes"])])

@@ -1,6 +1,7 @@
 """The verify grid's traced steps replayed through the caching-allocator model (dit_accel/memtrace/allocator.py):
 traced allocated peak vs replayed reserved peak, fixed and expandable segments, at full depth and as `verify`
-extrapolates it from shallow traces. The calibration data of the planner's reserved model
+extrapolates it from shallow traces, and the least reserved memory each step runs in when the allocator
+releases its cache under pressure (`least_reserved`). The calibration data of the planner's reserved model
 (planner/allocator.py, docs/planner-accuracy.md). CPU only: fake tensors allocate nothing.
 
     python benchmarks/reserved_replay.py --out benchmarks/results/reserved_replay.json
@@ -50,6 +51,8 @@ def main() -> None:
             f"alloc {full.peak_bytes / 2**30:.3f} GiB",
             f"fixed {r['fixed']['reserved_peak_bytes'] / 2**30:.3f}",
             f"exp {r['expandable']['reserved_peak_bytes'] / 2**30:.3f}",
+            f"least fixed {r['fixed']['least_reserved_bytes'] / 2**30:.3f}",
+            f"exp {r['expandable']['least_reserved_bytes'] / 2**30:.3f}",
             f"{rows[-1]['seconds']} s",
             flush=True,
         )

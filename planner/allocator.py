@@ -17,6 +17,12 @@ earlier working set  online latents: the VAE encoder's maps are freed before the
                DiT's tensors fit the blocks they leave only in part: a share of the smaller of the two stays
                reserved beside the DiT's own peak.
 
+Under memory pressure the allocator, before it reports out of memory, releases what it caches unused (free
+whole segments; with expandable segments, free pages) and retries. `reserved_bytes(..., pressure=True)` is
+the least reserved memory the step runs in that way, the figure a GPU's budget is held to: what a release
+returns (the encoder's cached working set, most of the transient fragmentation) is left out of it. Both are
+calibrated on the same replays (`least_reserved` in dit_accel/memtrace/allocator.py).
+
 `Assumptions.allocator_segments` says which allocator the run uses ("expandable": the trainer sets
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on CUDA unless the user set that variable; "fixed": the
 PyTorch default), and `Assumptions.fragmentation`, when above 0 (a calibration measured it), replaces this
@@ -31,6 +37,7 @@ from planner.spec import TIMESTEP_FREQ_DIM, DiTSpec
 
 MiB = 1 << 20
 MIN_BLOCK_BYTES = 512
+SMALL_REQUEST_BYTES = MiB  # up to 1 MiB: the small pool (2 MiB segments)
 OWN_SEGMENT_BYTES = 10 * MiB  # fixed segments: requests from 10 MiB get a segment of their own ...
 SEGMENT_ROUNDING_BYTES = 2 * MiB  # ... rounded up to 2 MiB
 LARGE_PAGE_BYTES = 20 * MiB  # expandable segments: the large pool's page
@@ -39,14 +46,40 @@ DDP_BUCKET_BYTES = 25 * MiB  # torch DDP's bucket_cap_mb default
 SEGMENT_MODES = ("expandable", "fixed")
 # reserved beyond allocated per transient byte, calibrated on the replayed verify grid (the largest seen there,
 # rounded up; docs/planner-accuracy.md, "The reserved model")
-TRANSIENT_FRAGMENTATION = {"fixed": 0.20, "expandable": 0.03}
+TRANSIENT_FRAGMENTATION = {"fixed": 0.06, "expandable": 0.03}
 # online latents: of the VAE encoder's working set (freed before the DiT forward), the share the DiT's own
 # transient tensors cannot reuse (they fit its cached blocks badly), calibrated the same way
-VAE_REUSE_MISS = {"fixed": 1.5, "expandable": 0.7}
+VAE_REUSE_MISS = {"fixed": 1.3, "expandable": 0.7}
+# under pressure (the cache released and the request retried): what stays reserved beyond allocated per
+# transient byte, and of the encoder's working set; the largest the replayed points need, rounded up
+# (docs/planner-accuracy.md, "Memory pressure"). Expandable segments unmap nearly all of the encoder's
+# pages; fixed ones cannot release its segments, which the DiT's tensors have split (partly live)
+PRESSURE_FRAGMENTATION = {"fixed": 0.03, "expandable": 0.01}
+PRESSURE_VAE_MISS = {"fixed": 0.9, "expandable": 0.10}
 
 
 def _round_up(nbytes: int, multiple: int) -> int:
     return -(-nbytes // multiple) * multiple
+
+
+def packed_rounding_bytes(sizes: list[int]) -> int:
+    """Fixed segments: what requests of 1-10 MiB (`sizes`, rounded, in allocation order) hold beyond their
+    bytes. They share 20 MiB segments: each takes the free rest that fits it best, else a new segment; a
+    rest of 1 MiB or less stays with its block, a larger one waits for a later request. DiT-XL/2's 1152 x
+    1152 fp32 matrices (5.06 MiB) go three to a segment, 4.81 MiB left each time."""
+    rests: list[int] = []
+    segments = 0
+    for size in sizes:
+        fitting = [rest for rest in rests if rest >= size]
+        if fitting:
+            rests.remove(min(fitting))
+            rest = min(fitting) - size
+        else:
+            segments += 1
+            rest = LARGE_PAGE_BYTES - size
+        if rest > SMALL_REQUEST_BYTES:
+            rests.append(rest)
+    return segments * LARGE_PAGE_BYTES - sum(sizes)
 
 
 def block_bytes(nbytes: int, segments: str) -> int:
@@ -83,7 +116,12 @@ def parameter_rounding_bytes(spec: DiTSpec, element_bytes: int, shards: int, seg
     """What one copy of the parameters (fp32 weights, a state, the EMA), sharded `shards` ways, holds beyond
     its bytes."""
     sizes = [-(-n // shards) * element_bytes for n in parameter_elements(spec)]
-    return sum(block_bytes(size, segments) - size for size in sizes)
+    if segments != "fixed":
+        return sum(block_bytes(size, segments) - size for size in sizes)
+    shared = [size for size in sizes if SMALL_REQUEST_BYTES < size < OWN_SEGMENT_BYTES]  # 20 MiB segments
+    rounding = sum(block_bytes(size, segments) - size for size in sizes if size not in shared)
+    rounded = [_round_up(size, MIN_BLOCK_BYTES) for size in shared]
+    return rounding + packed_rounding_bytes(rounded) + sum(rounded) - sum(shared)
 
 
 def bucket_rounding_bytes(gradient_bytes: int, segments: str) -> int:
@@ -106,19 +144,30 @@ def reserved_bytes(
     bucket_bytes: int = 0,
     earlier_working_bytes: int = 0,
     measured_fragmentation: float = 0.0,
+    pressure: bool = False,
 ) -> int:
     """Reserved bytes of the caching allocator when the step's tensors hold `allocated_bytes`, of which
     `persistent_bytes` live for the whole run (weights, AdamW states, EMA, VAE weights, DDP buckets).
     `persistent_copies`: parameter-shaped fp32 tensors among them (weights, two AdamW states, the EMA: 4; 3
     without EMA), sharded `shards` ways; `bucket_bytes`: DDP's gradient buckets among them;
     `earlier_working_bytes`: a working set freed earlier in the step (the VAE encoder's). A
-    `measured_fragmentation` above 0 (reserved / allocated - 1, from a calibration) replaces the model."""
+    `measured_fragmentation` above 0 (reserved / allocated - 1, from a calibration) replaces the model.
+    `pressure`: the least the step runs in when the allocator releases its cache to fit (never more than
+    the reserved peak with memory to spare)."""
     if measured_fragmentation > 0:
         return int(allocated_bytes * (1 + measured_fragmentation))
     transient = max(0, allocated_bytes - persistent_bytes)
     rounding = persistent_copies * parameter_rounding_bytes(spec, 4, shards, segments)
     rounding += bucket_rounding_bytes(bucket_bytes, segments)
     pages = LARGE_PAGE_BYTES + SMALL_PAGE_BYTES if segments == "expandable" else 0
-    fragmentation = TRANSIENT_FRAGMENTATION[segments] * transient
-    fragmentation += VAE_REUSE_MISS[segments] * min(earlier_working_bytes, transient)
-    return int(allocated_bytes + rounding + fragmentation + pages)
+
+    def fragmentation(per_transient: dict, per_earlier: dict) -> float:
+        return per_transient[segments] * transient + per_earlier[segments] * min(
+            earlier_working_bytes, transient
+        )
+
+    spare = allocated_bytes + rounding + pages + fragmentation(TRANSIENT_FRAGMENTATION, VAE_REUSE_MISS)
+    if not pressure:
+        return int(spare)
+    tight = allocated_bytes + rounding + pages + fragmentation(PRESSURE_FRAGMENTATION, PRESSURE_VAE_MISS)
+    return int(min(spare, tight))

@@ -24,7 +24,7 @@ context, cuBLAS, NCCL) is memory outside that allocator. The budget is held to r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner import vae
 from planner.allocator import reserved_bytes
@@ -338,6 +338,8 @@ class MemoryEstimate:
     peak_phase: str
     vram_bytes: int
     budget_bytes: int
+    # moment -> what the caching allocator gives back when memory runs short (planner/allocator.py, pressure)
+    reclaimable: dict = field(default_factory=dict)
 
     @property
     def components(self) -> dict[str, int]:
@@ -369,8 +371,14 @@ class MemoryEstimate:
         return sum(self.phases[phase].values())
 
     @property
+    def needed_bytes(self) -> int:
+        """The least memory the step runs in: at each moment, its bytes less what the allocator releases
+        under pressure before it would report out of memory; the largest moment. The budget holds this."""
+        return max(sum(parts.values()) - self.reclaimable.get(m, 0) for m, parts in self.phases.items())
+
+    @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.budget_bytes
+        return self.needed_bytes <= self.budget_bytes
 
 
 def _shards(decision: Decision, cluster: Cluster) -> int:
@@ -604,9 +612,12 @@ def overhead_bytes(cluster: Cluster, assumptions: Assumptions) -> int:
     return int(fixed)
 
 
-def allocator_bytes(spec, decision, cluster, assumptions, parts: dict[str, int], moment: str = "") -> int:
+def allocator_bytes(
+    spec, decision, cluster, assumptions, parts: dict[str, int], moment: str = "", pressure: bool = False
+) -> int:
     """What the caching allocator reserves beyond the tensors `parts` at one moment (planner/allocator.py):
-    the persistent tensors' block rounding and the fragmentation the transient ones leave."""
+    the persistent tensors' block rounding and the fragmentation the transient ones leave; with `pressure`,
+    what stays reserved after it released its cache to fit."""
     shards = _shards(decision, cluster)
     buckets = FP32_BYTES * spec.params_trainable if cluster.world_size > 1 and not decision.sharded else 0
     persistent = (
@@ -630,6 +641,7 @@ def allocator_bytes(spec, decision, cluster, assumptions, parts: dict[str, int],
         bucket_bytes=buckets,
         earlier_working_bytes=encoder_working if moment != "vae_encode" else 0,
         measured_fragmentation=assumptions.fragmentation,
+        pressure=pressure,
     )
     return reserved - allocated
 
@@ -677,8 +689,17 @@ def step_memory(
         )
     chosen = moments(spec, decision)
     by_moment = {m: phase_components(spec, decision, cluster, assumptions, m) for m in chosen}
+    reclaimable = {
+        m: by_moment[m]["allocator"]
+        - allocator_bytes(spec, decision, cluster, assumptions, by_moment[m], m, pressure=True)
+        for m in chosen
+    }
     peak = max(chosen, key=lambda m: sum(by_moment[m].values()))
     budget = cluster.vram_bytes if budget_bytes is None else budget_bytes
     return MemoryEstimate(
-        phases=by_moment, peak_phase=peak, vram_bytes=cluster.vram_bytes, budget_bytes=budget
+        phases=by_moment,
+        peak_phase=peak,
+        vram_bytes=cluster.vram_bytes,
+        budget_bytes=budget,
+        reclaimable=reclaimable,
     )

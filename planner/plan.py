@@ -353,6 +353,8 @@ def make_plan(
             "peak_bytes": memory.peak_bytes,  # reserved peak + overhead: what the budget holds
             "allocated_peak_bytes": memory.allocated_peak_bytes,  # the tensors (max_memory_allocated)
             "reserved_peak_bytes": memory.reserved_peak_bytes,  # the caching allocator (max_memory_reserved)
+            # the least it runs in, the allocator releasing its cache under pressure: what must fit the budget
+            "needed_bytes": memory.needed_bytes,
             "allocator_segments": assumed.allocator_segments,
             "budget_bytes": budget_bytes,
             "vram_bytes": vram_bytes,
@@ -390,6 +392,7 @@ def make_plan(
             {
                 **dataclasses.asdict(c.decision),
                 "peak_bytes": c.memory.peak_bytes,
+                "needed_bytes": c.memory.needed_bytes,
                 "est_images_per_s": c.throughput.images_per_s,
                 "est_images_per_s_low": c.throughput.images_per_s_low,
                 "est_images_per_s_high": c.throughput.images_per_s_high,

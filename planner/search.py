@@ -539,7 +539,7 @@ def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: 
     def fits(spec_=spec, space_=space, cluster_=cluster, assumptions_=assumptions):
         return leanest(spec_, space_, cluster_, assumptions_, budget_bytes).fits
 
-    need = lean.memory.peak_bytes
+    need = lean.memory.needed_bytes  # what must fit: the cache released under pressure
     d = lean.decision
     how = f"{d.sharding}, micro-batch {d.micro_batch}, {d.checkpointed_blocks} of {spec.depth} blocks checkpointed"
     message = (
@@ -550,9 +550,9 @@ def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: 
     if absolute.fits:
         return message + (
             f"; without your --sharding/--checkpointing/--max-micro-batch limits it needs "
-            f"{format_bytes(absolute.memory.peak_bytes)}: relax them"
+            f"{format_bytes(absolute.memory.needed_bytes)}: relax them"
         )
-    need = min(need, absolute.memory.peak_bytes)
+    need = min(need, absolute.memory.needed_bytes)
     ideas = []
     if space.adamw == "foreach" and fits(space_=dataclasses.replace(space, adamw="fused")):
         ideas.append("--adamw fused")

@@ -44,6 +44,14 @@ def planner_phases(
     """The planner's components at each moment of this plan's step, for `world_size` processes of `sharding`
     on one node, with the AdamW a trace on `autocast_device` runs. `segments`: the allocator mode of the
     reserved model, with its modelled fragmentation (not a measured one the plan may carry)."""
+    return planner_step_memory(plan, autocast_device, sharding, world_size, segments).phases
+
+
+def planner_step_memory(
+    plan: Plan, autocast_device: str, sharding: str = "ddp", world_size: int = 1, segments: str | None = None
+):
+    """`planner_phases`'s whole estimate (planner.memory.MemoryEstimate): its phases and what the allocator
+    releases at each under pressure."""
     from planner.hardware import Assumptions
     from planner.memory import Cluster, step_memory
 
@@ -56,7 +64,7 @@ def planner_phases(
     if segments is not None:
         assumptions = assumptions.replace(allocator_segments=segments, fragmentation=0.0)
     cluster = Cluster(nodes=1, gpus_per_node=world_size, vram_bytes=plan.cluster.vram_bytes or 2**50)
-    return step_memory(plan.spec(), decision, cluster, assumptions).phases
+    return step_memory(plan.spec(), decision, cluster, assumptions)
 
 
 def planner_estimate(plan: Plan, autocast_device: str) -> tuple[int, dict[str, int], str]:
@@ -76,6 +84,16 @@ def planner_reserved_peak(plan: Plan, autocast_device: str, segments: str) -> in
     traces it, with `segments`."""
     phases = planner_phases(plan, autocast_device, segments=segments)
     return max(sum(parts[name] for name in COMPARED) + parts["allocator"] for parts in phases.values())
+
+
+def planner_least_reserved(plan: Plan, autocast_device: str, segments: str) -> int:
+    """The planner's least reserved memory for the step (its cache released under pressure), no overhead:
+    held to the replay's `least_reserved_bytes`."""
+    estimate = planner_step_memory(plan, autocast_device, segments=segments)
+    return max(
+        sum(parts[name] for name in COMPARED) + parts["allocator"] - estimate.reclaimable.get(moment, 0)
+        for moment, parts in estimate.phases.items()
+    )
 
 
 def reserved_rows(result: TraceResult, plan: Plan) -> list:

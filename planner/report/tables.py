@@ -288,6 +288,16 @@ def memory_rows(plan: dict) -> tuple[list, list]:
             f"reserved + overhead, at the {PHASE_NAMES[m['peak_phase']]}",
         ]
     )
+    needed = m.get("needed_bytes", m["peak_bytes"])
+    if m["peak_bytes"] > m["budget_bytes"] and needed < m["peak_bytes"]:
+        rows.append(
+            [
+                "after release",
+                gib_cell(needed),
+                share_cell(needed, vram),
+                "the least it runs in: the allocator releases its unused cache before an OOM",
+            ]
+        )
     rows.append(
         [
             "budget",

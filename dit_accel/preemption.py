@@ -23,6 +23,8 @@ import signal
 import sys
 import threading
 
+from dit_accel.errors import EXIT_PREEMPTED
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -86,6 +88,19 @@ def signal_name(signum: int) -> str:
         return signal.Signals(int(signum)).name
     except ValueError:
         return f"signal {signum}"
+
+
+def preempted_message(signum: int, step: int, checkpoint, saved: bool = True) -> str:
+    """The line a preempted run ends with: the step it saved, or (stopped while starting, `saved` False) that
+    nothing new was trained since `checkpoint` (None: none yet) and `step` is the last one done."""
+    then = f"exit {EXIT_PREEMPTED} (requeue and resume with --resume auto)"
+    if saved:
+        return f"preempted by {signal_name(signum)} at step {step}: saved checkpoint {checkpoint}; {then}"
+    since = f"resumes from {checkpoint}" if checkpoint else "no checkpoint yet"
+    return (
+        f"preempted by {signal_name(signum)} while starting, before step {step + 1}: nothing new to save "
+        f"({since}); {then}"
+    )
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

@@ -40,7 +40,7 @@ from dit_accel.errors import (
     exits_cleanly,
     write_exit_record,
 )
-from dit_accel.preemption import StopRequest, die_with_parent, signal_name
+from dit_accel.preemption import StopRequest, die_with_parent, preempted_message
 from dit_accel.runlock import release_all as release_run_folder
 from dit_accel.train_config import TrainConfig, parse_config, parse_signals, save_config
 
@@ -85,7 +85,6 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     stop_request.closing.append(watchdog.stop)
 
     # The parts: data, where the run starts, model/EMA/optimizer, then the state restored into them.
-    # An image folder is listed once, by the main process, into RUN/data_index that every rank maps.
     dataset = build_dataset(plan, config, spec, run_dir / "data_index", partial(main_decides, accelerator))
     config.hflip = dataset.flip  # as resolved (a cache's own setting): recorded in the run, held on resume
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
@@ -105,9 +104,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         save_config(config, run_dir / TRAIN_CONFIG)
         write_json_atomically(run_dir / PLAN, plan.to_json())
         write_classes_json(run_dir, dataset.classes)  # the names sample and export give the class indices
-    start_trackers(  # from the first step of this launch: an older timeline's later events are hidden
-        accelerator, trackers, tracker_config(config, plan), run_dir.name, run_dir, state["step"] + 1
-    )
+    hparams, first_step = tracker_config(config, plan), state["step"] + 1  # TensorBoard hides later events
+    start_trackers(accelerator, trackers, hparams, run_dir.name, run_dir, first_step)
     samples = TrainingSamples(config, plan, spec, accelerator, components, run_dir, dataset.classes)
 
     latent_shape = (spec.in_channels, spec.latent_size, spec.latent_size)  # what the network sees
@@ -171,23 +169,13 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
 
     def stop(reason: str) -> TrainingStopped:
         finish()
-        where = (
-            f"last good checkpoint: {last_good} (resume with --resume auto)"
-            if last_good
-            else "no checkpoint was written yet"
-        )
-        return TrainingStopped(f"{reason}; {where}")
+        where = f"last good checkpoint: {last_good} (resume with --resume auto)" if last_good else None
+        return TrainingStopped(f"{reason}; {where or 'no checkpoint was written yet'}")
 
-    # A stop signal during set-up (imports, data, model): every rank learns of it here, and none trains a
-    # step that it would then have to save inside the launcher's grace period.
-    early = next(filter(None, gathered(accelerator, stop_request.signum)), 0)
-    if early:
+    # A stop signal during set-up: every rank learns of it here, and none trains a step it must then save.
+    if early := next(filter(None, gathered(accelerator, stop_request.signum)), 0):
         finish()
-        raise Preempted(
-            f"preempted by {signal_name(early)} while starting, before step {state['step'] + 1}: nothing new to "
-            f"save ({f'resumes from {last_good}' if last_good else 'no checkpoint yet'}); exit {EXIT_PREEMPTED} "
-            "(requeue and resume with --resume auto)"
-        )
+        raise Preempted(preempted_message(early, state["step"], last_good, saved=False))
     stop_request.in_loop = True
     watchdog.start()
     while state["step"] < config.max_steps:
@@ -245,10 +233,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
             samples.write(step)
         if preempted:
             finish()
-            raise Preempted(
-                f"preempted by {signal_name(result.stop_signum)} at step {step}: saved checkpoint {last_good}; "
-                f"exit {EXIT_PREEMPTED} (requeue and resume with --resume auto)"
-            )
+            raise Preempted(preempted_message(result.stop_signum, step, last_good))
 
     log.info(f"done: step {state['step']}, {state['skipped_steps']} skipped; newest checkpoint {last_good}")
     finish()

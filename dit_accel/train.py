@@ -62,6 +62,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.train_samples import TrainingSamples
     from dit_accel.watchdog import Watchdog
     from planner.planfile import read_plan
+    from planner.units import count
 
     stop_request = stop_request or StopRequest()
     # The plan, and everything that can be refused before a process group or a model exists.
@@ -144,7 +145,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         f"TF32 {tf32_text}; world size {world_size} x micro-batch {d.micro_batch} x accumulation "
         f"{d.grad_accum} = global batch {plan.global_batch}; precision {d.precision} on "
         f"{components.device.type}; checkpointed blocks {d.checkpointed_blocks}/{spec.depth}; {len(dataset)} "
-        f"samples, {order.steps_per_epoch} steps per epoch; lr "
+        f"samples, {count(order.steps_per_epoch, 'step')} per epoch; lr "
         f"{components.optimizer.param_groups[0]['initial_lr']:.3g}; run folder {run_dir}; log {log_path}"
     )
     if start.checkpoint is not None:

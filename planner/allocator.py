@@ -5,8 +5,9 @@ bytes. A GPU runs out of reserved memory (nvidia-smi shows it, an OOM is decided
 
 rounding       the persistent tensors, one per parameter (fp32 master weights, AdamW's two states, the
                EMA, the VAE's weights), each held in whole allocator blocks: with fixed segments a tensor of
-               10 MiB or more gets its own segment, rounded up to 2 MiB; with expandable segments only the
-               512 B rounding of every request remains. DDP's gradient buckets (25 MiB each) round the same.
+               10 MiB or more gets its own segment, rounded up to 2 MiB, and the 1-10 MiB ones pack into
+               shared 20 MiB segments (`packed_rounding_bytes`); with expandable segments only the 512 B
+               rounding of every request remains. DDP's gradient buckets (25 MiB each) round the same.
 transient      what the step allocates and frees again (activations, autocast's weight copies, gradients,
                temporaries, the VAE encoder's working set): the cached blocks they leave behind do not always
                fit the next requests, so the allocator holds more than they need at once. The fraction is

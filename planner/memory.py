@@ -413,15 +413,33 @@ def weights_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """
     params = spec.params_trainable
     total = FP32_BYTES * params // _shards(decision, cluster) + buffer_bytes(spec)
-    if decision.sharded and moment in FORWARD_MOMENTS + BACKWARD_MOMENTS:
-        gathered = element_bytes(decision.precision).compute
-        if decision.sharding == "zero2":
-            total += gathered * params
-        else:
-            total += gathered * (
-                min(2, spec.depth) * spec.block_params + params - spec.depth * spec.block_params
-            )
-    return total
+    return total + gathered_bytes(spec, decision, moment)
+
+
+def gathered_bytes(spec: DiTSpec, decision: Decision, moment: str) -> int:
+    """FSDP's all-gathered parameter copies in the compute dtype at `moment` (none under DDP, before the
+    forward or at the optimizer step): every unit under zero2, two units and the root otherwise."""
+    if not decision.sharded or moment not in FORWARD_MOMENTS + BACKWARD_MOMENTS:
+        return 0
+    params = spec.params_trainable
+    if decision.sharding == "zero2":
+        return element_bytes(decision.precision).compute * params
+    units = min(2, spec.depth) * spec.block_params + params - spec.depth * spec.block_params
+    return element_bytes(decision.precision).compute * units
+
+
+def stream_pool_bytes(spec, decision, cluster, assumptions, moment) -> int:
+    """FSDP2 all-gathers on a stream of its own and reduce-scatters on another: the blocks they free stay
+    cached in those streams' pools, which the default stream's requests cannot take. Reserved there beyond
+    what they hold at `moment`: the all-gather pool's peak (the gathered copies) and the reduce-scatter
+    pool's (one unit's unsharded gradient, in flight only in backward), less what is live now. A release
+    under pressure returns them (whole free segments)."""
+    if not decision.sharded:
+        return 0
+    gather_peak = gathered_bytes(spec, decision, FORWARD_MOMENTS[-1])
+    scatter = _eb(decision, assumptions).compute * spec.block_params
+    live = gathered_bytes(spec, decision, moment) + (scatter if moment in BACKWARD_MOMENTS else 0)
+    return gather_peak + scatter - live
 
 
 def live_gradient_params(spec: DiTSpec, decision: Decision, moment: str) -> int:
@@ -643,6 +661,8 @@ def allocator_bytes(
         measured_fragmentation=assumptions.fragmentation,
         pressure=pressure,
     )
+    if not pressure and assumptions.fragmentation <= 0:  # a measured ratio already holds the stream pools
+        reserved += stream_pool_bytes(spec, decision, cluster, assumptions, moment)
     return reserved - allocated
 
 

@@ -24,30 +24,30 @@ def workspace(tmp_path_factory):
 
 
 def _with_cpu_grad_scaler(monkeypatch):
-    import dit_accel.train as train
+    import dit_accel.distributed as distributed  # train() imports make_accelerator from here when it runs
 
-    real = train.make_accelerator
+    real = distributed.make_accelerator
 
     def make_accelerator(*args, **kwargs):
         accelerator = real(*args, **kwargs)
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=HUGE_SCALE, backoff_factor=2.0**-40)
         return accelerator
 
-    monkeypatch.setattr(train, "make_accelerator", make_accelerator)
+    monkeypatch.setattr(distributed, "make_accelerator", make_accelerator)
 
 
 def test_scaler_skips_are_logged_and_do_not_stop_the_run(workspace, tmp_path, monkeypatch):
     _with_cpu_grad_scaler(monkeypatch)
     results = []
-    import dit_accel.train as train
+    import dit_accel.step as step  # train() imports optimizer_step from here when it runs
 
-    real_step = train.optimizer_step
+    real_step = step.optimizer_step
 
     def optimizer_step(*args, **kwargs):
         results.append(real_step(*args, **kwargs))
         return results[-1]
 
-    monkeypatch.setattr(train, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(step, "optimizer_step", optimizer_step)
     out = tmp_path / "fp16"
     argv = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", out, *QUIET]
     code = run_in_process([*argv, "--no-tensorboard", "--max-steps", 6, "--checkpoint-every", 6])

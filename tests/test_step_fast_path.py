@@ -160,17 +160,17 @@ def test_the_loop_measures_the_gradient_norm_only_where_it_logs_or_saves_it(work
 
     from test_train_e2e import QUIET, run_in_process
 
-    import dit_accel.train as train
+    import dit_accel.step as step  # train() imports optimizer_step from here when it runs
 
     measured = []
-    real_step = train.optimizer_step
+    real_step = step.optimizer_step
 
     def optimizer_step(*args, **kwargs):
         result = real_step(*args, **kwargs)
         measured.append(result.grad_norm is not None)
         return result
 
-    monkeypatch.setattr(train, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(step, "optimizer_step", optimizer_step)
     out = tmp_path / "run"
     argv = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", out, *QUIET]
     argv += ["--no-tensorboard", "--log-every", 3, "--checkpoint-every", 4, "--max-steps", 7]

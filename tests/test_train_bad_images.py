@@ -24,7 +24,7 @@ def pixel_run(tmp_path_factory):
     noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     Image.fromarray(noise).save(root / "whole.jpg", quality=95)
     whole = (root / "whole.jpg").read_bytes()
-    bad = sorted((images).glob("01_*"))[0] / "zz_truncated.jpg"  # sorts last in its class
+    bad = sorted(images.iterdir())[1] / "zz_truncated.jpg"  # label 1; sorts last in its class
     bad.write_bytes(whole[: len(whole) // 2])
     return {"plan": root / "pixel.json", "images": images, "bad": bad}
 

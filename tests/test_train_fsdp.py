@@ -117,9 +117,10 @@ INIT_PROBE = """
 import os, sys
 from pathlib import Path
 from safetensors.torch import save_file
+import dit_accel.step as step
 import dit_accel.train as train
 from dit_accel.distributed import full_tensor
-build_components = train.build_components
+build_components = step.build_components
 
 def build_and_record(*args, **kwargs):
     components = build_components(*args, **kwargs)
@@ -131,7 +132,7 @@ def build_and_record(*args, **kwargs):
     components.ema.save(here / "init_step0_ema.safetensors", write=main)
     return components
 
-train.build_components = build_and_record
+step.build_components = build_and_record  # train() imports it when it runs
 sys.exit(train.main(sys.argv[1:]))
 """
 

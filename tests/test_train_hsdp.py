@@ -48,8 +48,9 @@ QUIET = [
 MESH_PROBE = """
 import json, os, sys
 from pathlib import Path
+import dit_accel.step as step
 import dit_accel.train as train
-build_components = train.build_components
+build_components = step.build_components
 
 def build_and_record(*args, **kwargs):
     components = build_components(*args, **kwargs)
@@ -64,7 +65,7 @@ def build_and_record(*args, **kwargs):
     Path(__file__).with_name(f"mesh_rank{rank}.json").write_text(json.dumps(record))
     return components
 
-train.build_components = build_and_record
+step.build_components = build_and_record  # train() imports it when it runs
 sys.exit(train.main(sys.argv[1:]))
 """
 

@@ -295,7 +295,13 @@ def write_folder_index(summary: FolderSummary, folder: str | os.PathLike) -> Pat
     staging = folder.with_name(f".{folder.name}.writing")
     shutil.rmtree(staging, ignore_errors=True)
     records = datasets.Dataset.from_dict({"path": summary.listing.paths, "label": summary.listing.labels})
-    records.save_to_disk(str(staging / _INDEX_RECORDS))
+    shown = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.utils.logging.disable_progress_bar()  # a bar of its own on stderr is noise among the run's lines
+    try:
+        records.save_to_disk(str(staging / _INDEX_RECORDS))
+    finally:
+        if shown:
+            datasets.utils.logging.enable_progress_bar()
     fields = {
         name: getattr(summary, name) for name in FolderSummary.__dataclass_fields__ if name != "listing"
     }

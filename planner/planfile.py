@@ -65,6 +65,13 @@ class PlanMemory:
     # the caching allocator's peaks (plans written before the reserved model lack them: None)
     allocated_peak_bytes: int | None = None
     reserved_peak_bytes: int | None = None
+    # the least the step runs in once the allocator releases its cache under pressure (older plans: None)
+    needed_bytes: int | None = None
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit on the GPU for the step to run: the needed figure, or the peak for older plans."""
+        return self.peak_bytes if self.needed_bytes is None else self.needed_bytes
 
     @property
     def overhead_bytes(self) -> int:
@@ -267,6 +274,7 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
             peak_phase=mem.get("peak_phase", str, None),
             allocated_peak_bytes=mem.get("allocated_peak_bytes", int, None, minimum=0),
             reserved_peak_bytes=mem.get("reserved_peak_bytes", int, None, minimum=0),
+            needed_bytes=mem.get("needed_bytes", int, None, minimum=0),
         )
     t = top.section("throughput", optional=True) or _Reader({}, "throughput", origin)
     throughput = PlanThroughput(

@@ -803,3 +803,16 @@ def test_the_readmes_cpu_plan_is_ready_on_this_cpu_machine(tmp_path, capsys, mon
     assert rows["GPUs visible"]["status"] == "WARN" and "train on CPUs" in rows["GPUs visible"]["reason"]
     workers = loader_workers(None, ranks_per_node=2, cpus=usable_cpus())
     assert f"2 ranks x ({workers} worker" in rows["CPUs"]["reason"]
+
+
+def test_free_memory_between_the_needed_and_the_peak_warns_and_below_the_needed_fails(xl_plan):
+    """The step runs once the allocator releases its cache (plan.json's needed_bytes): a GPU with less free
+    than the peak but more than that is a warning, below it a failure."""
+    import dataclasses
+
+    plan = dataclasses.replace(xl_plan, peak_bytes=30 * GiB, needed_bytes=20 * GiB)
+    config = xl_plan.path.parent / "accelerate_config.yaml"
+    tight = by_name(check_environment(plan, env(gpus=gpus(free=25 * GiB)), config), "GPU 0 memory")
+    assert tight.status is Status.WARN
+    short = by_name(check_environment(plan, env(gpus=gpus(free=15 * GiB)), config), "GPU 0 memory")
+    assert short.status is Status.FAIL

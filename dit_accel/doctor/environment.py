@@ -342,7 +342,8 @@ def _holders(facts: EnvironmentFacts, gpu: GpuFacts) -> str:
 
 
 def check_gpu_memory(plan: PlanFacts, facts: EnvironmentFacts) -> list[Check]:
-    """Each GPU's total and free memory against the plan's per-GPU peak."""
+    """Each GPU's total and free memory against the plan's per-GPU peak: a failure below what the step needs
+    once the allocator releases its cache (plan.json's needed_bytes), a warning below the peak."""
     checks = []
     for gpu in facts.gpus[: plan.gpus_per_node]:
         name = f"GPU {gpu.index} memory"
@@ -357,11 +358,11 @@ def check_gpu_memory(plan: PlanFacts, facts: EnvironmentFacts) -> list[Check]:
                     "stop the processes holding it (nvidia-smi), or pick other GPUs with CUDA_VISIBLE_DEVICES",
                 )
             )
-        elif gpu.total_bytes < plan.peak_bytes:
+        elif gpu.total_bytes < plan.needed_bytes:
             checks.append(
                 failed(GROUP, name, figures + f"; the plan was made for {gib(plan.vram_bytes)} GPUs", replan)
             )
-        elif gpu.free_bytes < plan.peak_bytes:
+        elif gpu.free_bytes < plan.needed_bytes:
             checks.append(
                 failed(
                     GROUP,

@@ -35,6 +35,7 @@ class PlanFacts:
     latents: str  # precomputed | online | pixel
     ema: bool
     peak_bytes: int  # per GPU
+    needed_bytes: int  # per GPU: the least the step runs in (the cache released under pressure)
     budget_bytes: int  # per GPU: vram minus the plan's headroom
     host: dict = field(default_factory=dict)  # the plan's per-node host RAM estimate, as written
     inputs: dict = field(default_factory=dict)
@@ -111,6 +112,7 @@ def load_plan(path: str | Path) -> PlanFacts:
         latents=decision.latents,
         ema=decision.ema,
         peak_bytes=plan.memory.peak_bytes,
+        needed_bytes=plan.memory.fit_bytes,
         budget_bytes=plan.memory.budget_bytes,
         host=plan.host,
         inputs=plan.inputs,

@@ -6,9 +6,10 @@ import os
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, DiTPipeline
+from diffusers import DiTPipeline
 
 from dit_accel import sample
+from dit_accel.data.demo import demo_vae
 from dit_accel.export import import_main, write_pipeline
 from dit_accel.export import main as export_main
 from dit_accel.model import build_model, conditioning_embedder, timestep_freq_shift
@@ -22,18 +23,7 @@ DEPTH, HIDDEN, HEADS, PATCH = 2, 32, 2, 2
 @pytest.fixture(scope="module")
 def vae_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vae") / "vae"
-    torch.manual_seed(0)
-    AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=RESOLUTION,
-    ).save_pretrained(folder)
+    demo_vae(RESOLUTION).save_pretrained(folder)
     return folder
 
 

@@ -51,26 +51,13 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A real run folder: 6 trainer steps of a 2-block DiT on latents of demo images (tiny VAE)."""
-    from diffusers import AutoencoderKL
-
-    from dit_accel.data.demo import write_demo_data
+    from dit_accel.data.demo import demo_vae, write_demo_data
     from dit_accel.data.latents import ExtractConfig, extract_latents
     from dit_accel.train import main as train
     from planner.cli import main as dit_plan
 
     root = tmp_path_factory.mktemp("sample_run")
-    torch.manual_seed(0)
-    AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=RESOLUTION,
-    ).save_pretrained(root / "vae")
+    demo_vae(RESOLUTION).save_pretrained(root / "vae")
     write_demo_data(root / "images", classes=CLASSES, per_class=4, resolution=RESOLUTION, seed=0)
     extract_latents(
         ExtractConfig(

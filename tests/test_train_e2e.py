@@ -86,24 +86,10 @@ def workspace(tmp_path_factory):
 
 def make_workspace(root: Path) -> dict:
     """Demo images, a tiny VAE, the latent cache, and plans for 1 and 2 processes (global batch 8)."""
-    from diffusers import AutoencoderKL
-
-    from dit_accel.data.demo import write_demo_data
+    from dit_accel.data.demo import demo_vae, write_demo_data
     from dit_accel.data.latents import ExtractConfig, extract_latents
 
-    torch.manual_seed(0)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=64,
-    )
-    vae.save_pretrained(root / "vae")
+    demo_vae(64).save_pretrained(root / "vae")
     write_demo_data(root / "images", classes=4, per_class=16, resolution=64, seed=0)
     extract_latents(
         ExtractConfig(

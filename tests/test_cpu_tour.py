@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -55,14 +56,12 @@ def test_the_readme_cpu_tour_runs_as_written(tmp_path):
     scripts = Path(sys.executable).parent  # dit-plan, dit-accel, accelerate of this environment
     env = {**os.environ, "PATH": f"{scripts}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
-    outputs = []
+    run = partial(subprocess.run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    said = {}  # command -> what it printed
     for command in commands:
-        result = subprocess.run(
-            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
-        outputs.append((command, result))
+        result = run(["bash", "-c", command])
         assert result.returncode == 0, f"$ {command}\n{result.stdout}\n{result.stderr}"
-    said = {command: result.stdout + result.stderr for command, result in outputs}
+        said[command] = result.stdout + result.stderr
 
     def output_of(prefix: str) -> str:
         return next(text for command, text in said.items() if command.startswith(prefix))
@@ -79,13 +78,6 @@ def test_the_readme_cpu_tour_runs_as_written(tmp_path):
     )
 
     # A pixel-space run has no DiTPipeline form: said at once, in one line, before any VAE is asked for.
-    refused = subprocess.run(
-        ["dit-accel", "export", "--checkpoint", "runs/demo", "--out", "pixel-pipeline"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    refused = run(["dit-accel", "export", "--checkpoint", "runs/demo", "--out", "pixel-pipeline"])
     assert refused.returncode == 2 and "pixel space" in refused.stderr, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "pixel-pipeline").exists()

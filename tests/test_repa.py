@@ -1,0 +1,171 @@
+"""REPA: the DINOv2-layout encoder read offline, its input, the projector, the alignment term and where its
+gradient goes, on a tiny DiT and a tiny randomly initialised encoder the tests save themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dit_accel.errors import UserError
+from dit_accel.model import build_model, set_checkpointed_blocks
+from dit_accel.repa.align import (
+    PROJECTOR_PREFIX,
+    Repa,
+    TokenCapture,
+    alignment_loss,
+    attach_projector,
+    without_projector,
+)
+from dit_accel.repa.encoder import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DinoV2,
+    architecture_of,
+    load_encoder,
+    preprocess,
+)
+from planner.repa import ENCODERS, encoder_by_shape, projector_params
+from planner.spec import DiTSpec
+
+TINY = dict(dim=64, depth=2, mlp_hidden=128)
+SPEC = DiTSpec(name="DiT-S/2", depth=3, hidden=32, heads=2, patch=2, resolution=64, num_classes=4)
+GRID = SPEC.latent_size // SPEC.patch  # 4 x 4 tokens: the encoder sees 56 px
+
+
+def save_tiny_encoder(path, **overrides) -> dict:
+    """A random DINOv2-layout encoder written as torch.hub's .pth would be; returns its state dict."""
+    torch.manual_seed(0)
+    encoder = DinoV2(**{**TINY, **overrides})
+    with torch.no_grad():
+        for param in encoder.parameters():
+            param.normal_(0, 0.2)
+    state = {key: value.clone() for key, value in encoder.state_dict().items()}
+    torch.save(state, path)
+    return state
+
+
+@pytest.mark.parametrize("overrides", [{}, {"registers": 4}, {"swiglu": True}])
+def test_the_architecture_is_read_from_the_weights_and_loads_strictly_frozen(tmp_path, overrides):
+    state = save_tiny_encoder(tmp_path / "enc.pth", **overrides)
+    assert architecture_of(state) == {**TINY, "swiglu": False, "registers": 0, "pos_grid": 37, **overrides}
+    encoder = load_encoder(tmp_path, grid=GRID)  # a folder holding one file
+    assert encoder.pos_embed.shape == (1, 1 + GRID * GRID, TINY["dim"])
+    assert not any(p.requires_grad for p in encoder.parameters()) and not encoder.training
+    loaded = encoder.state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in state.items() if key != "pos_embed")
+    assert torch.equal(loaded["pos_embed"][:, 0], state["pos_embed"][:, 0])  # the class position kept
+    tokens = encoder(preprocess(torch.rand(2, 3, 64, 64) * 2 - 1, GRID))
+    assert tokens.shape == (2, GRID * GRID, TINY["dim"])  # patch tokens only: no class, no registers
+
+
+def test_the_positions_resample_a_smooth_table_smoothly(tmp_path):
+    """A table that is constant over the patches stays that constant at any grid; at 37 it is untouched."""
+    encoder = DinoV2(**TINY)
+    with torch.no_grad():
+        encoder.pos_embed[:, 1:] = torch.linspace(-1, 1, TINY["dim"])
+    native = encoder.pos_embed.detach().clone()
+    encoder.resample_positions(37)
+    assert torch.equal(encoder.pos_embed, native)
+    encoder.resample_positions(16)
+    torch.testing.assert_close(encoder.pos_embed[0, 1:], native[0, 1:257], atol=1e-5, rtol=0)
+
+
+def test_the_planner_counts_every_published_encoder_exactly():
+    """planner.repa's parameter counts equal the torch modules' for all eight DINOv2 backbones (on meta)."""
+    for spec in ENCODERS.values():
+        with torch.device("meta"):
+            encoder = DinoV2(spec.dim, spec.depth, spec.mlp_hidden, spec.swiglu, spec.registers)
+        assert sum(p.numel() for p in encoder.parameters()) == spec.params, spec.name
+        assert encoder_by_shape(spec.dim, spec.depth, spec.registers) == spec
+    assert round(ENCODERS["dinov2-b"].params / 1e6) == 87  # ViT-B/14 with its 37 x 37 table
+    assert ENCODERS["dinov2-b"].resolution(16) == 224  # REPA's 256 px XL/2
+
+
+def test_missing_or_unreadable_weights_are_one_line_naming_how_to_get_them(tmp_path):
+    with pytest.raises(UserError, match="do not exist.*dinov2_vitb14_pretrain.pth"):
+        load_encoder(tmp_path / "nope.pth", grid=GRID)
+    with pytest.raises(UserError, match="holds no weights file"):
+        load_encoder(tmp_path, grid=GRID)
+    (tmp_path / "enc.pth").write_bytes(b"truncated")
+    with pytest.raises(UserError, match="cannot be read"):
+        load_encoder(tmp_path / "enc.pth", grid=GRID)
+    torch.save({"something": torch.zeros(1)}, tmp_path / "enc.pth")
+    with pytest.raises(UserError, match="not a DINOv2"):
+        load_encoder(tmp_path / "enc.pth", grid=GRID)
+
+
+def test_preprocess_maps_minus_one_to_one_onto_imagenet_statistics_at_the_encoders_side():
+    gray = torch.zeros(1, 3, 64, 64)  # 0 in [-1, 1] is 0.5 in [0, 1]
+    out = preprocess(gray, GRID)
+    assert out.shape == (1, 3, 56, 56)
+    expected = [(0.5 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)]
+    torch.testing.assert_close(out[0, :, 10, 10], torch.tensor(expected), rtol=0, atol=1e-6)
+
+
+def test_alignment_loss_is_minus_the_mean_cosine_per_sample():
+    target = torch.randn(2, 5, 8)
+    torch.testing.assert_close(alignment_loss(3 * target, target), torch.full((2,), -1.0))
+    torch.testing.assert_close(alignment_loss(-target, target), torch.full((2,), 1.0))
+    a, b = torch.zeros(1, 2, 2), torch.zeros(1, 2, 2)
+    a[0, :, 0], b[0, 0, 0], b[0, 1, 1] = 1, 1, 1  # token 0 aligned (-1), token 1 orthogonal (0)
+    torch.testing.assert_close(alignment_loss(a, b), torch.tensor([-0.5]))
+
+
+def _dit_with_repa(tmp_path, depth: int):
+    save_tiny_encoder(tmp_path / "enc.pth")
+    torch.manual_seed(0)
+    model = build_model(SPEC, init="torch")  # nonzero adaLN: every block's output depends on its weights
+    repa = Repa.build(model, str(tmp_path / "enc.pth"), depth, 0.5, 48, GRID, "cpu")
+    return model, repa
+
+
+def _alignment_grads(model, repa, checkpointed: int) -> dict[str, torch.Tensor | None]:
+    set_checkpointed_blocks(model, checkpointed)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    images, x = torch.rand(2, 3, 64, 64) * 2 - 1, torch.randn(2, 4, 8, 8)
+    targets = repa.targets(images, torch.autocast("cpu", enabled=False))
+    model(x, timestep=torch.tensor([3, 700]), class_labels=torch.tensor([0, 4]), return_dict=False)
+    repa.loss(targets).mean().backward()
+    return {name: param.grad for name, param in model.named_parameters()}
+
+
+def test_the_gradient_reaches_blocks_up_to_k_and_the_projector_never_the_encoder(tmp_path):
+    model, repa = _dit_with_repa(tmp_path, depth=2)
+    grads = _alignment_grads(model, repa, checkpointed=0)
+    nonzero = {name for name, grad in grads.items() if grad is not None and grad.abs().sum() > 0}
+    assert {n for n in grads if n.startswith(PROJECTOR_PREFIX)} <= nonzero
+    assert any(n.startswith("transformer_blocks.0.") for n in nonzero)
+    assert any(n.startswith("transformer_blocks.1.attn1") for n in nonzero)
+    assert any(n.startswith("pos_embed.") for n in nonzero)  # the patch embedding is before block 1
+    assert not any(n.startswith(("transformer_blocks.2.", "proj_out")) for n in nonzero)  # after block K
+    assert all(p.grad is None for p in repa.encoder.parameters())
+    # Checkpointed blocks (the recompute does not fire the hook again) give the same gradients.
+    again = _alignment_grads(model, repa, checkpointed=3)
+    for name in nonzero:
+        torch.testing.assert_close(again[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_capture_refuses_a_block_the_network_lacks_and_forgets_what_it_gave(tmp_path):
+    model, repa = _dit_with_repa(tmp_path, depth=3)
+    with pytest.raises(UserError, match="--repa-depth 4 is not a block of this 3-block network"):
+        TokenCapture(model, 4)
+    with torch.no_grad():
+        model(torch.randn(1, 4, 8, 8), timestep=torch.tensor([1]), class_labels=torch.tensor([0]))
+    assert repa.capture.take().shape == (1, GRID * GRID, TINY["dim"])
+    with pytest.raises(RuntimeError, match="did not run"):
+        repa.capture.take()
+
+
+def test_the_projector_is_the_papers_mlp_and_sampling_weights_leave_it_out():
+    torch.manual_seed(0)
+    model = build_model(SPEC)
+    plain = set(model.state_dict())
+    attach_projector(model, encoder_dim=64, width=48)
+    added = {n: p.numel() for n, p in model.named_parameters() if n.startswith(PROJECTOR_PREFIX)}
+    assert sum(added.values()) == projector_params(SPEC.hidden, 64, 48)
+    assert [type(m).__name__ for m in model.repa_projector] == ["Linear", "SiLU", "Linear", "SiLU", "Linear"]
+    assert set(without_projector(model.state_dict())) == plain
+    assert set(without_projector({"module." + n: 0 for n in model.state_dict()})) == {
+        "module." + n for n in plain
+    }

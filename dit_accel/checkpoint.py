@@ -516,6 +516,7 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
     from safetensors.torch import load_file
 
     from dit_accel.model import DIFFUSERS_FREQ_SHIFT, build_model, read_sidecar
+    from dit_accel.repa.align import without_projector  # trained with a REPA model, never sampled
 
     checkpoint = intact_for_inference(checkpoint_or_run_dir, use_ema)
     spec = read_plan(checkpoint / PLAN).spec()
@@ -532,7 +533,7 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
         state, weights = read_sharded_model(checkpoint / SHARDED_MODEL, model), "model"
     else:
         state, weights = load_file(str(checkpoint / MODEL_WEIGHTS)), "model"
-    state = {name.removeprefix("module."): tensor for name, tensor in state.items()}
+    state = {name.removeprefix("module."): tensor for name, tensor in without_projector(state).items()}
     _load_into(model, state, strict_params_only=(weights == "ema"))
     model.to(device).eval()
     info = dict(read_train_state(checkpoint), checkpoint=str(checkpoint), weights=weights)

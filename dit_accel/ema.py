@@ -8,6 +8,9 @@ Under FSDP2 a parameter is a DTensor holding this rank's shard. The EMA then kee
 bytes per parameter, as the plan counts) and updates it locally, with no communication; only saving
 gathers the full tensors (a collective), so the file is the same as an unsharded run's and sampling or
 export never needs torch.distributed. Loading takes each rank's shard of the full tensors back.
+
+Parameters that are trained but never sampled (REPA's projector, `dit_accel.repa.align`) have no EMA: the
+sampling network is the DiT alone, and ema.safetensors loads into it as it is.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from dit_accel.repa.align import is_projector_param
 
 
 def initial_weight_share(decay: float, warmup: bool, updates: int) -> float:
@@ -42,7 +47,7 @@ class EMA:
             str, torch.Tensor
         ] = {}  # sharded parameters: a DTensor to take mesh and placements from
         for name, param in model.named_parameters():
-            if not param.requires_grad:
+            if not param.requires_grad or is_projector_param(name):
                 continue
             self.shadow[name] = _local(param.detach()).to(torch.float32).clone()
             if hasattr(param, "to_local"):

@@ -169,3 +169,17 @@ def test_the_projector_is_the_papers_mlp_and_sampling_weights_leave_it_out():
     assert set(without_projector({"module." + n: 0 for n in model.state_dict()})) == {
         "module." + n for n in plain
     }
+
+
+def test_the_ema_and_the_inference_weights_are_the_dit_alone():
+    from dit_accel.ema import EMA
+
+    torch.manual_seed(0)
+    model = build_model(SPEC)
+    attach_projector(model, encoder_dim=64, width=48)
+    ema = EMA(model, decay=0.5)
+    assert ema.shadow and not any(name.startswith(PROJECTOR_PREFIX) for name in ema.shadow)
+    ema.update(model)
+    sampling = build_model(SPEC)
+    ema.copy_to(sampling)  # every parameter of the plain DiT has its EMA
+    assert set(ema.shadow) == {n for n, p in sampling.named_parameters() if p.requires_grad}

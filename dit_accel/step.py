@@ -37,7 +37,7 @@ class Components:
     ema: EMA | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    objective: object  # dit_accel.diffusion.Diffusion: DiT's linear schedule, mse + vb loss
+    objective: object  # --objective: dit_accel.diffusion.Diffusion (DiT's mse + vb) or flow.FlowMatching
     vae: nn.Module | None
     device: torch.device
     grad_accum: int
@@ -57,6 +57,14 @@ class Components:
         if self.accelerator is None and self.autocast_dtype is not None:
             return torch.autocast(self.device.type, dtype=self.autocast_dtype)
         return contextlib.nullcontext()
+
+    def sidecar(self) -> dict:
+        """The model's `dit_accel.json` (spec, timestep shift) plus the objective, so that sample and export
+        rebuild a flow model's objective without being told."""
+        from dit_accel.diffusion.flow import objective_description
+        from dit_accel.model import sidecar
+
+        return dict(sidecar(self.raw_model), objective=objective_description(self.objective))
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.accelerator is not None:
@@ -102,7 +110,7 @@ def build_components(
     (a resumed run's, from its checkpoint) overrides it; the default is diffusers' (1).
     """
     from dit_accel.compile import compile_for_run
-    from dit_accel.diffusion import Diffusion
+    from dit_accel.diffusion.flow import build_objective
     from dit_accel.model import DIFFUSERS_FREQ_SHIFT, build_model, set_checkpointed_blocks
 
     spec = spec or plan.spec()
@@ -149,7 +157,7 @@ def build_components(
         ema=ema,
         optimizer=optimizer,
         scheduler=scheduler,
-        objective=Diffusion.linear(),
+        objective=build_objective(config.objective, config.flow_path, config.time_sampling),
         vae=vae,
         device=device,
         grad_accum=decision.grad_accum,

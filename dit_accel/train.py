@@ -110,16 +110,11 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     samples = TrainingSamples(config, plan, spec, accelerator, components, run_dir, dataset.classes)
 
     latent_shape = (spec.in_channels, spec.latent_size, spec.latent_size)  # what the network sees
-    noise = SampleNoise(
-        config.seed,
-        components.objective.num_timesteps,
-        latent_shape,
-        config.class_dropout,
-        posterior_shape=latent_shape if d.latents == "online" else None,
+    online = latent_shape if d.latents == "online" else None  # the posterior draw's shape
+    noise = SampleNoise.for_objective(
+        components.objective, config.seed, latent_shape, config.class_dropout, online
     )
     batches = iter(make_loader(dataset, order, noise, config, state["step"], rank, components.device))
-    from dit_accel.model import sidecar
-
     checkpointer = Checkpointer(
         accelerator,
         run_dir,
@@ -127,7 +122,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         plan=plan.to_json(),
         config=config.to_json(),
         keep_last=config.keep_last,
-        sidecar=sidecar(components.raw_model),  # the timestep shift travels along
+        sidecar=components.sidecar(),  # the timestep shift and the objective travel along
         before_commit=faults.before_commit,
         parent=start.checkpoint,  # the timeline this run continues (None: a new one)
     )

@@ -20,6 +20,8 @@ from dit_accel.cli_args import OneLineParser, shown_default
 from dit_accel.errors import UserError
 
 NAN_POLICIES = ("abort", "skip")
+TIME_SAMPLINGS = ("uniform", "lognormal")  # the flow objective's (dit_accel.diffusion.flow)
+FLOW_PATHS = ("linear", "gvp")
 DEFAULT_NUM_WORKERS = 4  # DataLoader workers per rank unless the node's CPUs allow fewer
 MAX_SEED = 2**31 - 1  # seed + rank must stay a valid seed for torch, numpy and Python alike
 
@@ -48,7 +50,21 @@ class TrainConfig:
     output_dir: str = field(
         default="", metadata={"help": "run folder: checkpoints, logs, TensorBoard (required)"}
     )
-    data_path: str | None = field(default=None, metadata={"help": "image folder (one sub-folder per class)"})
+    data_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "image folder (one sub-folder per class), or a Hugging Face dataset: a save_to_disk folder, "
+            "parquet files (FILE, DIR or glob) or a dataset name in the local cache (docs/data.md)"
+        },
+    )
+    split: str | None = field(
+        default=None,
+        metadata={"help": "a dataset's split to train on (default: train, or the dataset's only split)"},
+    )
+    image_column: str = field(default="image", metadata={"help": "a dataset's column of images"})
+    label_column: str = field(
+        default="label", metadata={"help": "a dataset's column of class labels (ClassLabel, int or str)"}
+    )
     latents: str | None = field(
         default=None, metadata={"help": "latent cache written by `dit-accel extract-latents`"}
     )
@@ -122,6 +138,21 @@ class TrainConfig:
         default=0.1, metadata={"help": "probability of replacing a label by the null class (for guidance)"}
     )
     seed: int = field(default=0, metadata={"help": "base seed; rank r seeds its global RNGs with seed + r"})
+    objective: str = field(
+        default="ddpm",
+        metadata={
+            "help": "ddpm (DiT's: epsilon and learned variance) or flow (SiT's and REPA's: linear interpolant, "
+            "velocity prediction); must agree with the plan's (dit-plan --objective)"
+        },
+    )
+    time_sampling: str = field(
+        default="uniform",
+        metadata={"help": "flow: how t is drawn per sample, uniform or lognormal (REPA's option)"},
+    )
+    flow_path: str = field(
+        default="linear",
+        metadata={"help": "flow: the interpolant, linear (SiT's default) or gvp (cos/sin, SiT's GVP)"},
+    )
 
     nan_policy: str = field(
         default="abort", metadata={"help": "on a NaN/Inf loss or gradient: abort (default) or skip the step"}
@@ -268,7 +299,10 @@ class TrainConfig:
             )
         if not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"--seed must be in 0..{MAX_SEED}, got {self.seed}", "pass a smaller seed")
-        for name in ("output_dir", "data_path", "latents"):
+        from dit_accel.data.source_kind import dataset_kind  # a parquet file is a dataset, not a bad folder
+
+        data_path = () if self.data_path and dataset_kind(self.data_path) else ("data_path",)
+        for name in ("output_dir", *data_path, "latents"):
             value = getattr(self, name)
             existing = (
                 next((p for p in (Path(value), *Path(value).parents) if p.exists()), None) if value else None
@@ -300,6 +334,20 @@ class TrainConfig:
         from dit_accel.trackers import parse_report_to
 
         parse_report_to(self.report_to)
+        from planner.rules import OBJECTIVES
+
+        for flag, value, choices in (
+            ("objective", self.objective, tuple(OBJECTIVES)),
+            ("time-sampling", self.time_sampling, TIME_SAMPLINGS),
+            ("flow-path", self.flow_path, FLOW_PATHS),
+        ):
+            if value not in choices:
+                raise UserError(f"--{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if self.objective == "ddpm" and (self.time_sampling, self.flow_path) != ("uniform", "linear"):
+            raise UserError(
+                "--time-sampling and --flow-path are the flow objective's: DiT's ddpm draws t uniformly",
+                "add --objective flow, or drop them",
+            )
         if self.nan_policy not in NAN_POLICIES:
             raise UserError(f"--nan-policy must be one of {', '.join(NAN_POLICIES)}, got {self.nan_policy!r}")
         try:

@@ -35,6 +35,13 @@ PRECISIONS = {
 }
 
 
+# The training objectives a plan may name (dit-plan --objective); the trainer's --objective must agree.
+OBJECTIVES = {
+    "ddpm": "DiT's Gaussian diffusion: epsilon MSE plus the learned variance's bound term",
+    "flow": "SiT's flow matching: linear interpolant between data and noise, velocity MSE",
+}
+
+
 @dataclass(frozen=True)
 class ShardingMode:
     """How a plan's `decision.sharding` spreads the training state over the GPUs."""

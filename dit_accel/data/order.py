@@ -149,12 +149,34 @@ class SampleNoise:
     noise_shape: tuple[int, ...]
     class_dropout: float
     posterior_shape: tuple[int, ...] | None = None  # online VAE: the posterior sample's noise
+    # A flow objective's float t in [0, 1] ("uniform" or "lognormal" on `flow_path`); None: DDPM's integer t.
+    time_sampling: str | None = None
+    flow_path: str = "linear"
+
+    @classmethod
+    def for_objective(cls, objective, seed: int, noise_shape, class_dropout: float, posterior_shape=None):
+        """The draws the trainer's objective needs: DiT's integer timesteps, or a flow's float times."""
+        flow = getattr(objective, "name", "ddpm") == "flow"
+        return cls(
+            seed,
+            0 if flow else objective.num_timesteps,
+            tuple(noise_shape),
+            class_dropout,
+            posterior_shape=posterior_shape,
+            time_sampling=objective.time_sampling if flow else None,
+            flow_path=objective.path if flow else "linear",
+        )
 
     def __call__(self, sample_numbers: list[int]) -> dict[str, torch.Tensor]:
+        from dit_accel.diffusion.flow import draw_time
+
         timesteps, noises, drops, posteriors = [], [], [], []
         for number in sample_numbers:
             generator = torch.Generator().manual_seed(sample_seed(self.seed, number))
-            timesteps.append(torch.randint(0, self.num_timesteps, (), generator=generator))
+            if self.time_sampling is None:
+                timesteps.append(torch.randint(0, self.num_timesteps, (), generator=generator))
+            else:
+                timesteps.append(draw_time(self.time_sampling, self.flow_path, generator))
             noises.append(torch.randn(self.noise_shape, generator=generator))
             drops.append(torch.rand((), generator=generator) < self.class_dropout)
             if self.posterior_shape is not None:

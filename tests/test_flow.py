@@ -1,0 +1,139 @@
+"""The flow-matching objective and its samplers, held to closed forms: Gaussian data N(mu, s^2) per dimension,
+whose velocity field E[v | x_t], score and marginals are known exactly (computed here in float64)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dit_accel.data.order import SampleNoise
+from dit_accel.diffusion.flow import FlowMatching, build_objective, draw_time, objective_from_description
+from dit_accel.errors import UserError
+
+MU, S = 0.7, 0.4  # the data distribution of every closed-form test: N(MU, S^2) in every dimension
+
+
+def coefficients(path: str, t):
+    """(alpha, sigma, alpha', sigma') by hand, for a float or a float64 tensor of times."""
+    if path == "linear":
+        return 1 - t, t, -1.0 + 0 * t, 1.0 + 0 * t
+    h, cos, sin = (
+        math.pi / 2,
+        (torch.cos if torch.is_tensor(t) else math.cos),
+        (torch.sin if torch.is_tensor(t) else math.sin),
+    )
+    return cos(h * t), sin(h * t), -h * sin(h * t), h * cos(h * t)
+
+
+def exact_velocity(path: str, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """E[v | x_t = x] for Gaussian data: joint Gaussian regression of v = a' x0 + s' e on x_t = a x0 + s e."""
+    a, s, da, ds = (c.view(-1, *[1] * (x.ndim - 1)) for c in coefficients(path, t.double()))
+    variance = a * a * S * S + s * s
+    return da * MU + (da * a * S * S + ds * s) / variance * (x - a * MU)
+
+
+def gaussian_velocity_fn(path: str, channels: int = 1, garbage: bool = True):
+    """A model_fn(x_t, t, y) whose first C channels are the exact velocity and whose other C are noise."""
+
+    def model_fn(x, t, y):
+        v = exact_velocity(path, x.double(), t.double()).to(x.dtype)
+        return torch.cat([v, torch.randn_like(v) * 100 if garbage else torch.zeros_like(v)], dim=1)
+
+    return model_fn
+
+
+@pytest.mark.parametrize("path", ["linear", "gvp"])
+def test_interpolant_and_velocity_target_by_hand(path):
+    flow = FlowMatching(path)
+    x0, noise = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    t = torch.tensor([0.0, 0.3, 0.9])
+    for i, ti in enumerate(t.tolist()):
+        a, s, da, ds = coefficients(path, ti)
+        assert torch.allclose(flow.interpolate(x0, t, noise)[i], a * x0[i] + s * noise[i])
+        assert torch.allclose(flow.velocity_target(x0, t, noise)[i], da * x0[i] + ds * noise[i])
+    # t = 0 is the data itself, t = 1 pure noise (the direction docs/model.md states)
+    assert torch.equal(flow.interpolate(x0, torch.zeros(3), noise), x0)
+    assert torch.allclose(flow.interpolate(x0, torch.ones(3), noise), noise, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["linear", "gvp"])
+def test_the_loss_minimiser_is_the_exact_velocity_field(path):
+    """At fixed t, least squares of the loss's target on x_t recovers E[v | x_t] (slope and intercept), and
+    the loss of the exact field is the target's conditional variance, the least any model can reach."""
+    flow, n, generator = FlowMatching(path), 200_000, torch.Generator().manual_seed(0)
+    for t_value in (0.2, 0.6):
+        x0 = MU + S * torch.randn(n, 1, 1, 1, generator=generator, dtype=torch.float64)
+        noise = torch.randn(n, 1, 1, 1, generator=generator, dtype=torch.float64)
+        t = torch.full((n,), t_value)
+        x_t, target = flow.interpolate(x0, t, noise).flatten(), flow.velocity_target(x0, t, noise).flatten()
+        design = torch.stack([x_t, torch.ones_like(x_t)], dim=1)
+        slope, intercept = torch.linalg.lstsq(design, target[:, None]).solution.flatten().tolist()
+        a, s, da, ds = coefficients(path, t_value)
+        variance = a * a * S * S + s * s
+        exact_slope = (da * a * S * S + ds * s) / variance
+        conditional_variance = da * da * S * S + ds * ds - (da * a * S * S + ds * s) ** 2 / variance
+        standard_error = math.sqrt(conditional_variance / (n * variance))  # of the fitted slope
+        assert slope == pytest.approx(exact_slope, abs=5 * standard_error)
+        assert intercept == pytest.approx(da * MU - exact_slope * a * MU, abs=5 * standard_error)
+
+        y = torch.zeros(n, dtype=torch.long)
+        losses = flow.training_losses(gaussian_velocity_fn(path), x0, y, t=t, noise=noise)
+        assert losses["loss"].mean().item() == pytest.approx(conditional_variance, rel=1e-2)
+        shifted = flow.loss_terms(torch.cat([x_t.view(-1, 1, 1, 1) * 0 + 0.1, x0], 1), x0, t, noise)
+        assert shifted["loss"].mean() > losses["loss"].mean()  # any other field does worse
+
+
+def test_the_loss_reads_only_the_first_c_channels():
+    flow = FlowMatching()
+    x0, noise, t = torch.randn(4, 2, 3, 3), torch.randn(4, 2, 3, 3), torch.rand(4)
+    velocity = torch.randn(4, 2, 3, 3)
+    first = flow.loss_terms(torch.cat([velocity, torch.zeros_like(velocity)], 1), x0, t, noise)["loss"]
+    second = flow.loss_terms(torch.cat([velocity, torch.randn_like(velocity)], 1), x0, t, noise)["loss"]
+    assert torch.equal(first, second)
+    by_hand = ((velocity - (noise - x0)) ** 2).mean(dim=(1, 2, 3))
+    assert torch.allclose(first, by_hand)
+
+
+@pytest.mark.parametrize("path", ["linear", "gvp"])
+def test_score_from_velocity_is_the_gaussian_score(path):
+    flow = FlowMatching(path)
+    x = torch.randn(5, 1, 2, 2, dtype=torch.float64)
+    t = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.95])
+    score = flow.score_from_velocity(exact_velocity(path, x, t), x, t)
+    for i, ti in enumerate(t.tolist()):
+        a, s, _, _ = coefficients(path, ti)
+        assert torch.allclose(score[i], -(x[i] - a * MU) / (a * a * S * S + s * s))
+
+
+def test_time_sampling_distributions():
+    generator = torch.Generator().manual_seed(1)
+    uniform = torch.stack([draw_time("uniform", "linear", generator) for _ in range(4000)])
+    assert 0 <= uniform.min() and uniform.max() < 1 and abs(uniform.mean().item() - 0.5) < 0.02
+    lognormal = torch.stack([draw_time("lognormal", "linear", generator) for _ in range(4000)])
+    logit = torch.log(lognormal / (1 - lognormal))  # the noise-to-signal log-ratio: N(0, 1)
+    assert abs(logit.mean().item()) < 0.05 and abs(logit.std().item() - 1) < 0.05
+    gvp = torch.stack([draw_time("lognormal", "gvp", generator) for _ in range(4000)])
+    log_ratio = torch.log(torch.tan(gvp * math.pi / 2))
+    assert abs(log_ratio.mean().item()) < 0.05 and abs(log_ratio.std().item() - 1) < 0.05
+    with pytest.raises(UserError, match="time-sampling"):
+        draw_time("beta", "linear", generator)
+
+
+def test_sample_noise_draws_float_times_per_sample_for_flow():
+    flow = build_objective("flow", "linear", "lognormal")
+    noise = SampleNoise.for_objective(flow, 5, (2, 4, 4), 0.1)
+    batch, again = noise([3, 4, 5]), noise([5])
+    assert batch["t"].dtype == torch.float32 and ((batch["t"] > 0) & (batch["t"] < 1)).all()
+    assert torch.equal(batch["t"][2:], again["t"]) and torch.equal(batch["noise"][2:], again["noise"])
+    ddpm = SampleNoise.for_objective(build_objective("ddpm"), 5, (2, 4, 4), 0.1)([3])
+    assert ddpm["t"].dtype == torch.long  # DiT's draws are unchanged
+
+
+def test_objective_descriptions_round_trip():
+    flow = objective_from_description({"name": "flow", "path": "gvp", "time_sampling": "lognormal"})
+    assert (flow.path, flow.time_sampling) == ("gvp", "lognormal")
+    assert objective_from_description(None).num_timesteps == 1000  # no record: DiT's ddpm
+    with pytest.raises(UserError, match="objective"):
+        build_objective("edm")

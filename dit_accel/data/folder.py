@@ -64,6 +64,21 @@ class FolderListing:
     def __len__(self) -> int:
         return len(self.paths)
 
+    # What the latent cache writer asks of a listing (a dataset's listing answers the same, hf_source.py).
+    def name(self, index: int) -> str:
+        """How entry `index` is named in messages and in a cache's list of skipped images."""
+        return self.paths[index]
+
+    def source_key(self, index: int) -> str:
+        """What identifies entry `index`'s image, so a cache shard of other images is not reused."""
+        return self.paths[index]
+
+    def class_of(self, name: str) -> str:
+        return name.split("/", 1)[0]
+
+    def load(self, index: int) -> Image.Image:
+        return load_rgb(self.root / self.paths[index])
+
     def without(self, bad_paths: set[str]) -> FolderListing:
         keep = [i for i, rel in enumerate(self.paths) if rel not in bad_paths]
         return FolderListing(
@@ -90,10 +105,13 @@ class FolderSummary:
     def num_classes(self) -> int:
         return len(self.classes)
 
+    def title(self) -> str:
+        return self.root
+
     def describe(self) -> str:
         counts = list(self.images_per_class.values())
         line = (
-            f"{self.root}: {self.num_images} images in {self.num_classes} classes "
+            f"{self.title()}: {self.num_images} images in {self.num_classes} classes "
             f"({min(counts)}-{max(counts)} per class), {self.images_decoded} decoded"
         )
         if self.bad_images:
@@ -204,15 +222,17 @@ def _to_8_bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), mode="L")
 
 
-def load_rgb(path: str | os.PathLike) -> Image.Image:
-    """Decode an image fully into RGB; a file that does not decode raises UserError naming it."""
+def load_rgb(path, name: str | None = None) -> Image.Image:
+    """Decode an image fully into RGB; a file that does not decode raises UserError naming it.
+
+    `path`: a file, or a binary stream (a dataset's image bytes) with `name` saying which row it is."""
     try:
         with Image.open(path) as image:
             image.load()  # decodes every pixel, so truncation surfaces here
             return _to_8_bit(image).convert("RGB")
     except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
         raise UserError(
-            f"cannot decode image {path}: {error}",
+            f"cannot decode image {name or path}: {error}",
             "replace or delete it, or pass --skip-bad-images to skip such files",
         ) from None
 
@@ -233,31 +253,15 @@ def validate_image_folder(
     the listing and counted in `bad_images`."""
     listing, ignored = list_image_folder(path)
     if full:
-        to_decode = list(listing.paths)
+        to_decode = list(range(len(listing)))
     elif sample:
-        first_of_class: dict[int, str] = {}
-        for rel, label in zip(listing.paths, listing.labels):
-            first_of_class.setdefault(label, rel)
+        first_of_class: dict[int, int] = {}
+        for index, label in enumerate(listing.labels):
+            first_of_class.setdefault(label, index)
         to_decode = list(first_of_class.values())
     else:
         to_decode = []
-
-    def decodes(rel: str) -> str | None:
-        try:
-            load_rgb(listing.root / rel)
-            return None
-        except UserError as error:
-            if not skip_bad_images:
-                raise
-            return str(error)
-
-    bad: list[str] = []
-    chunk = 4096  # bounded: a million pending futures would cost a gigabyte
-    with ThreadPoolExecutor(max_workers=max(1, decode_threads)) as pool:
-        for start in range(0, len(to_decode), chunk):
-            paths = to_decode[start : start + chunk]
-            # map() re-raises the first bad image in listing order when skipping is off
-            bad += [rel for rel, problem in zip(paths, pool.map(decodes, paths)) if problem is not None]
+    bad = decode_all(listing, to_decode, skip_bad_images, decode_threads)
     if bad:
         listing = listing.without(set(bad))
         if not listing.paths:
@@ -277,6 +281,31 @@ def validate_image_folder(
         ignored_files=ignored,
         listing=listing,
     )
+
+
+def decode_all(listing, indices: list[int], skip_bad_images: bool, decode_threads: int = 8) -> list[str]:
+    """Decode the listing's entries `indices` (threads: PIL releases the GIL while decoding); the names of
+    those that do not decode, or the first one's UserError in listing order unless `skip_bad_images`."""
+
+    def decodes(index: int) -> str | None:
+        try:
+            listing.load(index)
+            return None
+        except UserError as error:
+            if not skip_bad_images:
+                raise
+            return str(error)
+
+    bad: list[str] = []
+    chunk = 4096  # bounded: a million pending futures would cost a gigabyte
+    with ThreadPoolExecutor(max_workers=max(1, decode_threads)) as pool:
+        for start in range(0, len(indices), chunk):
+            part = indices[start : start + chunk]
+            # map() re-raises the first bad image in listing order when skipping is off
+            bad += [
+                listing.name(i) for i, problem in zip(part, pool.map(decodes, part)) if problem is not None
+            ]
+    return bad
 
 
 _INDEX_FORMAT = "dit-accel-folder-index/1"
@@ -431,7 +460,15 @@ class ImageFolderData(torch.utils.data.Dataset):
         self._bad = multiprocessing.Array("b", len(self.records)) if skip_bad_images else None
         self._bad_count = multiprocessing.Value("i", 0)
         for relative in summary.bad_images:  # found by the sample check; already left out of the listing
-            self._count_bad(f"{self.root / relative} (found by the sample check)")
+            self._count_bad(f"{self._entry_name(relative)} (found by the sample check)")
+
+    def _entry_name(self, relative: str) -> str:
+        return str(self.root / relative)
+
+    def _decode(self, position: int) -> tuple[Image.Image, int]:
+        """Entry `position`'s image, decoded, and its label; UserError when it does not decode."""
+        row = self.records[position]
+        return load_rgb(self.root / row["path"]), row["label"]
 
     @property
     def bad_images_seen(self) -> int:
@@ -476,9 +513,8 @@ class ImageFolderData(torch.utils.data.Dataset):
             position = (index + attempt) % len(self)
             if self._bad is not None and self._bad[position]:
                 continue  # known bad on this rank: not decoded again
-            row = self.records[position]
             try:
-                image = load_rgb(self.root / row["path"])
+                image, label = self._decode(position)
                 break
             except UserError as error:
                 if not self.skip_bad_images:
@@ -489,4 +525,4 @@ class ImageFolderData(torch.utils.data.Dataset):
         image = center_crop_adm(image, self.resolution)
         mirrored = self.flip and flip_coin(self.seed, self.epoch, index)
         pixels = uint8_to_unit_range(image_to_uint8(image, flip=mirrored))
-        return pixels, torch.tensor(row["label"], dtype=torch.int64)
+        return pixels, torch.tensor(label, dtype=torch.int64)

@@ -77,7 +77,10 @@ def build_dataset(plan: Plan, config: TrainConfig, spec, index_dir=None, once=No
             validate_image_folder,
             write_folder_index,
         )
+        from dit_accel.data.source_kind import dataset_kind
 
+        if dataset_kind(config.data_path) is not None:
+            return _dataset_rows(config, spec, once)
         summary = records = None
         if index_dir is not None and once is not None:
 
@@ -101,12 +104,50 @@ def build_dataset(plan: Plan, config: TrainConfig, spec, index_dir=None, once=No
             summary=summary,
             records=records,
         )
-        classes = len(dataset.classes)
-        if classes > spec.num_classes:
-            raise UserError(
-                f"{config.data_path} has {classes} classes but the plan's model has {spec.num_classes}",
-                f"re-plan with `dit-plan --num-classes {classes}`",
-            )
+        _check_classes(dataset, config, spec)
+    return dataset
+
+
+def _check_classes(dataset, config: TrainConfig, spec) -> None:
+    classes = len(dataset.classes)
+    if classes > spec.num_classes:
+        raise UserError(
+            f"{config.data_path} has {classes} classes but the plan's model has {spec.num_classes}",
+            f"re-plan with `dit-plan --num-classes {classes}`",
+        )
+
+
+def _dataset_rows(config: TrainConfig, spec, once=None):
+    """A Hugging Face dataset's split as pixels (`hf_source.DatasetImageData`). With `once`, the main process
+    checks it first (and converts parquet into datasets' Arrow cache), so the other ranks open it from there."""
+    from dit_accel.data.hf_source import DatasetImageData, DatasetOptions, training_refusal, validate_dataset
+
+    options = DatasetOptions(config.split, config.image_column, config.label_column)
+
+    def check() -> object:
+        summary = validate_dataset(
+            config.data_path, options, sample=True, skip_bad_images=config.skip_bad_images
+        )
+        training_refusal(summary, config.data_path)
+        return summary
+
+    checked = []  # the main process's own summary, which it need not make twice
+
+    def on_main() -> None:
+        checked.append(check())
+        log.info(f"checked on the main process first: {checked[0].describe()}")
+
+    if once is not None:
+        once(on_main)
+    dataset = DatasetImageData(
+        checked[0] if checked else check(),  # every rank drops the same undecodable rows
+        spec.resolution,
+        flip=config.hflip is not False,
+        seed=None,
+        skip_bad_images=config.skip_bad_images,
+        max_bad_images=config.max_bad_images,
+    )
+    _check_classes(dataset, config, spec)
     return dataset
 
 

@@ -1,0 +1,166 @@
+"""Hugging Face datasets as --data-path: each form (save_to_disk, a DatasetDict, parquet, webdataset tar
+shards) made with `datasets` itself from the very PNG files of a demo image folder, in its listing order, so
+that the folder and each dataset must give the same pixels, the same latent cache and the same training run.
+"""
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dit_accel.data.folder import ImageFolderData, validate_image_folder
+from dit_accel.data.hf_source import DatasetImageData, DatasetOptions, validate_dataset, validate_image_source
+from dit_accel.data.source_kind import dataset_kind
+from dit_accel.errors import UserError
+
+RESOLUTION = 32
+CLASSES, PER_CLASS = 4, 4
+
+
+def write_forms(root: Path, images: Path) -> dict[str, Path]:
+    """The folder `images` as a save_to_disk folder, a DatasetDict, parquet in the Hub's layout and
+    webdataset shards; every row holds the PNG bytes of one file, in the folder's listing order."""
+    import datasets
+
+    listing = validate_image_folder(images).listing
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=listing.classes)}
+    )
+    rows = {
+        "image": [{"bytes": (images / rel).read_bytes(), "path": None} for rel in listing.paths],
+        "label": list(listing.labels),
+    }
+    table = datasets.Dataset.from_dict(rows, features=features)
+    table.save_to_disk(str(root / "saved"))
+    datasets.DatasetDict({"train": table, "validation": table.select(range(3))}).save_to_disk(
+        str(root / "dict")
+    )
+    (root / "parquet" / "data").mkdir(parents=True)
+    table.to_parquet(str(root / "parquet" / "data" / "train-00000-of-00001.parquet"))
+    (root / "tars").mkdir()
+    for shard in range(2):  # two shards, rows in order across them
+        with tarfile.open(root / "tars" / f"shard-{shard:04d}.tar", "w") as tar:
+            for index in range(shard * len(listing) // 2, (shard + 1) * len(listing) // 2):
+                for suffix, data in (
+                    ("png", rows["image"][index]["bytes"]),
+                    ("cls", str(rows["label"][index]).encode()),
+                ):
+                    member = tarfile.TarInfo(f"{index:06d}.{suffix}")
+                    member.size = len(data)
+                    tar.addfile(member, io.BytesIO(data))
+    return {
+        "saved": root / "saved",
+        "dict": root / "dict",
+        "parquet": root / "parquet",
+        "parquet_glob": root / "parquet" / "data" / "*.parquet",
+        "tars": root / "tars",
+        "table": table,
+    }
+
+
+@pytest.fixture(scope="module")
+def forms(tmp_path_factory):
+    from dit_accel.data.demo import write_demo_data
+
+    root = tmp_path_factory.mktemp("hf_forms")
+    images = write_demo_data(root / "images", classes=CLASSES, per_class=PER_CLASS, resolution=40, seed=5)
+    return {"images": images, **write_forms(root, images)}
+
+
+WEBDATASET = DatasetOptions(image_column="png", label_column="cls")
+
+
+def test_each_form_is_recognised_and_an_image_folder_is_not(forms):
+    assert dataset_kind(forms["images"]) is None
+    assert dataset_kind(forms["saved"]) == dataset_kind(forms["dict"]) == "saved"
+    assert dataset_kind(forms["parquet"]) == dataset_kind(forms["parquet_glob"]) == "parquet"
+    assert dataset_kind(forms["tars"]) == "webdataset"
+    assert dataset_kind(forms["tars"] / "shard-0000.tar") == "webdataset"
+
+
+@pytest.mark.parametrize("form", ["saved", "dict", "parquet", "parquet_glob"])
+def test_random_access_forms_give_the_folders_pixels_labels_and_classes(forms, form):
+    folder = ImageFolderData(forms["images"], RESOLUTION, flip=True, seed=3)
+    summary = validate_image_source(forms[form], sample=True)
+    assert summary.kind in ("saved", "parquet") and summary.split == "train"
+    assert summary.classes == folder.classes and summary.num_images == CLASSES * PER_CLASS
+    assert summary.images_decoded == CLASSES  # the first image of every class, as for a folder
+    data = DatasetImageData(summary, RESOLUTION, flip=True, seed=3)
+    assert len(data) == len(folder)
+    for index in range(len(folder)):
+        (x, y), (fx, fy) = data[index], folder[index]
+        assert torch.equal(x, fx) and int(y) == int(fy)  # same crop, same seeded flip
+
+
+def test_a_dataset_dict_split_is_chosen_by_name(forms):
+    assert validate_dataset(forms["dict"], DatasetOptions(split="validation")).num_images == 3
+    with pytest.raises(UserError, match="has no split 'test' .*validation"):
+        validate_dataset(forms["dict"], DatasetOptions(split="test"))
+
+
+def test_webdataset_shards_are_a_stream_and_training_says_to_extract_first(forms):
+    from dit_accel.data.hf_source import training_refusal
+
+    summary = validate_dataset(forms["tars"], WEBDATASET, sample=True)
+    assert summary.listing is None and summary.images_decoded == CLASSES * PER_CLASS  # all 16 < 16 rows
+    with pytest.raises(UserError, match="read only as a stream.*extract latents first"):
+        training_refusal(summary, str(forms["tars"]))
+
+
+def _bad_dataset(tmp_path, rows, features=None):
+    import datasets
+
+    path = tmp_path / "bad"
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(path))
+    return path
+
+
+def _png_bytes(colour=(10, 200, 10)):
+    stream = io.BytesIO()
+    Image.new("RGB", (8, 8), colour).save(stream, format="PNG")
+    return stream.getvalue()
+
+
+def test_bad_datasets_are_one_line_each(forms, tmp_path):
+    import datasets
+
+    with pytest.raises(UserError, match="has no column 'image' .*png, cls.*pass --image-column"):
+        validate_dataset(forms["tars"], DatasetOptions())
+    with pytest.raises(UserError, match="has no column 'class'.*pass --label-column"):
+        validate_dataset(forms["saved"], DatasetOptions(label_column="class"))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    image = {"bytes": _png_bytes(), "path": None}
+    unlabelled = _bad_dataset(tmp_path / "1", {"image": [image] * 3, "label": [0, -1, 1]}, features)
+    with pytest.raises(UserError, match=r"1 row has a label outside its 2 classes \(row 1: -1\).*--split"):
+        validate_dataset(unlabelled, DatasetOptions())
+    empty = datasets.Dataset.from_dict({"image": [image], "label": [0]}, features=features).select([])
+    empty.save_to_disk(str(tmp_path / "empty"))
+    empty.to_parquet(str(tmp_path / "empty.parquet"))
+    for path in (tmp_path / "empty", tmp_path / "empty.parquet"):
+        with pytest.raises(UserError, match=r"\(split train\) is empty; pass a split that holds images"):
+            validate_dataset(path, DatasetOptions())
+    broken = _bad_dataset(
+        tmp_path / "3", {"image": [image, {"bytes": b"not a png", "path": None}], "label": [0, 1]}, features
+    )
+    with pytest.raises(UserError, match="cannot decode image .* row 1.*--skip-bad-images"):
+        validate_dataset(broken, DatasetOptions(), sample=True)
+    skipped = validate_dataset(broken, DatasetOptions(), sample=True, skip_bad_images=True)
+    assert skipped.bad_images == ["row 1"] and skipped.num_images == 1
+    assert skipped.images_per_class == {"a": 1, "b": 0}
+
+
+def test_string_labels_are_classes_in_sorted_order(tmp_path):
+    image = {"bytes": _png_bytes(), "path": None}
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("string")})
+    path = _bad_dataset(tmp_path, {"image": [image] * 3, "label": ["zebra", "ant", "zebra"]}, features)
+    summary = validate_dataset(path, DatasetOptions())
+    assert summary.classes == ["ant", "zebra"] and summary.listing.labels.tolist() == [1, 0, 1]
+    assert json.loads(json.dumps(summary.images_per_class)) == {"ant": 1, "zebra": 2}
+    assert np.array_equal(summary.listing.rows, [0, 1, 2])

@@ -3,7 +3,9 @@ whose velocity field E[v | x_t], score and marginals are known exactly (computed
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -137,3 +139,59 @@ def test_objective_descriptions_round_trip():
     assert objective_from_description(None).num_timesteps == 1000  # no record: DiT's ddpm
     with pytest.raises(UserError, match="objective"):
         build_objective("edm")
+
+
+# --- training: the normal trainer, accumulation, two processes, exact resume ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def flow_runs(tmp_path_factory):
+    """One launched 2-process flow run (micro 2 x accumulation 2), and 1-process runs beside it: straight, and
+    resumed from its half-way checkpoint. Shared by the training tests below."""
+    from test_train_e2e import QUIET, _launch, make_workspace, run_in_process
+
+    root = tmp_path_factory.mktemp("flow")
+    workspace = make_workspace(root)
+    flow = [
+        "--objective",
+        "flow",
+        "--time-sampling",
+        "lognormal",
+        "--max-steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+    ]
+    launched = _launch(workspace, root / "two", *flow, "--debug-checksums")
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    one = ["--plan", workspace["plan1"], "--latents", workspace["latents"], *QUIET, "--no-tensorboard", *flow]
+    assert run_in_process([*one, "--output-dir", root / "one"]) == 0
+    resumed = root / "resumed"
+    shutil.copytree(root / "one" / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
+    shutil.copy(root / "one" / "train_config.json", resumed)  # the run's record: what --resume inherits
+    again = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", resumed]
+    assert run_in_process([*again, "--resume", "auto"]) == 0  # the objective is not given again
+    return {"two": root / "two", "one": root / "one", "resumed": resumed, "stdout": launched.stdout}
+
+
+def test_flow_trains_with_accumulation_over_two_processes_as_one_process(flow_runs):
+    from test_train_e2e import _checksums, _losses, assert_same_state
+
+    two, one = flow_runs["two"], flow_runs["one"]
+    assert _checksums(two, 0) == _checksums(two, 1) and len(_checksums(two, 0)) == 6
+    assert _losses(one) == pytest.approx(_losses(two), rel=1e-5, abs=1e-6)  # the same samples, t and noise
+    last = "checkpoints/step_00000006"
+    assert_same_state(two / last, one / last, exact=False, atol=1e-5, layouts_differ=True)
+
+
+def test_a_resumed_flow_run_is_the_straight_run_and_records_its_objective(flow_runs):
+    from test_train_e2e import assert_same_state
+
+    from dit_accel.diffusion.flow import recorded_objective
+
+    last = "checkpoints/step_00000006"
+    assert_same_state(flow_runs["one"] / last, flow_runs["resumed"] / last)  # bit for bit
+    recorded = recorded_objective(flow_runs["resumed"] / last)
+    assert recorded == {"name": "flow", "path": "linear", "time_sampling": "lognormal"}
+    config = json.loads((flow_runs["resumed"] / "train_config.json").read_text())
+    assert config["objective"] == "flow"  # inherited on resume without being given again

@@ -164,3 +164,17 @@ def objective_from_description(description: dict | None):
         description.get("path", "linear"),
         description.get("time_sampling", "uniform"),
     )
+
+
+def recorded_objective(folder) -> dict:
+    """The objective recorded beside a model's weights (the `dit_accel.json` of a checkpoint, a run's newest
+    checkpoint, or a diffusers transformer/pipeline folder); {"name": "ddpm"} where none is (DiT's)."""
+    from pathlib import Path
+
+    from dit_accel.model import SIDECAR_NAME, read_sidecar
+
+    folder = Path(folder)
+    for candidate in (folder, folder / "transformer"):
+        if (candidate / SIDECAR_NAME).is_file():
+            return read_sidecar(candidate).get("objective") or {"name": "ddpm"}
+    return {"name": "ddpm"}

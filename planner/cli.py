@@ -167,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="torch.compile each transformer block on the GPUs; the trainer follows it (default: on)",
     )
+    tr.add_argument(
+        "--repa",
+        default="",
+        metavar="ENCODER",
+        help="REPA: align an early block to this frozen encoder, one of dinov2-s, dinov2-b (REPA's), dinov2-l, "
+        "dinov2-g, each also '-reg' (4 registers); counts its weights, forward and the projector "
+        "(default: no REPA)",
+    )
+    tr.add_argument(
+        "--repa-projector-dim",
+        default=2048,
+        type=int,
+        metavar="N",
+        help="REPA projector's width (default: %(default)s, the paper's)",
+    )
     tt = p.add_argument_group("time to train")
     tt.add_argument(
         "--steps",
@@ -425,6 +440,8 @@ def common_kwargs(args) -> dict:
         epochs=args.epochs,
         dataset_size=args.dataset_size,
         gpu_hour_cost=args.gpu_hour_cost,
+        repa=args.repa,
+        repa_projector_dim=args.repa_projector_dim,
         **custom,
     )
 

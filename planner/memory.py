@@ -9,6 +9,7 @@ the moments that can hold its peak, each a snapshot of what is alive then; the p
 CPU-autocast variant of these moments to that trace (docs/planner-accuracy.md).
 
   vae_encode          (online latents) the VAE encoder's no-grad working set, before the DiT forward
+  repa_encode         (REPA) its frozen encoder's no-grad working set, before the DiT forward
   last_block_forward  (the last block checkpointed) inside its forward: every block's input + its MLP
   end_of_forward      the loss: every saved activation, autocast's cache of the weights cast outside
                       checkpointed blocks, the loss terms
@@ -26,10 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner import vae
+from planner import repa, vae
 from planner.allocator import reserved_bytes
 from planner.errors import PlanError
 from planner.hardware import Assumptions, GPUPreset
+from planner.repa import DEFAULT_PROJECTOR_DIM
 from planner.rules import SHARDING_MODES
 from planner.spec import TIMESTEP_FREQ_DIM, DiTSpec
 
@@ -41,14 +43,26 @@ COMPONENTS = (
     "activations",
     "autocast_cache",
     "vae",
+    "repa",
     "temporaries",
     "allocator",
     "overhead",
 )
 # the tensors themselves: what torch.cuda.max_memory_allocated counts
-ALLOCATED = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries")
+ALLOCATED = (
+    "weights",
+    "grads",
+    "optimizer",
+    "ema",
+    "activations",
+    "autocast_cache",
+    "vae",
+    "repa",
+    "temporaries",
+)
 PHASES = (
     "vae_encode",
+    "repa_encode",
     "last_block_forward",
     "end_of_forward",
     "start_of_backward",
@@ -94,6 +108,8 @@ class Decision:
     gradient_as_bucket_view: bool = (
         True  # DDP grads alias its buckets (saves 4 B/param); Accelerate's default is off
     )
+    repa: str = ""  # REPA's frozen encoder (planner.repa.ENCODERS), "" without REPA
+    repa_projector_dim: int = DEFAULT_PROJECTOR_DIM  # the width of REPA's projector (with `repa`)
 
     @property
     def sharded(self) -> bool:
@@ -397,6 +413,8 @@ def moments(spec: DiTSpec, decision: Decision) -> list[str]:
     for moment in PHASES:
         if moment == "vae_encode" and decision.latents != "online":
             continue
+        if moment == "repa_encode" and not decision.repa:
+            continue
         if moment == "last_block_forward" and decision.checkpointed_blocks < spec.depth:
             continue  # a stored last block's forward holds less than the end of the forward
         chosen.append(moment)
@@ -500,7 +518,7 @@ def activations_bytes(spec, decision, cluster, assumptions, moment) -> int:
                         activations are gone, so no recompute set counts here otherwise.
     end_of_backward     block 0's set (recomputed if checkpointed) less its MLP output, and the patch input.
     """
-    if moment in ("vae_encode", "optimizer_step"):
+    if moment in ("vae_encode", "repa_encode", "optimizer_step"):
         return 0
     eb = _eb(decision, assumptions)
     b, k = decision.micro_batch, decision.checkpointed_blocks
@@ -591,6 +609,50 @@ def vae_bytes(spec, decision, cluster, assumptions, moment) -> int:
     return total
 
 
+def repa_projector_params(spec: DiTSpec, decision: Decision) -> int:
+    """REPA's projector (trained with the network, never sampled): 0 without REPA."""
+    if not decision.repa:
+        return 0
+    encoder = repa.encoder_spec(decision.repa)
+    return repa.projector_params(spec.hidden, encoder.dim, decision.repa_projector_dim)
+
+
+def repa_persistent_bytes(spec: DiTSpec, decision: Decision, cluster: Cluster) -> int:
+    """What REPA keeps for the whole run: the frozen encoder's fp32 weights on every GPU, and the projector's
+    fp32 weights and AdamW moments, sharded like the network's (it sits in FSDP2's root unit)."""
+    if not decision.repa:
+        return 0
+    projector = 3 * FP32_BYTES * repa_projector_params(spec, decision) // _shards(decision, cluster)
+    return FP32_BYTES * repa.encoder_spec(decision.repa).params + projector
+
+
+def repa_bytes(spec, decision, cluster, assumptions, moment) -> int:
+    """REPA's share of the step, kept in one component so the network's formulas stay the DiT's.
+
+    Always: `repa_persistent_bytes`. The projector's gradient once backward has made it (from the start when
+    accumulating, as the network's). `repa_encode`: the encoder's no-grad working set and, under autocast,
+    the cast copies of its weights (its own autocast region: freed when it exits). Forward and backward: the
+    encoder's target tokens and what the projector saves for backward (its two SiLUs' inputs and outputs
+    per token; gone once backward has passed it, before block 0), and FSDP2's gathered copy of it.
+    """
+    if not decision.repa:
+        return 0
+    encoder, eb = repa.encoder_spec(decision.repa), _eb(decision, assumptions)
+    projector, shards = repa_projector_params(spec, decision), _shards(decision, cluster)
+    b, grid = decision.micro_batch, spec.latent_size // spec.patch
+    total = repa_persistent_bytes(spec, decision, cluster)
+    if moment in ("end_of_backward", "optimizer_step") or decision.grad_accum > 1:
+        total += FP32_BYTES * projector // shards
+    if moment == "repa_encode":
+        casts = eb.compute * encoder.params if eb.compute < FP32_BYTES and not decision.sharded else 0
+        return total + encoder.activation_bytes(grid, b, eb.compute) + casts
+    if moment in FORWARD_MOMENTS or moment == "start_of_backward":
+        total += b * spec.tokens * (encoder.dim + 4 * decision.repa_projector_dim) * eb.compute
+    if decision.sharded and moment in (*FORWARD_MOMENTS, *BACKWARD_MOMENTS):
+        total += eb.compute * projector
+    return total
+
+
 def largest_step_temporary_params(spec: DiTSpec) -> int:
     """PyTorch's per-tensor AdamW makes the denominator of each parameter in two steps (sqrt, then the division)
     while the loop variable still holds the previous parameter's: most at the adaLN projection (6d x d, the
@@ -644,6 +706,7 @@ def allocator_bytes(
         + optimizer_bytes(spec, decision, cluster, assumptions, "optimizer_step")
         + ema_bytes(spec, decision, cluster, assumptions, "optimizer_step")
         + vae_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+        + repa_persistent_bytes(spec, decision, cluster)
         + buckets
     )
     allocated = sum(parts[name] for name in ALLOCATED)
@@ -674,6 +737,7 @@ _COMPONENT_FUNCTIONS = {
     "activations": activations_bytes,
     "autocast_cache": autocast_cache_bytes,
     "vae": vae_bytes,
+    "repa": repa_bytes,
     "temporaries": temporaries_bytes,
 }
 

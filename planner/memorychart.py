@@ -29,6 +29,7 @@ COLORS = {  # no red or green: those say fits / does not fit
     "activations": "#dd8452",
     "autocast_cache": "#ccb974",
     "vae": "#64b5cd",
+    "repa": "#55a868",
     "temporaries": "#937860",
     "allocator": "#b0b0b0",
     "overhead": "#5d6d7e",

@@ -22,6 +22,7 @@ from planner.hardware import Assumptions, gpu_preset
 from planner.host import host_estimate
 from planner.memory import COMPONENTS, Cluster, element_bytes, saved_activation_bytes
 from planner.planfile import SCHEMA
+from planner.repa import DEFAULT_PROJECTOR_DIM, encoder_spec
 from planner.rules import PRECISIONS, SHARDING_MODES
 from planner.search import (
     SearchSpace,
@@ -205,6 +206,8 @@ def make_plan(
     epochs=None,
     dataset_size=None,
     gpu_hour_cost=None,
+    repa: str = "",
+    repa_projector_dim: int = DEFAULT_PROJECTOR_DIM,
 ) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
 
@@ -291,6 +294,8 @@ def make_plan(
         adamw=adamw,
         gradient_as_bucket_view=bool(gradient_as_bucket_view),
         matmul=matmul,
+        repa=_repa_encoder(repa, latents, repa_projector_dim),
+        repa_projector_dim=repa_projector_dim,
     )
     best, path = choose(spec, space, cluster, assumed, budget_bytes)
     decision, memory, throughput = best.decision, best.memory, best.throughput
@@ -419,6 +424,21 @@ def make_plan(
         "calibration": calibrated,  # null, or the file, GPU and date of the measured figures used
         "warnings": warnings,
     }
+
+
+def _repa_encoder(name: str, latents: str, projector_dim: int) -> str:
+    """--repa's encoder, checked: a known one, on images the trainer can show it (not a latent cache)."""
+    if not name:
+        return ""
+    encoder_spec(name)
+    if latents == "precomputed":
+        raise PlanError(
+            "--repa's encoder sees the clean images, and a latent cache holds none",
+            "plan with --latents online (or pixel) and train with --data-path",
+        )
+    if not isinstance(projector_dim, int) or projector_dim <= 0:
+        raise PlanError(f"--repa-projector-dim must be a positive integer, got {projector_dim!r}")
+    return name
 
 
 def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:

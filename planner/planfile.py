@@ -19,6 +19,7 @@ from pathlib import Path
 
 from planner.errors import PlanError
 from planner.memory import COMPONENTS, Decision
+from planner.repa import DEFAULT_PROJECTOR_DIM, ENCODERS
 from planner.rules import PRECISIONS, SHARDING_MODES, Precision, ShardingMode
 from planner.spec import LATENT_MODES, NUM_CLASSES, DiTSpec, custom_spec, model_spec
 from planner.units import count
@@ -245,6 +246,8 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
         ema=d.get("ema", bool, True),
         adamw=d.get("adamw", str, "fused", choices=("fused", "foreach", "single")),
         gradient_as_bucket_view=d.get("gradient_as_bucket_view", bool, False),
+        repa=d.get("repa", str, "", choices=("", *ENCODERS)),
+        repa_projector_dim=d.get("repa_projector_dim", int, DEFAULT_PROJECTOR_DIM, minimum=1),
     )
     if SHARDING_MODES[decision.sharding].within_node and not (
         cluster.nodes > 1 and cluster.gpus_per_node > 1

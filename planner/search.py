@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from planner import vae
+from planner import repa, vae
 from planner.errors import PlanError
 from planner.hardware import Assumptions, matmul_mode, mfu_entry
 from planner.memory import SHARDINGS, Cluster, Decision, MemoryEstimate, element_bytes, step_memory
+from planner.repa import DEFAULT_PROJECTOR_DIM
 from planner.spec import DiTSpec
 
 FALLBACK_BUSBW_BYTES_PER_S = 100e9  # intra-node bandwidth when only --vram is known
@@ -63,8 +64,23 @@ def default_matmul(precision: str) -> str:
 
 def dit_image_flops(spec: DiTSpec, decision: Decision) -> float:
     """The DiT's training FLOPs per image: forward + backward (3 x forward) and each checkpointed block's
-    recompute (one more forward)."""
-    return 3 * spec.fwd_flops_per_image + decision.checkpointed_blocks * 2 * spec.block_fwd_macs_per_image()
+    recompute (one more forward); with REPA its encoder's forward and the projector's forward + backward,
+    which run at the DiT's rate (the same autocast)."""
+    dit = 3 * spec.fwd_flops_per_image + decision.checkpointed_blocks * 2 * spec.block_fwd_macs_per_image()
+    return dit + repa_image_flops(spec, decision)
+
+
+def repa_image_flops(spec: DiTSpec, decision: Decision) -> float:
+    """REPA per image: the frozen encoder's forward (2 x its multiply-adds) and the projector's forward and
+    backward (3 x 2 x its multiply-adds); 0 without REPA."""
+    if not decision.repa:
+        return 0.0
+    encoder = repa.encoder_spec(decision.repa)
+    grid = spec.latent_size // spec.patch
+    projector = repa.projector_fwd_macs_per_image(
+        spec.tokens, spec.hidden, encoder.dim, decision.repa_projector_dim
+    )
+    return 2 * encoder.fwd_macs_per_image(grid) + 6 * projector
 
 
 def vae_image_flops(spec: DiTSpec, decision: Decision) -> float:
@@ -333,6 +349,8 @@ class SearchSpace:
     adamw: str = "fused"
     gradient_as_bucket_view: bool = True
     matmul: str | None = None  # bf16 | fp16 | tf32 | ieee-fp32; None: the precision's default (fp32 -> tf32)
+    repa: str = ""  # REPA's encoder (planner.repa.ENCODERS); "" without REPA
+    repa_projector_dim: int = DEFAULT_PROJECTOR_DIM
 
 
 @dataclass(frozen=True)
@@ -433,6 +451,8 @@ def evaluate(
         ema=space.ema,
         adamw=space.adamw,
         gradient_as_bucket_view=space.gradient_as_bucket_view,
+        repa=space.repa,
+        repa_projector_dim=space.repa_projector_dim,
     )
     memory = step_memory(spec, decision, cluster, assumptions, budget_bytes)
     return Candidate(

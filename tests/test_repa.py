@@ -183,3 +183,38 @@ def test_the_ema_and_the_inference_weights_are_the_dit_alone():
     sampling = build_model(SPEC)
     ema.copy_to(sampling)  # every parameter of the plain DiT has its EMA
     assert set(ema.shadow) == {n for n, p in sampling.named_parameters() if p.requires_grad}
+
+
+# --- the planner ---------------------------------------------------------------------------------------
+
+
+def test_the_plan_counts_the_encoder_the_projector_and_their_flops(tmp_path):
+    from planner.errors import PlanError
+    from planner.plan import make_plan
+    from planner.planfile import parse_plan
+    from planner.repa import ENCODERS, projector_fwd_macs_per_image
+    from planner.search import repa_image_flops
+
+    common = dict(gpus=1, vram="80G", global_batch=32, latents="online", sharding="ddp", max_micro_batch=32)
+    plain, aligned = make_plan(**common), make_plan(**common, repa="dinov2-b")
+    encoder, projector = ENCODERS["dinov2-b"], projector_params(1152, 768, 2048)
+    assert aligned["decision"]["repa"] == "dinov2-b" and aligned["decision"]["repa_projector_dim"] == 2048
+    assert parse_plan(aligned).decision.repa == "dinov2-b"  # plan.json reads back with its recipe
+    assert plain["memory"]["repa"] == 0 and "repa_encode" not in plain["memory"]["phases"]
+    at_step = aligned["memory"]["phases"]["optimizer_step"]["repa"]
+    assert at_step == 4 * encoder.params + 4 * 4 * projector  # frozen fp32 encoder; projector w + g + AdamW
+    encode = aligned["memory"]["phases"]["repa_encode"]["repa"]
+    assert (
+        encode - 4 * encoder.params - 3 * 4 * projector
+        == encoder.activation_bytes(16, 32, 2) + 2 * encoder.params
+    )
+    decision = parse_plan(aligned).decision
+    spec = parse_plan(aligned).spec()
+    flops = 2 * encoder.fwd_macs_per_image(16) + 6 * projector_fwd_macs_per_image(256, 1152, 768, 2048)
+    assert repa_image_flops(spec, decision) == flops
+    # ViT-B/14 at 224 px: about 2 FLOPs per weight per token, 2 x 86M x 257 (its 22 GMACs)
+    assert 40e9 < 2 * encoder.fwd_macs_per_image(16) < 48e9
+    with pytest.raises(PlanError, match="unknown REPA encoder 'dinov2-q'"):
+        make_plan(**common, repa="dinov2-q")
+    with pytest.raises(PlanError, match="a latent cache holds none"):
+        make_plan(**{**common, "latents": "precomputed"}, repa="dinov2-b")

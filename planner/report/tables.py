@@ -55,11 +55,13 @@ DESCRIBE = {
     "activations": "tensors saved for backward",
     "autocast_cache": "bf16/fp16 weight copies the linears save",
     "vae": "VAE weights (+ encoder working set)",
+    "repa": "REPA encoder weights, projector + grads + AdamW (+ encoder working set)",
     "temporaries": "short-lived buffers",
     "overhead": "CUDA context, cuBLAS, NCCL (outside the caching allocator)",
 }
 PHASE_NAMES = {
     "vae_encode": "VAE encode",
+    "repa_encode": "REPA encode",
     "last_block_forward": "last block's forward",
     "end_of_forward": "end of forward",
     "start_of_backward": "start of backward",
@@ -69,6 +71,7 @@ PHASE_NAMES = {
 # What the activations are at each moment (plan.md's arithmetic).
 ACTIVATIONS_AT = {
     "vae_encode": "none yet (the DiT forward has not started)",
+    "repa_encode": "none yet (the DiT forward has not started)",
     "last_block_forward": "every block's input and the last (checkpointed) block's working set at its MLP",
     "end_of_forward": "every saved tensor and the loss's working set",
     "start_of_backward": "the saved tensors less the loss, the final layer's and the last block's MLP output"

@@ -164,3 +164,81 @@ def test_string_labels_are_classes_in_sorted_order(tmp_path):
     assert summary.classes == ["ant", "zebra"] and summary.listing.labels.tolist() == [1, 0, 1]
     assert json.loads(json.dumps(summary.images_per_class)) == {"ant": 1, "zebra": 2}
     assert np.array_equal(summary.listing.rows, [0, 1, 2])
+
+
+# --- extract-latents --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def extracted(forms, tmp_path_factory):
+    """The folder's latent cache, made once: the reference every dataset form's cache must equal."""
+    from accelerate.state import PartialState
+
+    from dit_accel.data.demo import demo_vae
+
+    root = tmp_path_factory.mktemp("hf_latents")
+    demo_vae(RESOLUTION).save_pretrained(root / "vae")
+    _extract(forms["images"], root / "vae", root / "folder")
+    PartialState._reset_state()
+    return {"vae": root / "vae", "folder": root / "folder"}
+
+
+def _extract(data_path, vae, out, **options):
+    from dit_accel.data.latents import ExtractConfig, extract_latents
+
+    config = ExtractConfig(
+        data_path=str(data_path),
+        vae=str(vae),
+        out=str(out),
+        resolution=RESOLUTION,
+        batch_size=3,
+        shard_size=5,  # 16 images: 4 shards, the last one short
+        num_workers=0,
+        dtype="float32",
+        **options,
+    )
+    return extract_latents(config)
+
+
+def _shards(cache: Path) -> list[dict]:
+    from safetensors import safe_open
+
+    found = []
+    for path in sorted(cache.glob("shard-*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            tensors["sources"] = json.loads(handle.metadata()["sources"])
+        found.append(tensors)
+    return found
+
+
+def assert_same_cache(cache: Path, reference: Path, sources: list[str]) -> None:
+    """The same latents, labels and order as the folder's cache; each entry names the row it came from."""
+    from dit_accel.data.latent_cache import read_manifest
+
+    made, wanted = _shards(cache), _shards(reference)
+    assert len(made) == len(wanted) == 4
+    for mine, theirs in zip(made, wanted):
+        for name in ("mean", "std", "label", "source_index"):
+            assert torch.equal(mine[name], theirs[name]), name
+    assert [name for shard in made for name in shard["sources"]] == sources
+    manifest, folder = read_manifest(cache), read_manifest(reference)
+    assert manifest["classes"] == folder["classes"] and manifest["count"] == folder["count"] == 16
+    assert manifest["images_per_class"] == folder["images_per_class"]
+
+
+@pytest.mark.parametrize("form", ["saved", "parquet"])
+def test_extraction_from_a_dataset_writes_the_folders_cache(forms, extracted, form, tmp_path):
+    from accelerate.state import PartialState
+
+    try:
+        result = _extract(forms[form], extracted["vae"], tmp_path / "cache")
+        assert result.count == 16
+        assert_same_cache(tmp_path / "cache", extracted["folder"], [f"row {i}" for i in range(16)])
+        folder_sources = [name for shard in _shards(extracted["folder"]) for name in shard["sources"]]
+        assert folder_sources == validate_image_folder(forms["images"]).listing.paths
+        # Rerun: every shard is reused; another split of the same dataset is another cache.
+        rerun = _extract(forms[form], extracted["vae"], tmp_path / "cache")
+        assert rerun.shards_reused == [0, 1, 2, 3] and not rerun.shards_written
+    finally:
+        PartialState._reset_state()

@@ -65,6 +65,11 @@ class FolderListing:
         return len(self.paths)
 
     # What the latent cache writer asks of a listing (a dataset's listing answers the same, hf_source.py).
+    @property
+    def location(self) -> str:
+        """Where the images are, as a cache's manifest records it (`data_path`)."""
+        return str(self.root.absolute())
+
     def name(self, index: int) -> str:
         """How entry `index` is named in messages and in a cache's list of skipped images."""
         return self.paths[index]

@@ -18,6 +18,7 @@ A split is chosen with `--split NAME`; without it, `train` when the dataset has 
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import io
 import os
@@ -194,9 +195,15 @@ class DatasetListing:
     rows: np.ndarray  # int64 row index in the split of each entry
     labels: np.ndarray  # int64 class index of each entry
     fingerprint: str = ""
+    kind: str = ""
+    split: str = ""
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def location(self) -> str:
+        return self.root if dataset_kind(self.root) == "hub" else str(Path(self.root).absolute())
 
     def name(self, index: int) -> str:
         return f"row {int(self.rows[index])}"
@@ -216,10 +223,7 @@ class DatasetListing:
     def without(self, bad_names: set[str]) -> DatasetListing:
         bad_rows = np.array([int(name.removeprefix("row ")) for name in bad_names], dtype=np.int64)
         keep = ~np.isin(self.rows, bad_rows)
-        return DatasetListing(
-            self.root, self.records, self.image_column, self.classes, self.rows[keep], self.labels[keep],
-            self.fingerprint,
-        )  # fmt: skip
+        return dataclasses.replace(self, rows=self.rows[keep], labels=self.labels[keep])
 
 
 @dataclass
@@ -277,7 +281,7 @@ def validate_dataset(
         )
     listing = DatasetListing(
         str(os.path.expanduser(str(path))), records, options.image_column, classes,
-        np.arange(len(records), dtype=np.int64), labels, getattr(records, "_fingerprint", ""),
+        np.arange(len(records), dtype=np.int64), labels, getattr(records, "_fingerprint", ""), kind, split,
     )  # fmt: skip
     if full:
         to_decode = list(range(len(listing)))

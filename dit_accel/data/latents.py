@@ -22,7 +22,9 @@ On disk (CACHE/):
     manifest.json                 everything below, plus the VAE identity and per-shard sha256
     classes.json                  the class-to-index map
     shard-00000.safetensors ...   mean, std: [n, views, C, h, w] (views = 2: image, mirror);
-                                  label: [n] int64; source_index: [n] int64 (position in the listing)
+                                  label: [n] int64; source_index: [n] int64 (position in the listing);
+                                  metadata `sources`: each entry's image (a folder's relative path,
+                                  a dataset's `row N`), JSON
 """
 
 from __future__ import annotations
@@ -45,11 +47,10 @@ from dit_accel.data.folder import (
     FolderListing,
     center_crop_adm,
     image_to_uint8,
-    load_rgb,
     uint8_to_unit_range,
-    validate_image_folder,
     write_classes_json,
 )
+from dit_accel.data.hf_source import DatasetOptions, validate_image_source
 from dit_accel.data.latent_cache import FORMAT, MANIFEST_NAME
 from dit_accel.data.latents_args import STORAGE_DTYPE_NAMES, build_parser
 from dit_accel.data.vae import encode_posterior, load_vae, sha256_json
@@ -94,6 +95,9 @@ class ExtractConfig:
     dtype: str = "float16"
     num_workers: int | None = None  # DataLoader workers decoding images; None: up to 4 per process
     overwrite: bool = False  # replace a complete cache made differently
+    split: str | None = None  # a dataset's split (dit_accel.data.hf_source); None: train, or its only one
+    image_column: str = "image"
+    label_column: str = "label"
 
 
 @dataclass
@@ -119,7 +123,7 @@ class _ImagesToEncode(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         label = self.listing.labels[index]
         try:
-            image = load_rgb(self.listing.root / self.listing.paths[index])
+            image = self.listing.load(index)
         except UserError as error:
             return torch.empty(0, dtype=torch.uint8), label, index, str(error)
         return image_to_uint8(center_crop_adm(image, self.resolution)), label, index, ""
@@ -177,7 +181,10 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     out = Path(config.out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file", "pass a folder for the latent cache")
-    summary = validate_image_folder(config.data_path, sample=True, skip_bad_images=config.skip_bad_images)
+    options = DatasetOptions(config.split, config.image_column, config.label_column)
+    summary = validate_image_source(
+        config.data_path, options, sample=True, skip_bad_images=config.skip_bad_images
+    )
     listing = summary.listing
     vae, identity = load_vae(config.vae)
     downsample = 2 ** (len(vae.config.block_out_channels) - 1)
@@ -319,7 +326,8 @@ def _refuse_another_configuration(previous: dict, out: Path, config, identity: d
     wanted = {
         "--resolution": (previous.get("resolution"), config.resolution),
         "--vae": ((previous.get("vae") or {}).get("weights_sha256"), identity["weights_sha256"]),
-        "--data-path": (previous.get("data_path"), str(listing.root.absolute())),
+        "--data-path": (previous.get("data_path"), listing.location),
+        "--split": (previous.get("split"), getattr(listing, "split", None)),
         "--shard-size": (previous.get("shard_size"), config.shard_size),
         "--dtype": (previous.get("dtype"), config.dtype),
         "--hflip": (previous.get("flip"), config.flip),
@@ -368,7 +376,9 @@ class _Layout:
 
     def sources_sha256(self, shard: int) -> str:
         """The images a shard is made of, so a shard of a changed folder is not reused."""
-        return sha256_json([[self.listing.paths[i], self.listing.labels[i]] for i in self.bounds(shard)])
+        return sha256_json(
+            [[self.listing.source_key(i), int(self.listing.labels[i])] for i in self.bounds(shard)]
+        )
 
 
 def _reuse_shard(layout: _Layout, shard: int) -> dict | None:
@@ -402,12 +412,12 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
         first = batch["indices"][0].item() if len(batch["indices"]) else batch["bad"][0][0]
         shard = first // layout.shard_size
         parts = pending.setdefault(
-            shard, {"mean": [], "std": [], "label": [], "source_index": [], "skipped": []}
+            shard, {"mean": [], "std": [], "label": [], "source_index": [], "skipped": [], "sources": []}
         )
         for index, problem in batch["bad"]:
             if not skip_bad_images:
                 raise UserError(problem)
-            parts["skipped"].append(layout.listing.paths[index])
+            parts["skipped"].append(layout.listing.name(index))
         if batch["pixels"] is not None:
             pixels = uint8_to_unit_range(batch["pixels"].to(vae.device, non_blocking=True))
             if layout.views == 2:
@@ -420,6 +430,7 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
                 )
             parts["label"].append(batch["labels"])
             parts["source_index"].append(batch["indices"])
+            parts["sources"] += [layout.listing.name(i) for i in batch["indices"].tolist()]
         progress.update(len(batch["indices"]) + len(batch["bad"]))
 
         bounds = layout.bounds(shard)
@@ -448,6 +459,7 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
                 "rank": str(layout.rank),
                 "world_size": str(layout.world_size),
                 "skipped": json.dumps(parts["skipped"]),
+                "sources": json.dumps(parts["sources"]),
             }
             yield _write_shard(layout.out, shard, tensors, metadata)
 
@@ -462,7 +474,7 @@ def _write_manifest(
     skipped = summary.bad_images + [rel for record in records for rel in record.pop("skipped")]
     images_per_class = dict(summary.images_per_class)
     for rel in skipped[len(summary.bad_images) :]:  # validation already left its own out of the counts
-        images_per_class[rel.split("/", 1)[0]] -= 1
+        images_per_class[layout.listing.class_of(rel)] -= 1
     for stale in layout.out.glob("shard-*.safetensors"):  # from an earlier run over more images
         if stale.name not in {record["file"] for record in records}:
             stale.unlink()
@@ -470,7 +482,8 @@ def _write_manifest(
     manifest = {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "data_path": str(layout.listing.root.absolute()),
+        "data_path": layout.listing.location,
+        "split": getattr(layout.listing, "split", None),
         "vae": identity,
         "resolution": config.resolution,
         "latent_shape": layout.latent_shape,

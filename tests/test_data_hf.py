@@ -242,3 +242,52 @@ def test_extraction_from_a_dataset_writes_the_folders_cache(forms, extracted, fo
         assert rerun.shards_reused == [0, 1, 2, 3] and not rerun.shards_written
     finally:
         PartialState._reset_state()
+
+
+# --- doctor ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pixel_plan(tmp_path_factory):
+    from dit_accel.doctor.plan import load_plan
+    from planner.outputs import write_plan_dir
+    from planner.plan import make_plan
+
+    plan = make_plan(
+        gpus=2, vram="8G", global_batch=8, model="DiT-S/2", depth=2, hidden=32, heads=2, resolution=32,
+        num_classes=CLASSES, latents="pixel",
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("hf_plan")
+    write_plan_dir(plan, folder)
+    return load_plan(folder / "plan.json")
+
+
+@pytest.mark.parametrize("form", ["saved", "dict", "parquet", "parquet_glob", "tars"])
+def test_doctor_passes_each_form_and_says_what_a_rank_holds(forms, pixel_plan, form):
+    from dit_accel.doctor.checks import Status
+    from dit_accel.doctor.data import check_data
+
+    options = WEBDATASET if form == "tars" else DatasetOptions()
+    checks = {check.name: check for check in check_data(pixel_plan, forms[form], None, None, True, options)}
+    assert "dataset" in checks and "split train" in checks["dataset"].reason
+    if form == "tars":  # a stream: its rows decode, and training needs latents first (a warning, exit 0)
+        assert (
+            checks["random access"].status == Status.WARN
+            and "extract latents first" in checks["random access"].fix
+        )
+        assert [c.name for c in checks.values() if c.status != Status.PASS] == ["random access"]
+        return
+    assert all(check.status == Status.PASS for check in checks.values()), checks
+    assert "16 images decoded (every image)" in checks["decoding"].reason
+    assert "4 classes, 4-4 images per class; 2 steps per epoch" in checks["classes"].reason
+    assert "resident (row and label arrays" in checks["dataset memory"].reason
+    assert "memory-mapped" in checks["dataset memory"].reason
+
+
+def test_doctor_fails_a_bad_dataset_with_its_one_line(forms, pixel_plan):
+    from dit_accel.doctor.checks import Status
+    from dit_accel.doctor.data import check_data
+
+    checks = check_data(pixel_plan, forms["saved"], None, None, False, DatasetOptions(label_column="class"))
+    failing = [check for check in checks if check.status == Status.FAIL]
+    assert [check.name for check in failing] == ["dataset"] and "has no column 'class'" in failing[0].reason

@@ -81,8 +81,12 @@ class FolderListing:
     def class_of(self, name: str) -> str:
         return name.split("/", 1)[0]
 
+    def image_file(self, index: int) -> Path:
+        """What PIL opens for entry `index`."""
+        return self.root / self.paths[index]
+
     def load(self, index: int) -> Image.Image:
-        return load_rgb(self.root / self.paths[index])
+        return load_rgb(self.image_file(index))
 
     def without(self, bad_paths: set[str]) -> FolderListing:
         keep = [i for i, rel in enumerate(self.paths) if rel not in bad_paths]

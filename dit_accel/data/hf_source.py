@@ -29,22 +29,13 @@ import numpy as np
 from PIL import Image
 
 from dit_accel.data.folder import FolderSummary, ImageFolderData, load_rgb, validate_image_folder
-from dit_accel.data.source_kind import PARQUET, TAR, dataset_kind
+from dit_accel.data.source_kind import PARQUET, TAR, DatasetOptions, dataset_kind
 from dit_accel.errors import UserError
 from planner.units import count
 
 STREAMED = ("webdataset",)  # kinds read as a stream: no random access
 STREAM_SAMPLE_ROWS = 16  # rows a stream's check decodes: its classes are not known before a whole pass
 _DATASET_HINT = "a save_to_disk folder, parquet files (FILE, DIR or glob) or webdataset .tar shards"
-
-
-@dataclass
-class DatasetOptions:
-    """Which part of a dataset holds the training data (`--split`, `--image-column`, `--label-column`)."""
-
-    split: str | None = None
-    image_column: str = "image"
-    label_column: str = "label"
 
 
 def _data_files(text: str, suffix: str) -> dict[str, list[str]]:
@@ -215,10 +206,11 @@ class DatasetListing:
         row = int(name.removeprefix("row "))
         return self.classes[int(self.labels[np.searchsorted(self.rows, row)])]
 
+    def image_file(self, index: int) -> io.BytesIO | str:
+        return image_stream(self.records[int(self.rows[index])][self.image_column])
+
     def load(self, index: int) -> Image.Image:
-        row = int(self.rows[index])
-        cell = self.records[row][self.image_column]
-        return load_rgb(image_stream(cell), f"{self.root} {self.name(index)}")
+        return load_rgb(self.image_file(index), f"{self.root} {self.name(index)}")
 
     def without(self, bad_names: set[str]) -> DatasetListing:
         bad_rows = np.array([int(name.removeprefix("row ")) for name in bad_names], dtype=np.int64)
@@ -340,6 +332,12 @@ def _validate_stream(path, records, kind, split, options, where, skip_bad_images
         kind=kind,
         split=split,
     )
+
+
+def resident_bytes(listing: DatasetListing) -> tuple[int, int]:
+    """(bytes a rank holds for the listing: its row and label arrays; bytes of the Arrow files it maps)."""
+    mapped = sum(Path(entry["filename"]).stat().st_size for entry in listing.records.cache_files)
+    return int(listing.rows.nbytes + listing.labels.nbytes), mapped
 
 
 def validate_image_source(

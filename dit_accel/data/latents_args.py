@@ -10,6 +10,22 @@ from dit_accel.cli_args import OneLineParser, nonnegative_int, positive_int
 STORAGE_DTYPE_NAMES = ("float16", "float32")  # how mean and std are stored in the shards
 
 
+def add_dataset_flags(parser: argparse.ArgumentParser) -> None:
+    """--split, --image-column, --label-column: which part of a dataset --data-path holds the images."""
+    parser.add_argument(
+        "--split", default=None, help="a dataset's split (default: train, or the dataset's only split)"
+    )
+    for name, default in (("image", "image"), ("label", "label")):
+        parser.add_argument(
+            f"--{name}-column",
+            f"--{name}_column",
+            dest=f"{name}_column",
+            default=default,
+            help=f"a dataset's column of {name}s (default {default}; webdataset shards: e.g. "
+            f"{'jpg' if name == 'image' else 'cls'})",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="dit-accel extract-latents",
@@ -22,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--data_path",
         dest="data_path",
         required=True,
-        help="image folder: DIR/<class>/<image>.jpg",
+        help="image folder (DIR/<class>/<image>.jpg), or a Hugging Face dataset: a save_to_disk folder, "
+        "parquet files (FILE, DIR or glob), webdataset .tar shards, or a dataset name in the local cache",
     )
+    add_dataset_flags(parser)
     parser.add_argument(
         "--vae",
         required=True,

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 PARQUET, TAR = ".parquet", ".tar"
+
+
+@dataclass
+class DatasetOptions:
+    """Which part of a dataset holds the training data (`--split`, `--image-column`, `--label-column`)."""
+
+    split: str | None = None
+    image_column: str = "image"
+    label_column: str = "label"
 
 
 def dataset_kind(path: str | os.PathLike) -> str | None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dit_accel.cli_args import OneLineParser, nonnegative_int, port, positive_int
+from dit_accel.data.latents_args import add_dataset_flags
+from dit_accel.data.source_kind import DatasetOptions
 from dit_accel.doctor.checks import Check, exit_code, warned
 from dit_accel.doctor.data import check_data
 from dit_accel.doctor.distributed import CONNECT_TIMEOUT_S, check_distributed, read_rendezvous
@@ -60,8 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", help="plan.json written by dit-plan (required, except with --log)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
-        "--data-path", "--data_path", dest="data_path", type=Path, help="image folder (DIR/<class>/<image>)"
+        "--data-path",
+        "--data_path",
+        dest="data_path",
+        type=Path,
+        help="image folder (DIR/<class>/<image>) or a Hugging Face dataset (save_to_disk, parquet, webdataset)",
     )
+    add_dataset_flags(parser)
     source.add_argument("--latents", type=Path, help="latent cache written by `dit-accel extract-latents`")
     parser.add_argument(
         "--vae", help="the run's --vae (checked against the latent cache and the plan's latent mode)"
@@ -125,7 +132,8 @@ def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list
     host = probes.host()
     workers = loader_workers(args.num_workers, plan.gpus_per_node, host.cpu_count)  # the trainer's own rule
     checks += check_host(plan, host, loader_facts(plan, workers))
-    checks += check_data(plan, args.data_path, args.latents, args.vae, args.full)
+    options = DatasetOptions(args.split, args.image_column, args.label_column)
+    checks += check_data(plan, args.data_path, args.latents, args.vae, args.full, options)
     if args.output_dir is None:
         checks.append(
             warned(

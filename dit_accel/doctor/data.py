@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dit_accel.doctor.checks import Check, failed, passed, warned
+from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
 from planner.units import plural
@@ -81,16 +81,23 @@ def _class_check(plan: PlanFacts, images_per_class: dict[str, int], num_images: 
     )
 
 
-def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Check]:
+def check_image_folder(plan: PlanFacts, data_path: Path, full: bool, options=None) -> list[Check]:
+    """An image folder or a dataset (`hf_source`), checked as the trainer and extract-latents check it."""
     from PIL import Image
 
-    from dit_accel.data.folder import validate_image_folder
+    from dit_accel.data.hf_source import DatasetSummary, validate_image_source
+    from dit_accel.data.source_kind import dataset_kind
 
+    name = "image folder" if dataset_kind(data_path) is None else "dataset"
     try:
-        summary = validate_image_folder(data_path, sample=True, full=full, skip_bad_images=True)
+        summary = validate_image_source(data_path, options, sample=True, full=full, skip_bad_images=True)
     except UserError as error:
-        return [from_user_error("image folder", error)]
-    checks = [passed(GROUP, "image folder", summary.describe())]
+        return [from_user_error(name, error)]
+    checks = [passed(GROUP, name, summary.describe())]
+    if isinstance(summary, DatasetSummary):
+        checks.append(dataset_memory(summary, str(data_path)))
+        if summary.listing is None:
+            return checks + _stream_checks(summary)
 
     total = summary.num_images + len(summary.bad_images)
     decoded = "every image" if full else f"sampled {summary.images_decoded} of {total} files"
@@ -120,17 +127,17 @@ def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Che
 
     checks.append(_class_check(plan, summary.images_per_class, summary.num_images))
 
-    sample = summary.listing.paths[:: max(1, len(summary.listing.paths) // SIZE_SAMPLE)][:SIZE_SAMPLE]
+    listing = summary.listing
     small, sides = [], []
-    for relative in sample:
+    for index in range(0, len(listing), max(1, len(listing) // SIZE_SAMPLE))[:SIZE_SAMPLE]:
         try:
-            with Image.open(summary.listing.root / relative) as image:  # reads the header only
+            with Image.open(listing.image_file(index)) as image:  # reads the header only
                 width, height = image.size
         except OSError:
             continue  # decoding is the decoding row's business
         sides.append(min(width, height))
         if min(width, height) < plan.resolution:
-            small.append(f"{relative} ({width}x{height})")
+            small.append(f"{listing.name(index)} ({width}x{height})")
     if sides and small:
         checks.append(
             warned(
@@ -153,12 +160,57 @@ def check_image_folder(plan: PlanFacts, data_path: Path, full: bool) -> list[Che
     return checks
 
 
+def dataset_memory(summary, data_path: str) -> Check:
+    """What a dataset costs a rank's RAM: its row and label arrays; the Arrow table is only mapped."""
+    from dit_accel.data.hf_source import resident_bytes
+
+    if summary.listing is None:
+        return passed(GROUP, "dataset memory", "a stream: a rank holds the rows in flight only")
+    resident, mapped = resident_bytes(summary.listing)
+    return passed(
+        GROUP,
+        "dataset memory",
+        f"{gib(resident)} per rank resident (row and label arrays, 16 B a row); the Arrow table "
+        f"({gib(mapped)}) is memory-mapped: page cache that every rank of the node shares and the kernel "
+        "reclaims, not counted per rank",
+    )
+
+
+def _stream_checks(summary) -> list[Check]:
+    """Webdataset shards: their first rows decoded; training needs latents first (it reads at random)."""
+    bad = f", {len(summary.bad_images)} of them undecodable: {', '.join(summary.bad_images[:3])}"
+    decoding = (
+        failed(GROUP, "decoding", f"the first {summary.images_decoded} rows tried{bad}", "replace them")
+        if summary.bad_images
+        else passed(
+            GROUP,
+            "decoding",
+            f"the first {summary.images_decoded} rows decode (a stream: --full is extraction)",
+        )
+    )
+    return [
+        decoding,
+        warned(
+            GROUP,
+            "random access",
+            f"{summary.kind} shards are read as a stream, so training cannot read them at random",
+            f"extract latents first (`dit-accel extract-latents --data-path {summary.root} ...`), then train "
+            "and check with --latents",
+        ),
+    ]
+
+
 def check_data(
-    plan: PlanFacts, data_path: Path | None, latents: Path | None, vae: str | None, full: bool
+    plan: PlanFacts,
+    data_path: Path | None,
+    latents: Path | None,
+    vae: str | None,
+    full: bool,
+    options=None,
 ) -> list[Check]:
     checks = [check_data_mode(plan, data_path, latents, vae)]
     if data_path is not None:
-        checks += check_image_folder(plan, data_path, full)
+        checks += check_image_folder(plan, data_path, full, options)
     if latents is not None:
         checks += check_latent_cache(plan, latents, vae, full)
     return checks

@@ -47,6 +47,7 @@ class Components:
         0.0,
         1.0,
     )  # online encoding: the VAE's shift and scaling factors
+    repa: object | None = None  # dit_accel.repa.align.Repa (--repa-encoder): encoder, capture, coefficient
 
     @property
     def raw_model(self) -> nn.Module:
@@ -112,6 +113,7 @@ def build_components(
     from dit_accel.compile import compile_for_run
     from dit_accel.diffusion.flow import build_objective
     from dit_accel.model import DIFFUSERS_FREQ_SHIFT, build_model, set_checkpointed_blocks
+    from dit_accel.repa.training import build_for_run
 
     spec = spec or plan.spec()
     decision = plan.decision
@@ -125,6 +127,7 @@ def build_components(
         model = build_model(spec, timestep_freq_shift=timestep_freq_shift)
     if init is not None:
         load_init_weights(model, init)  # on every rank, before sharding: each rank then keeps its shard
+    repa = build_for_run(model, config, plan, spec, device)  # its projector joins the network, seeded
     set_checkpointed_blocks(model, decision.checkpointed_blocks)
     if accelerator is not None:  # the trainer's step; verify traces the eager step on fake tensors
         compile_for_run(model, config.compile, plan.compile, device)  # after checkpointing, before FSDP/DDP
@@ -164,6 +167,7 @@ def build_components(
         accelerator=accelerator,
         autocast_dtype=autocast_dtype,
         latent_shift_scale=latent_shift_scale,
+        repa=repa,
     )
 
 
@@ -198,9 +202,11 @@ def train_micro_step(components: Components, batch: dict) -> torch.Tensor:
     Class dropout is applied here, once per sample, from the batch's per-sample draw (`batch["drop"]`).
     """
     from dit_accel.model import as_model_fn, null_class
+    from dit_accel.repa.training import encoder_targets
 
     device = components.device
     x0 = batch["x"].to(device, non_blocking=True)
+    repa_targets = encoder_targets(components, x0)  # REPA: the clean images' tokens, before the forward
     if components.vae is not None:
         x0 = encode_online(components, x0, batch["posterior_noise"])
     labels = batch["y"].to(device, non_blocking=True)
@@ -215,6 +221,8 @@ def train_micro_step(components: Components, batch: dict) -> torch.Tensor:
     with components.forward_context():
         terms = components.objective.training_losses(model_fn, x0, labels, t=t, noise=noise)
     loss = terms["loss"].float().mean()
+    if repa_targets is not None:  # the objective's loss plus coeff x the alignment of block K's tokens
+        loss = loss + components.repa.loss(repa_targets).mean()
     components.backward(loss)
     return loss.detach()
 

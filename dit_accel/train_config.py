@@ -153,6 +153,20 @@ class TrainConfig:
         default="linear",
         metadata={"help": "flow: the interpolant, linear (SiT's default) or gvp (cos/sin, SiT's GVP)"},
     )
+    repa_encoder: str | None = field(
+        default=None,
+        metadata={
+            "help": "REPA: a DINOv2 ViT/14 backbone's weights (dinov2_vit*14*_pretrain.pth, or a folder with "
+            "one), read offline; the plan must be made with dit-plan --repa (default: no REPA)"
+        },
+    )
+    repa_depth: int = field(
+        default=8, metadata={"help": "REPA: the block (1-based) whose output tokens are aligned (8 for XL/2)"}
+    )
+    repa_coeff: float = field(default=0.5, metadata={"help": "REPA: the alignment term's weight (lambda)"})
+    repa_projector_dim: int = field(
+        default=2048, metadata={"help": "REPA: the projector MLP's width; must be the plan's"}
+    )
 
     nan_policy: str = field(
         default="abort", metadata={"help": "on a NaN/Inf loss or gradient: abort (default) or skip the step"}
@@ -348,6 +362,10 @@ class TrainConfig:
                 "--time-sampling and --flow-path are the flow objective's: DiT's ddpm draws t uniformly",
                 "add --objective flow, or drop them",
             )
+        if self.repa_depth <= 0 or self.repa_projector_dim <= 0:
+            raise UserError("--repa-depth and --repa-projector-dim must be positive", "pass e.g. 8 and 2048")
+        if not (math.isfinite(self.repa_coeff) and self.repa_coeff >= 0):
+            raise UserError(f"--repa-coeff must be a finite number >= 0, got {self.repa_coeff}", "pass 0.5")
         if self.nan_policy not in NAN_POLICIES:
             raise UserError(f"--nan-policy must be one of {', '.join(NAN_POLICIES)}, got {self.nan_policy!r}")
         try:

@@ -218,3 +218,86 @@ def test_the_plan_counts_the_encoder_the_projector_and_their_flops(tmp_path):
         make_plan(**common, repa="dinov2-q")
     with pytest.raises(PlanError, match="a latent cache holds none"):
         make_plan(**{**common, "latents": "precomputed"}, repa="dinov2-b")
+
+
+# --- the trainer's step --------------------------------------------------------------------------------
+
+
+def _repa_plan(**overrides) -> dict:
+    from planner.plan import make_plan
+
+    tiny = dict(model="DiT-S/2", depth=3, hidden=32, heads=2, num_classes=4, resolution=32, latents="pixel")
+    args = dict(gpus=1, vram="8G", global_batch=2, sharding="ddp", precision="fp32", repa="dinov2-s")
+    return make_plan(**{**tiny, **args, "repa_projector_dim": 48, **overrides})
+
+
+def test_the_micro_step_adds_coeff_times_the_alignment_to_the_objectives_loss(tmp_path, caplog):
+    from dit_accel.model import as_model_fn
+    from dit_accel.step import build_components, train_micro_step
+    from dit_accel.train_config import TrainConfig
+    from planner.planfile import parse_plan
+
+    save_tiny_encoder(tmp_path / "enc.pth")
+    config = TrainConfig(plan="p", output_dir="o", data_path="d", repa_encoder=str(tmp_path / "enc.pth"))
+    config.repa_depth, config.repa_projector_dim, config.repa_coeff = 2, 48, 0.25
+    components = build_components(parse_plan(_repa_plan()), config, device="cpu")
+    assert "no published DINOv2 backbone; the plan counted dinov2-s" in caplog.text
+    model = components.model
+    assert model.repa_projector[0].in_features == 32 and model.repa_projector[-1].out_features == 64
+    assert any(
+        group
+        for group in components.optimizer.param_groups
+        for p in group["params"]
+        if p is model.repa_projector[0].weight
+    )
+    torch.manual_seed(3)
+    batch = dict(
+        x=torch.rand(2, 3, 32, 32) * 2 - 1,
+        y=torch.tensor([1, 2]),
+        drop=torch.tensor([False, True]),
+        t=torch.tensor([10, 900]),
+        noise=torch.randn(2, 3, 32, 32),
+    )
+    loss = train_micro_step(components, batch)
+    assert model.repa_projector[0].weight.grad is not None
+    with torch.no_grad():  # the same forward again: the objective's loss and the alignment, apart
+        labels = torch.tensor([1, 4])
+        targets = components.repa.targets(batch["x"], torch.autocast("cpu", enabled=False))
+        terms = components.objective.training_losses(
+            as_model_fn(model), batch["x"], labels, t=batch["t"], noise=batch["noise"]
+        )
+        align = alignment_loss(components.repa.capture.take(), targets)
+    expected = terms["loss"].float().mean() + 0.25 * align.mean()
+    torch.testing.assert_close(loss, expected)
+    assert abs(0.25 * align.mean().item()) > 1e-4  # the term is there, not lost in rounding
+
+
+@pytest.mark.parametrize(
+    "plan, flags, message",
+    [
+        ({}, {}, "the plan was made for REPA with dinov2-s but --repa-encoder is not given"),
+        ({"repa": ""}, {"repa_encoder": "E"}, "the plan counts no REPA encoder"),
+        ({}, {"repa_encoder": "E", "repa_projector_dim": 2048}, "the plan counts a projector of width 48"),
+        ({"repa": "dinov2-b"}, {"repa_encoder": "E", "repa_projector_dim": 48}, "holds dinov2-s's weights"),
+    ],
+)
+def test_a_launch_that_contradicts_the_plans_repa_is_refused(tmp_path, plan, flags, message):
+    from dit_accel.repa.training import build_for_run
+    from planner.planfile import parse_plan
+
+    class Flags:
+        repa_encoder, repa_depth, repa_coeff, repa_projector_dim = None, 1, 0.5, 48
+
+    if "repa_encoder" in flags:
+        flags = {**flags, "repa_encoder": str(tmp_path / "enc.pth")}
+    if "weights" in message:  # the others are refused before the encoder is read
+        with torch.device("meta"):
+            spec = ENCODERS["dinov2-s"]
+            shaped = DinoV2(spec.dim, spec.depth, spec.mlp_hidden)  # a published shape, without its memory
+        torch.save({k: torch.zeros(v.shape) for k, v in shaped.state_dict().items()}, tmp_path / "enc.pth")
+    config = Flags()
+    for name, value in flags.items():
+        setattr(config, name, value)
+    parsed = parse_plan(_repa_plan(**plan))
+    with pytest.raises(UserError, match=message):
+        build_for_run(build_model(parsed.spec()), config, parsed, parsed.spec(), "cpu")

@@ -31,7 +31,15 @@ import torch
 from dit_accel.atomic import write_atomically, write_json_atomically
 from dit_accel.cpu_threads import cpu_threads
 from dit_accel.errors import UserError, exits_cleanly
-from dit_accel.sample_args import GUIDANCE_MODES, SAMPLERS, build_parser
+from dit_accel.sample_args import (
+    DDPM_SAMPLERS,
+    DIFFUSION_FORMS,
+    FLOW_SAMPLERS,
+    GUIDANCE_MODES,
+    ODE_SOLVERS,
+    SAMPLERS,
+    build_parser,
+)
 
 
 # --- what to sample -----------------------------------------------------------------------------------
@@ -44,10 +52,22 @@ class SampleSettings:
     sampler: str = "ddpm"
     guidance: str = "all"  # "all" latent channels (diffusers) | "first3" (the original DiT repository)
     seed: int = 0
+    # Flow models only (--sampler ode|sde); the path is the checkpoint's, recorded with its objective.
+    ode_solver: str = "heun"
+    diffusion_form: str = "sigma"
+    diffusion_norm: float = 1.0
+    cfg_low: float = 0.0  # guidance where cfg_low <= t <= cfg_high (--cfg-interval)
+    cfg_high: float = 1.0
+    flow_path: str = "linear"
 
     def __post_init__(self):
         if self.sampler not in SAMPLERS:
             raise UserError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.ode_solver not in ODE_SOLVERS or self.diffusion_form not in DIFFUSION_FORMS:
+            raise UserError(
+                f"the ODE solver must be one of {', '.join(ODE_SOLVERS)} and the SDE's diffusion form one of "
+                f"{', '.join(DIFFUSION_FORMS)}, got {self.ode_solver!r} and {self.diffusion_form!r}"
+            )
         if self.guidance not in GUIDANCE_MODES:
             raise UserError(f"--guidance must be one of {', '.join(GUIDANCE_MODES)}, got {self.guidance!r}")
         if self.steps < 1:
@@ -367,6 +387,8 @@ def sample_latents(
     device = torch.device(device)
     y = torch.as_tensor(list(labels), dtype=torch.long, device=device)
     shape = (len(y), spec.in_channels, spec.latent_size, spec.latent_size)
+    if settings.sampler in FLOW_SAMPLERS:
+        return sample_flow_latents(model, shape, y, indices, settings, device, progress)
     model_fn = classifier_free_guidance(
         as_model_fn(model), settings.cfg_scale, null_class(model), settings.guidance
     )
@@ -383,6 +405,52 @@ def sample_latents(
         clip_denoised=spec.latents == "pixel",
         progress=progress,
     )
+
+
+def sample_flow_latents(model, shape, y, indices, settings: SampleSettings, device, progress: bool):
+    """sample_latents for a flow model: the ODE or the SDE from t = 1 to 0 (dit_accel.diffusion.flow_sampling)."""
+    from dit_accel.diffusion.flow import FlowMatching
+    from dit_accel.diffusion.flow_sampling import ode_sample, sde_sample
+    from dit_accel.model import as_model_fn, null_class
+
+    common = dict(
+        num_steps=settings.steps,
+        guidance_scale=settings.cfg_scale,
+        null_class=null_class(model),
+        cfg_interval=(settings.cfg_low, settings.cfg_high),
+        guidance=settings.guidance,
+        generator=sample_generators(settings.seed, indices, device),
+        device=device,
+        progress=progress,
+    )
+    flow, model_fn = FlowMatching(settings.flow_path), as_model_fn(model)
+    if settings.sampler == "ode":
+        return ode_sample(model_fn, flow, shape, y, solver=settings.ode_solver, **common)
+    return sde_sample(
+        model_fn,
+        flow,
+        shape,
+        y,
+        diffusion_form=settings.diffusion_form,
+        diffusion_norm=settings.diffusion_norm,
+        **common,
+    )
+
+
+def sampler_for(objective: dict, sampler: str | None) -> str:
+    """The sampler asked for, or the objective's default (ddpm: DiT's ancestral; flow: the ODE); a sampler of
+    the other objective is refused in one line."""
+    name = objective.get("name", "ddpm")
+    own, default = (FLOW_SAMPLERS, "ode") if name == "flow" else (DDPM_SAMPLERS, "ddpm")
+    if sampler is None:
+        return default
+    if sampler not in own:
+        raise UserError(
+            f"--sampler {sampler} is for {'flow' if sampler in FLOW_SAMPLERS else 'ddpm'} models, but this "
+            f"checkpoint was trained with --objective {name}",
+            f"pass --sampler {' or '.join(own)} (or leave it out: {default})",
+        )
+    return sampler
 
 
 def sample_images(
@@ -452,13 +520,22 @@ def _check_args(args) -> None:
         raise UserError(f"--out {args.out} must name a .png file (the grid)", "singles go next to it")
 
 
-def _settings(args, default_cfg: float) -> SampleSettings:
+def _settings(args, default_cfg: float, source: Source) -> SampleSettings:
+    from dit_accel.diffusion.flow import recorded_objective
+
+    objective = recorded_objective(source.info["checkpoint"])
     return SampleSettings(
         cfg_scale=default_cfg if args.cfg_scale is None else args.cfg_scale,
         steps=args.steps,
-        sampler=args.sampler,
+        sampler=sampler_for(objective, args.sampler),
         guidance=args.guidance,
         seed=args.seed,
+        ode_solver=args.ode_solver,
+        diffusion_form=args.diffusion_form,
+        diffusion_norm=args.diffusion_norm,
+        cfg_low=args.cfg_interval[0],
+        cfg_high=args.cfg_interval[1],
+        flow_path=objective.get("path", "linear"),
     )
 
 
@@ -477,7 +554,7 @@ def sample_grid(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     source = load_source(args.checkpoint, use_ema=args.ema, device=device)
     decoder = load_decoder(source.spec, args.vae or default_vae_path(source), device)
-    settings = _settings(args, default_cfg=4.0)
+    settings = _settings(args, default_cfg=4.0, source=source)
     classes = _classes(args, source.spec, for_grid=True)
     labels = grid_labels(classes, args.per_class)
     names = grid_class_names(source) if args.row_labels else None
@@ -528,7 +605,7 @@ def sample_eval_batch(args) -> int:
     source = load_source(args.checkpoint, use_ema=args.ema, device=accelerator.device)
     vae_path = args.vae or default_vae_path(source)
     decoder = load_decoder(source.spec, vae_path, accelerator.device)
-    settings = _settings(args, default_cfg=1.5)
+    settings = _settings(args, default_cfg=1.5, source=source)
     job = EvalBatch(
         npz_path,
         args.num_samples,

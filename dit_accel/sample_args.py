@@ -4,11 +4,27 @@
 from __future__ import annotations
 
 import argparse
+import math
 
-from dit_accel.cli_args import OneLineParser, finite_float, positive_int, seed_int
+from dit_accel.cli_args import OneLineParser, finite_float, positive_float, positive_int, seed_int
 
-SAMPLERS = ("ddpm", "ddim")
+DDPM_SAMPLERS = ("ddpm", "ddim")  # for models trained with --objective ddpm (DiT's)
+FLOW_SAMPLERS = ("ode", "sde")  # for models trained with --objective flow (SiT's, REPA's)
+SAMPLERS = DDPM_SAMPLERS + FLOW_SAMPLERS
 GUIDANCE_MODES = ("all", "first3")
+ODE_SOLVERS = ("heun", "euler")
+DIFFUSION_FORMS = ("sigma", "SBDM", "constant", "linear", "decreasing", "increasing-decreasing")
+
+
+def cfg_interval(text: str) -> tuple[float, float]:
+    """--cfg-interval LOW,HIGH: guidance where LOW <= t <= HIGH (t = 0 data, t = 1 noise, REPA's time)."""
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH such as 0,0.7, got {text!r}") from None
+    if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= high <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH with 0 <= LOW <= HIGH <= 1, got {text!r}")
+    return low, high
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,12 +65,43 @@ def build_parser() -> argparse.ArgumentParser:
         default="all",
         help="guide all latent channels (diffusers, default) or the first 3 only (original DiT repository)",
     )
-    parser.add_argument("--steps", type=positive_int, default=250, help="sampling steps (respaced from 1000)")
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=250,
+        help="sampling steps: respaced from 1000 for ddpm/ddim; even steps of t for ode/sde (model calls: "
+        "2 a step for heun, 1 for euler and sde)",
+    )
     parser.add_argument(
         "--sampler",
         choices=SAMPLERS,
-        default="ddpm",
-        help="ddpm: ancestral with the learned variance (default); ddim: deterministic (eta 0)",
+        default=None,
+        help="for a ddpm model: ddpm, ancestral with the learned variance (its default), or ddim, "
+        "deterministic (eta 0); for a flow model: ode, the probability-flow ODE (its default), or sde, "
+        "Euler-Maruyama (the checkpoint records which objective it was trained with)",
+    )
+    parser.add_argument(
+        "--ode-solver",
+        choices=ODE_SOLVERS,
+        default="heun",
+        help="--sampler ode: heun (2 model calls a step, default) or euler (1)",
+    )
+    parser.add_argument(
+        "--diffusion-form",
+        choices=DIFFUSION_FORMS,
+        default="sigma",
+        help="--sampler sde: SiT's diffusion coefficient w(t) (default sigma, SiT's and REPA's sampling choice)",
+    )
+    parser.add_argument(
+        "--diffusion-norm", type=positive_float, default=1.0, help="--sampler sde: w(t) is scaled by this"
+    )
+    parser.add_argument(
+        "--cfg-interval",
+        type=cfg_interval,
+        default=(0.0, 1.0),
+        metavar="LOW,HIGH",
+        help="flow models: guide only where LOW <= t <= HIGH, t = 1 noise and t = 0 data (REPA's guidance "
+        "interval; its best FID used 0,0.7); default 0,1: every step",
     )
     parser.add_argument(
         "--spacing",

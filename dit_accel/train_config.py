@@ -235,7 +235,10 @@ class TrainConfig:
             "classes for ImageNet-1k, else the first 8)"
         },
     )
-    sample_steps: int = field(default=50, metadata={"help": "DDPM steps of --sample-every's grid"})
+    sample_steps: int = field(
+        default=50,
+        metadata={"help": "steps of --sample-every's grid: DDPM's, or a flow run's ODE (Heun) steps"},
+    )
     sample_cfg_scale: float = field(
         default=4.0, metadata={"help": "classifier-free guidance scale of --sample-every's grid"}
     )

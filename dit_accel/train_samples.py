@@ -64,8 +64,12 @@ class TrainingSamples:
         classes = grid_classes(config.sample_classes, spec.num_classes)
         self.labels = grid_labels(classes, SAMPLES_PER_CLASS)
         self.row_names = [class_names[c] if c < len(class_names) else str(c) for c in classes]
-        self.settings = SampleSettings(
-            cfg_scale=config.sample_cfg_scale, steps=config.sample_steps, seed=config.seed
+        self.settings = SampleSettings(  # a flow run's grid: the probability-flow ODE (Heun)
+            cfg_scale=config.sample_cfg_scale,
+            steps=config.sample_steps,
+            seed=config.seed,
+            sampler="ode" if config.objective == "flow" else "ddpm",
+            flow_path=config.flow_path,
         )
         self.decoder = None
         if accelerator.is_main_process:

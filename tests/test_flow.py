@@ -195,3 +195,109 @@ def test_a_resumed_flow_run_is_the_straight_run_and_records_its_objective(flow_r
     assert recorded == {"name": "flow", "path": "linear", "time_sampling": "lognormal"}
     config = json.loads((flow_runs["resumed"] / "train_config.json").read_text())
     assert config["objective"] == "flow"  # inherited on resume without being given again
+
+
+# --- samplers -------------------------------------------------------------------------------------------------
+
+
+def test_the_ode_with_the_exact_velocity_maps_noise_onto_the_data_and_heun_beats_euler():
+    """For Gaussian data the probability-flow map is affine, x_t = alpha_t MU + sqrt(V_t) z: the ODE from
+    noise z at t = 1 must land on MU + S z, sample by sample."""
+    from dit_accel.diffusion.flow_sampling import ode_sample
+
+    flow, y = FlowMatching("linear"), torch.zeros(2000, dtype=torch.long)
+    noise = torch.randn(2000, 1, 2, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    model_fn, exact = gaussian_velocity_fn("linear", garbage=False), MU + S * noise
+    errors = {}
+    for solver in ("euler", "heun"):
+        x = ode_sample(
+            model_fn, flow, noise.shape, y, num_steps=10, solver=solver, noise=noise, dtype=torch.float64
+        )
+        errors[solver] = (x - exact).abs().max().item()
+    assert errors["heun"] < 0.2 * errors["euler"], errors
+    assert errors["heun"] < 2e-2
+    x = ode_sample(model_fn, flow, noise.shape, y, num_steps=40, noise=noise, dtype=torch.float64)
+    assert (x - exact).abs().max().item() < errors["heun"] / 10  # second order: 4x the steps, ~16x less
+
+
+@pytest.mark.parametrize("form", ["sigma", "SBDM"])
+def test_the_sde_with_the_exact_velocity_samples_the_data_distribution(form):
+    from dit_accel.diffusion.flow_sampling import sde_sample
+
+    flow, n = FlowMatching("linear"), 8000
+    y, generator = torch.zeros(n, dtype=torch.long), torch.Generator().manual_seed(1)
+    x = sde_sample(
+        gaussian_velocity_fn("linear", garbage=False),
+        flow,
+        (n, 1, 1, 2),
+        y,
+        num_steps=100,
+        diffusion_form=form,
+        generator=generator,
+        dtype=torch.float64,
+    )
+    assert x.mean().item() == pytest.approx(MU, abs=0.02)
+    assert x.std().item() == pytest.approx(S, abs=0.02)
+
+
+def test_diffusion_coefficients_in_dit_accel_time():
+    from dit_accel.diffusion.flow_sampling import diffusion_coefficient
+
+    linear = FlowMatching("linear")
+    assert diffusion_coefficient(linear, "sigma", 0.3) == pytest.approx(0.3)  # REPA's g^2 / 2 = t
+    assert diffusion_coefficient(linear, "SBDM", 0.3) == pytest.approx(0.3 / 0.7)  # SiT's (1 - tau) / tau
+    assert diffusion_coefficient(linear, "linear", 0.3, norm=2.0) == pytest.approx(0.6)
+    gvp = FlowMatching("gvp")
+    assert diffusion_coefficient(gvp, "sigma", 0.5) == pytest.approx(math.sin(math.pi / 4))
+
+
+def test_guidance_applies_only_inside_the_cfg_interval():
+    """A model whose conditional velocity is 1 and unconditional 0: guided 3, unguided 1; the doubled batch
+    runs only at the times inside [LOW, HIGH], which the Euler sum of the velocities then shows."""
+    from dit_accel.diffusion.flow_sampling import guided_velocity, ode_sample
+
+    calls = []
+
+    def model_fn(x, t, y):
+        calls.append((len(x), round(t[0].item(), 6)))
+        return (y != 9).to(x.dtype).view(-1, 1, 1, 1).expand(-1, 2 * x.shape[1], *x.shape[2:])
+
+    flow, y = FlowMatching(), torch.zeros(2, dtype=torch.long)
+    start = torch.zeros(2, 1, 1, 1)
+    x = ode_sample(
+        model_fn,
+        flow,
+        start.shape,
+        y,
+        num_steps=10,
+        solver="euler",
+        guidance_scale=3.0,
+        null_class=9,
+        cfg_interval=(0.3, 0.6),
+        noise=start,
+    )
+    doubled = [t for size, t in calls if size == 4]
+    assert doubled == [0.6, 0.5, 0.4, 0.3]
+    assert x.flatten().tolist() == pytest.approx([-(6 * 1 + 4 * 3) / 10] * 2)  # x_0 = x_1 - sum h v
+    first3 = guided_velocity(model_fn, flow, 3.0, 9, channels="first3")(torch.zeros(1, 4, 1, 1), 0.5, y[:1])
+    assert first3.flatten().tolist() == [3.0, 3.0, 3.0, 1.0]  # SiT's forward_with_cfg
+    with pytest.raises(UserError, match="cfg-interval"):
+        guided_velocity(model_fn, flow, 3.0, 9, interval=(0.7, 0.2))
+
+
+def test_dit_accel_sample_reads_the_objective_from_the_checkpoint(flow_runs, tmp_path, capsys):
+    """The grid and the evaluation batch of a flow run, with no --objective anywhere: the ODE by default,
+    the SDE when asked; a DDPM sampler is refused in one line."""
+    import numpy as np
+    from test_sample import sample_main
+
+    common = ["--checkpoint", str(flow_runs["one"]), "--steps", "3", "--classes", "0,1", "--batch-size", "2"]
+    assert sample_main([*common, "--out", str(tmp_path / "grid.png"), "--cfg-interval", "0,0.7"]) == 0
+    assert "ode 3 steps" in capsys.readouterr().out and (tmp_path / "grid.png").is_file()
+    npz = tmp_path / "eval.npz"
+    assert sample_main([*common, "--sampler", "sde", "--num-samples", "2", "--npz", str(npz)]) == 0
+    assert "sde 3 steps" in capsys.readouterr().out
+    assert np.load(npz)["arr_0"].shape[0] == 2
+    assert sample_main([*common, "--sampler", "ddim", "--out", str(tmp_path / "ddim.png")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--sampler ddim is for ddpm models" in error[0] and "ode or sde" in error[0]

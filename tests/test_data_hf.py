@@ -291,3 +291,60 @@ def test_doctor_fails_a_bad_dataset_with_its_one_line(forms, pixel_plan):
     checks = check_data(pixel_plan, forms["saved"], None, None, False, DatasetOptions(label_column="class"))
     failing = [check for check in checks if check.status == Status.FAIL]
     assert [check.name for check in failing] == ["dataset"] and "has no column 'class'" in failing[0].reason
+
+
+# --- training from parquet, launched ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def launched_runs(tmp_path_factory):
+    """One 2-process configuration (pixel space at 8 px, micro 2 x accumulation 2, global batch 8, 16 images:
+    2 steps an epoch) trained three ways: from the folder to step 4; from parquet to step 2; that parquet
+    run resumed to step 4."""
+    from test_train_e2e import _env, _make_plan, launch_command
+
+    from dit_accel.data.demo import write_demo_data
+
+    root = tmp_path_factory.mktemp("hf_train")
+    images = write_demo_data(root / "images", classes=CLASSES, per_class=PER_CLASS, resolution=8, seed=2)
+    parquet = write_forms(root, images)["parquet"]
+    plan_path = _make_plan(root / "plan2", gpus=2, micro_batch=2, grad_accum=2)
+    plan = json.loads(plan_path.read_text())
+    plan["decision"]["latents"], plan["model"]["resolution"] = "pixel", 8  # 3 channels, 8x8 like latents
+    plan_path.write_text(json.dumps(plan))
+    workspace = {"plan2": plan_path, "latents": None}
+
+    def launch(data, out, *args):
+        command = launch_command(workspace, out, "--no-tensorboard", "--checkpoint-every", 2, *args)
+        at = command.index("--latents")
+        command[at : at + 2] = ["--data-path", str(data)]
+        import subprocess
+
+        return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+
+    runs = {"folder": root / "folder", "parquet": root / "parquet_run"}
+    results = {
+        "folder": launch(images, runs["folder"], "--max-steps", 4),
+        "parquet": launch(parquet, runs["parquet"], "--max-steps", 2),
+        "resumed": launch(parquet, runs["parquet"], "--max-steps", 4, "--resume", "auto"),
+    }
+    return runs, results
+
+
+@pytest.mark.launched
+def test_two_processes_train_from_parquet_as_from_the_folder_and_resume_exactly(launched_runs):
+    from test_train_e2e import _losses, assert_same_state
+
+    runs, results = launched_runs
+    for name, result in results.items():
+        assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+    assert (
+        "(parquet, split train): 16 images in 4 classes"
+        in (runs["parquet"] / "logs" / "rank0.log").read_text()
+    )
+    folder, parquet = (runs[name] / "checkpoints" for name in ("folder", "parquet"))
+    # The same samples, pixels and flips in the same layout: the very same computation, bit for bit.
+    assert_same_state(folder / "step_00000002", parquet / "step_00000002")
+    # Resumed from its step-2 checkpoint, the parquet run continues as the straight (folder) run did.
+    assert_same_state(folder / "step_00000004", parquet / "step_00000004")
+    assert _losses(runs["parquet"]) == _losses(runs["folder"])

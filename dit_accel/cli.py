@@ -22,9 +22,15 @@ COMMANDS = {
         "dit_accel.export:import_main",
         "an original DiT .pt checkpoint as a dit-accel checkpoint",
     ),
+    "import-sit": ("dit_accel.export:import_sit_main", "a SiT .pt checkpoint as a dit-accel flow checkpoint"),
+    "import-repa": (
+        "dit_accel.export:import_repa_main",
+        "a REPA .pt checkpoint as a dit-accel flow checkpoint",
+    ),
     "verify": ("dit_accel.memtrace.report:main", "trace one real training step and compare it with the plan"),
     "calibrate": ("dit_accel.calibrate:main", "measure the plan on a CUDA GPU and write a calibration file"),
     "doctor": ("dit_accel.doctor:main", "preflight checks before a launch, or read a failed run's log"),
+    "evaluate": ("dit_accel.evaluate.command:main", "FID, sFID, IS, precision and recall of a sample .npz"),
 }
 
 # command -> the light module:function that builds its parser, where the command's own module is heavy

@@ -1,5 +1,6 @@
 """Weights out and in: `dit-accel export` (a checkpoint as a diffusers DiTPipeline folder) and
-`dit-accel import-dit` (an original DiT `.pt` as a dit-accel run folder).
+`dit-accel import-dit` (an original DiT `.pt` as a dit-accel run folder; `import-sit` and `import-repa` do
+the same for SiT's and REPA's flow checkpoints, dit_accel.original_sit).
 
 Export writes, atomically (a staging folder, then a rename):
 
@@ -117,6 +118,20 @@ def refuse_pixel_space(spec) -> None:
         )
 
 
+def refuse_flow_model(checkpoint) -> None:
+    """A flow model (SiT, REPA, --objective flow) takes t in [0, 1] and predicts a velocity: DiTPipeline's
+    schedulers call the network with timesteps in [0, 1000) and step an epsilon, so there is no DiTPipeline
+    form that samples it right. Refused before the VAE is read."""
+    from dit_accel.diffusion.flow import recorded_objective
+
+    if recorded_objective(checkpoint).get("name") == "flow":
+        raise UserError(
+            "this is a flow model (--objective flow, or imported from SiT/REPA): DiTPipeline calls its network "
+            "with timesteps in [0, 1000) and steps an epsilon, so no DiTPipeline samples it right",
+            "sample it with `dit-accel sample --sampler ode|sde` (its checkpoint records the objective)",
+        )
+
+
 def write_pipeline(
     model,
     vae_path: str,
@@ -208,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     refuse_file(args.out, "--out")
     source = load_source(args.checkpoint, use_ema=args.ema)
+    refuse_flow_model(source.info["checkpoint"])
     refuse_pixel_space(source.spec)
     vae_path = args.vae or default_vae_path(source)
     if not vae_path:
@@ -268,9 +284,15 @@ def placeholder_plan(spec) -> dict:
 
 
 def write_imported_checkpoint(
-    model, out_dir: str | os.PathLike, source_name: str, *, overwrite: bool = False
+    model,
+    out_dir: str | os.PathLike,
+    source_name: str,
+    *,
+    overwrite: bool = False,
+    objective: dict | None = None,
 ) -> Path:
-    """A run folder with one complete checkpoint at step 0 holding `model` (see the module docstring)."""
+    """A run folder with one complete checkpoint at step 0 holding `model` (see the module docstring);
+    `objective` (a SiT or REPA flow model's) is recorded in its dit_accel.json for sample and export."""
     import torch
     from safetensors.torch import save_file
 
@@ -317,17 +339,24 @@ def write_imported_checkpoint(
                 "global_batch": None,
             },
         )
-        write_json_atomically(checkpoint_dir / SIDECAR_NAME, sidecar(model))
+        recorded = sidecar(model) if objective is None else dict(sidecar(model), objective=objective)
+        write_json_atomically(checkpoint_dir / SIDECAR_NAME, recorded)
         ckpt.commit(checkpoint_dir, final_dir, {"step": IMPORT_STEP, "imported_from": source_name})
     return out_dir
 
 
-def build_import_parser() -> argparse.ArgumentParser:
+IMPORTED = {  # the command's layout -> what its --checkpoint is
+    "dit": "an original DiT checkpoint (.pt state dict of the DiT repository, e.g. DiT-XL-2-256x256.pt)",
+    "sit": "a SiT checkpoint (.pt state dict of the SiT repository, e.g. SiT-XL-2-256.pt), a flow model",
+    "repa": "a REPA checkpoint (.pt of the REPA repository, e.g. its SiT-XL/2 last.pt), a flow model",
+}
+
+
+def build_import_parser(layout: str = "dit") -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="dit-accel import-dit",
-        description="Turn an original DiT checkpoint (.pt state dict of the DiT repository, e.g. DiT-XL-2-256x256.pt) "
-        "into a dit-accel run folder that `dit-accel sample` and `dit-accel export` read and that "
-        "`dit_accel.train --init-from` fine-tunes.",
+        prog=f"dit-accel import-{layout}",
+        description=f"Turn {IMPORTED[layout]} into a dit-accel run folder that `dit-accel sample` and "
+        "`dit-accel export` read and that `dit_accel.train --init-from` fine-tunes.",
     )
     parser.add_argument("--checkpoint", required=True, help="the original .pt file")
     parser.add_argument("--out", required=True, help="the run folder to write")
@@ -372,6 +401,42 @@ def import_main(argv: list[str] | None = None) -> int:
         f"sample it with `dit-accel sample --checkpoint {out} ...`"
     )
     return 0
+
+
+def import_flow_main(layout: str, argv: list[str] | None) -> int:
+    """`dit-accel import-sit` / `import-repa`: the checkpoint folded into dit-accel's flow convention
+    (dit_accel.original_sit), recorded as a flow model."""
+    args = build_import_parser(layout).parse_args(argv)  # before the imports: --help needs no torch
+    from dit_accel.model import spec_from_model
+    from dit_accel.original_sit import load_flow_checkpoint
+
+    refuse_file(args.out, "--out")
+    model, notes = load_flow_checkpoint(
+        args.checkpoint, layout, heads=args.heads, prefer=args.weights, trust_pickle=args.trust_checkpoint
+    )
+    objective = {"name": "flow", "path": "linear", "time_sampling": "uniform"}
+    out = write_imported_checkpoint(
+        model, args.out, Path(args.checkpoint).name, overwrite=args.overwrite, objective=objective
+    )
+    spec = spec_from_model(model)
+    for note in notes:
+        print(f"import-{layout}: {note}")
+    print(
+        f"wrote {out}: {spec.name} ({spec.depth} blocks x {spec.hidden}, {spec.resolution} px, {spec.num_classes} "
+        f"classes) as a step-0 flow checkpoint (linear path, velocity) with the original timestep shift (0); "
+        f"sample it with `dit-accel sample --checkpoint {out} --sampler ode|sde ...`"
+    )
+    return 0
+
+
+@exits_cleanly("dit-accel import-sit")
+def import_sit_main(argv: list[str] | None = None) -> int:
+    return import_flow_main("sit", argv)
+
+
+@exits_cleanly("dit-accel import-repa")
+def import_repa_main(argv: list[str] | None = None) -> int:
+    return import_flow_main("repa", argv)
 
 
 if __name__ == "__main__":

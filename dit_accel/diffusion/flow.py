@@ -174,6 +174,10 @@ def recorded_objective(folder) -> dict:
     from dit_accel.model import SIDECAR_NAME, read_sidecar
 
     folder = Path(folder)
+    if (folder / "checkpoints").is_dir():  # a run folder: its newest complete checkpoint
+        from dit_accel.checkpoint import resolve_checkpoint
+
+        folder = resolve_checkpoint(folder)
     for candidate in (folder, folder / "transformer"):
         if (candidate / SIDECAR_NAME).is_file():
             return read_sidecar(candidate).get("objective") or {"name": "ddpm"}

@@ -1,0 +1,73 @@
+"""import-sit and import-repa: an imported network computes what the network in its original layout computes
+(the plain-torch DiT of tests/test_model.py, on a random state dict saved here), in dit-accel's flow time."""
+
+from __future__ import annotations
+
+import torch
+from test_model import original_state_dict, reference_dit_forward
+
+from dit_accel.checkpoint import load_for_inference
+from dit_accel.diffusion.flow import recorded_objective
+from dit_accel.export import import_repa_main, import_sit_main
+from dit_accel.export import main as export_main
+from dit_accel.model import as_model_fn
+from dit_accel.original_sit import time_reversal_matrix
+from dit_accel.sample import sampler_for
+
+X = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+T = torch.tensor([0.05, 0.5, 0.93])  # dit-accel's time: 0 data, 1 noise
+Y = torch.tensor([1, 7, 10])  # 10: the null class
+
+
+def imported(tmp_path, command, checkpoint) -> tuple[torch.nn.Module, str]:
+    torch.save(checkpoint, tmp_path / "original.pt")
+    run = tmp_path / "run"
+    assert command(["--checkpoint", str(tmp_path / "original.pt"), "--out", str(run), "--heads", "4"]) == 0
+    model, _spec, _info = load_for_inference(run)
+    return model, run
+
+
+def test_the_time_reversal_matrix_maps_the_features_of_t_to_those_of_1_minus_t():
+    from test_model import original_timestep_features
+
+    t = torch.tensor([0.0, 0.25, 0.8, 1.0], dtype=torch.float64)
+    reversed_features = original_timestep_features(1 - t).double()
+    torch.testing.assert_close(
+        original_timestep_features(t).double() @ time_reversal_matrix().T,
+        reversed_features,
+        atol=1e-6,
+        rtol=0,
+    )
+
+
+def test_an_imported_sit_network_is_sits_network_in_dit_accel_time(tmp_path, capsys):
+    sd = original_state_dict(out_channels=8)  # SiT keeps DiT's learned-sigma half (and drops it in forward)
+    model, run = imported(tmp_path, import_sit_main, sd)
+    assert "time reversed" in capsys.readouterr().out
+    with torch.no_grad():
+        ours = as_model_fn(model)(X, T, Y)
+        sit = reference_dit_forward(sd, X, 1 - T, Y, heads=4)  # SiT's time runs from noise (0) to data (1)
+    torch.testing.assert_close(ours[:, :4], -sit[:, :4], atol=1e-4, rtol=1e-4)  # SiT's velocity is d/dt_SiT
+    torch.testing.assert_close(ours[:, 4:], sit[:, 4:], atol=1e-4, rtol=1e-4)  # the unused half, unchanged
+    assert recorded_objective(run / "checkpoints" / "step_00000000")["name"] == "flow"
+    assert sampler_for(recorded_objective(run), None) == "ode"
+    assert (
+        export_main(["--checkpoint", str(run), "--out", str(tmp_path / "pipe")]) == 2
+    )  # no DiTPipeline form
+    assert "flow model" in capsys.readouterr().err and not (tmp_path / "pipe").exists()
+
+
+def test_an_imported_repa_network_is_repas_network_with_a_zero_sigma_half(tmp_path, capsys):
+    g = torch.Generator().manual_seed(5)
+    ema = original_state_dict(out_channels=4, seed=1)  # REPA's SiT outputs C channels
+    ema.update({f"projectors.0.{i}.weight": torch.randn(16, 16, generator=g) for i in (0, 2, 4)})
+    raw = original_state_dict(out_channels=4, seed=2)
+    model, run = imported(tmp_path, import_repa_main, {"model": raw, "ema": ema})  # REPA's last.pt holds both
+    out = capsys.readouterr().out
+    assert "projector (3 tensors) left out" in out and "zero learned-sigma half" in out
+    with torch.no_grad():
+        ours = as_model_fn(model)(X, T, Y)
+        repa = reference_dit_forward(ema, X, T, Y, heads=4)  # REPA's time is dit-accel's
+    torch.testing.assert_close(ours[:, :4], repa, atol=1e-4, rtol=1e-4)
+    assert torch.count_nonzero(ours[:, 4:]) == 0
+    assert recorded_objective(run)["name"] == "flow"

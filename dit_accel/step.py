@@ -18,6 +18,7 @@ from torch import nn
 
 from dit_accel.distributed import full_tensor, resolve_precision, shard_blocks, uses_fsdp
 from dit_accel.ema import EMA
+from dit_accel.errors import UserError
 from dit_accel.optim import build_optimizer, build_scheduler, effective_lr
 from dit_accel.resume import InitWeights, load_init_weights
 from dit_accel.train_config import TrainConfig
@@ -74,6 +75,24 @@ class Components:
             (loss / self.grad_accum).backward()
 
 
+def run_objective(plan: Plan, config: TrainConfig) -> str:
+    """The run's objective: --objective, else the plan's (dit-plan --objective). A launch that contradicts
+    the plan is refused, as a precision the plan did not size is: the plan's sizes and recipe are one."""
+    chosen = config.objective or plan.objective
+    if chosen != plan.objective:
+        raise UserError(
+            f"--objective {chosen} contradicts the plan's objective {plan.objective} ({config.plan})",
+            f"re-plan with `dit-plan --objective {chosen}`, or drop --objective",
+        )
+    if chosen == "ddpm" and (config.time_sampling, config.flow_path) != ("uniform", "linear"):
+        raise UserError(
+            "--time-sampling and --flow-path are the flow objective's, but this run trains ddpm (DiT's draws t "
+            "uniformly)",
+            "re-plan with `dit-plan --objective flow` and pass --objective flow, or drop them",
+        )
+    return chosen
+
+
 def compute_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype of a precision (planner.rules.PRECISIONS); None for fp32."""
     name = PRECISIONS[precision].torch_dtype
@@ -106,6 +125,9 @@ def build_components(
     asking for the plan's own precision, and `spec` overrides the plan's network (a shallower copy for
     per-block extrapolation).
 
+    The objective is --objective or the plan's (`run_objective`, which refuses a contradiction), written back
+    into `config` so that the run records it.
+
     `init` (--init-from) replaces the seeded weights before anything else sees them, so the EMA starts equal to
     them and the optimizer state is fresh; the model then uses the init's timestep shift. `timestep_freq_shift`
     (a resumed run's, from its checkpoint) overrides it; the default is diffusers' (1).
@@ -117,6 +139,7 @@ def build_components(
 
     spec = spec or plan.spec()
     decision = plan.decision
+    config.objective = run_objective(plan, config)  # resolved here, so the run records what it trains
     if accelerator is not None and precision is not None:
         raise ValueError("precision is the Accelerator's (mixed_precision); pass it only for a bare device")
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))

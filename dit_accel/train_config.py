@@ -138,11 +138,11 @@ class TrainConfig:
         default=0.1, metadata={"help": "probability of replacing a label by the null class (for guidance)"}
     )
     seed: int = field(default=0, metadata={"help": "base seed; rank r seeds its global RNGs with seed + r"})
-    objective: str = field(
-        default="ddpm",
+    objective: str | None = field(
+        default=None,
         metadata={
             "help": "ddpm (DiT's: epsilon and learned variance) or flow (SiT's and REPA's: linear interpolant, "
-            "velocity prediction); must agree with the plan's (dit-plan --objective)"
+            "velocity prediction); default: the plan's (dit-plan --objective), which it must agree with"
         },
     )
     time_sampling: str = field(
@@ -354,17 +354,12 @@ class TrainConfig:
         from planner.rules import OBJECTIVES
 
         for flag, value, choices in (
-            ("objective", self.objective, tuple(OBJECTIVES)),
+            ("objective", self.objective or "ddpm", tuple(OBJECTIVES)),
             ("time-sampling", self.time_sampling, TIME_SAMPLINGS),
             ("flow-path", self.flow_path, FLOW_PATHS),
         ):
             if value not in choices:
                 raise UserError(f"--{flag} must be one of {', '.join(choices)}, got {value!r}")
-        if self.objective == "ddpm" and (self.time_sampling, self.flow_path) != ("uniform", "linear"):
-            raise UserError(
-                "--time-sampling and --flow-path are the flow objective's: DiT's ddpm draws t uniformly",
-                "add --objective flow, or drop them",
-            )
         if self.repa_depth <= 0 or self.repa_projector_dim <= 0:
             raise UserError("--repa-depth and --repa-projector-dim must be positive", "pass e.g. 8 and 2048")
         if not (math.isfinite(self.repa_coeff) and self.repa_coeff >= 0):

@@ -33,6 +33,7 @@ from planner.outputs import (
 from planner.plan import make_plan
 from planner.report import FORMATS, render, render_sweep
 from planner.report.tables import sweep_row
+from planner.rules import OBJECTIVES
 from planner.units import UNIT_RULE, format_bytes, parse_bytes
 
 PROG = "dit-plan"
@@ -166,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="torch.compile each transformer block on the GPUs; the trainer follows it (default: on)",
+    )
+    tr.add_argument(
+        "--objective",
+        choices=tuple(OBJECTIVES),
+        default="ddpm",
+        help="the training objective, recorded in plan.json for the trainer to follow: ddpm (DiT's) or flow "
+        "(SiT's and REPA's flow matching; the same network, memory and FLOPs) (default: %(default)s)",
     )
     tr.add_argument(
         "--repa",
@@ -572,6 +580,7 @@ def run(argv: list[str] | None) -> int:
     # the terminal view writes ./plan by default; a document format is the document alone unless --out says
     out = check_out_dir(args.out or "plan") if args.out is not None or args.format == "table" else None
     plan = make_plan(**combos[0], **kwargs)
+    plan["objective"] = args.objective  # what the trainer trains (dit_accel.step.run_objective)
     chart = None
     if args.plot is not None:
         from planner.plot import candidates_chart

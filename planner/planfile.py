@@ -20,7 +20,7 @@ from pathlib import Path
 from planner.errors import PlanError
 from planner.memory import COMPONENTS, Decision
 from planner.repa import DEFAULT_PROJECTOR_DIM, ENCODERS
-from planner.rules import PRECISIONS, SHARDING_MODES, Precision, ShardingMode
+from planner.rules import OBJECTIVES, PRECISIONS, SHARDING_MODES, Precision, ShardingMode
 from planner.spec import LATENT_MODES, NUM_CLASSES, DiTSpec, custom_spec, model_spec
 from planner.units import count
 
@@ -115,6 +115,7 @@ class Plan:
     memory: PlanMemory | None
     throughput: PlanThroughput
     compile: bool = False  # decision.compile: torch.compile per block on CUDA; False for plans before it
+    objective: str = "ddpm"  # dit-plan --objective (planner.rules.OBJECTIVES); ddpm for plans before it
     inputs: dict = field(default_factory=dict)  # what the plan was made from, as given
     host: dict = field(default_factory=dict)  # the per-node host RAM estimate, as written
     assumptions: dict = field(default_factory=dict)
@@ -302,6 +303,7 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
         memory=memory,
         throughput=throughput,
         compile=d.get("compile", bool, False),  # older plans were sized and run eager
+        objective=top.get("objective", str, "ddpm", choices=tuple(OBJECTIVES)),
         inputs=top.get("inputs", dict, {}),
         host=top.get("host", dict, {}),
         assumptions=top.get("assumptions", dict, {}),

@@ -152,6 +152,10 @@ def flow_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("flow")
     workspace = make_workspace(root)
+    shutil.copy(workspace["plan1"], root / "ddpm_plan.json")
+    for name in ("plan1", "plan2"):  # as `dit-plan --objective flow` writes them (see the planner test)
+        plan = json.loads(workspace[name].read_text())
+        workspace[name].write_text(json.dumps(dict(plan, objective="flow")))
     flow = [
         "--objective",
         "flow",
@@ -171,7 +175,13 @@ def flow_runs(tmp_path_factory):
     shutil.copy(root / "one" / "train_config.json", resumed)  # the run's record: what --resume inherits
     again = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", resumed]
     assert run_in_process([*again, "--resume", "auto"]) == 0  # the objective is not given again
-    return {"two": root / "two", "one": root / "one", "resumed": resumed, "stdout": launched.stdout}
+    return {
+        "two": root / "two",
+        "one": root / "one",
+        "resumed": resumed,
+        "root": root,
+        "workspace": workspace,
+    }
 
 
 def test_flow_trains_with_accumulation_over_two_processes_as_one_process(flow_runs):
@@ -301,3 +311,38 @@ def test_dit_accel_sample_reads_the_objective_from_the_checkpoint(flow_runs, tmp
     assert sample_main([*common, "--sampler", "ddim", "--out", str(tmp_path / "ddim.png")]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "--sampler ddim is for ddpm models" in error[0] and "ode or sde" in error[0]
+
+
+def test_the_trainer_refuses_an_objective_the_plan_did_not_make(flow_runs, capsys):
+    from test_train_e2e import QUIET, run_in_process
+
+    root, latents = flow_runs["root"], flow_runs["workspace"]["latents"]
+    argv = ["--plan", root / "ddpm_plan.json", "--latents", latents, *QUIET, "--max-steps", "1"]
+    assert run_in_process([*argv, "--output-dir", root / "refused", "--objective", "flow"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--objective flow contradicts the plan's objective ddpm" in error
+    assert "dit-plan --objective flow" in error
+    assert not (root / "refused" / "checkpoints").exists()
+
+
+def test_dit_plan_records_the_objective_in_plan_json(tmp_path):
+    from planner.cli import main as dit_plan
+    from planner.planfile import read_plan
+
+    tiny = ["--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--resolution", "64"]
+    tiny += [
+        "--num-classes",
+        "4",
+        "--vram",
+        "8G",
+        "--precision",
+        "fp32",
+        "--global-batch",
+        "8",
+        "--gpus",
+        "1",
+    ]
+    assert dit_plan([*tiny, "--objective", "flow", "--out", str(tmp_path / "flow")]) == 0
+    assert read_plan(tmp_path / "flow" / "plan.json").objective == "flow"
+    assert dit_plan([*tiny, "--out", str(tmp_path / "ddpm")]) == 0
+    assert read_plan(tmp_path / "ddpm" / "plan.json").objective == "ddpm"  # DiT's, as before

@@ -3,6 +3,8 @@ gradient goes, on a tiny DiT and a tiny randomly initialised encoder the tests s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -301,3 +303,113 @@ def test_a_launch_that_contradicts_the_plans_repa_is_refused(tmp_path, plan, fla
     parsed = parse_plan(_repa_plan(**plan))
     with pytest.raises(UserError, match=message):
         build_for_run(build_model(parsed.spec()), config, parsed, parsed.spec(), "cpu")
+
+
+# --- launched: 2 processes x zero2 x accumulation equal 1 process, and resume exactly -------------------
+
+LAUNCH_STEPS = 4
+LAUNCH_TINY = [
+    *("--model", "DiT-S/4", "--depth", "2", "--hidden", "32", "--heads", "2", "--num-classes", "4"),
+    *(
+        "--resolution",
+        "32",
+        "--latents",
+        "pixel",
+        "--vram",
+        "8G",
+        "--global-batch",
+        "8",
+        "--precision",
+        "fp32",
+    ),
+    *("--repa", "dinov2-s", "--repa-projector-dim", "16"),
+]
+
+
+def _projector(checkpoint) -> dict[str, torch.Tensor]:
+    """The projector's trained weights in a checkpoint, DDP's model.safetensors or FSDP2's sharded save."""
+    from safetensors.torch import load_file
+    from test_train_fsdp import _dcp
+
+    from dit_accel import checkpoint as ckpt
+
+    if (checkpoint / ckpt.SHARDED_MODEL).is_dir():
+        state = _dcp(checkpoint / ckpt.SHARDED_MODEL)
+    else:
+        state = load_file(str(checkpoint / ckpt.MODEL_WEIGHTS))
+    found = {k.split(PROJECTOR_PREFIX, 1)[1]: v for k, v in state.items() if PROJECTOR_PREFIX in k}
+    assert len(found) == 6, sorted(state)[:8]  # three linears, weight and bias
+    return found
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One REPA run of 4 steps three ways: 1 process (micro 4 x accumulation 2), 2 processes under zero2
+    (micro 2 x accumulation 2), and the 2-process run resumed from its step-2 checkpoint."""
+    from test_train_e2e import run_in_process
+    from test_train_fsdp import QUIET, _finish, _start
+
+    from dit_accel.data.demo import write_demo_data
+    from planner.cli import main as dit_plan
+
+    root = tmp_path_factory.mktemp("repa")
+    write_demo_data(root / "images", classes=4, per_class=8, resolution=32, seed=0)
+    save_tiny_encoder(root / "enc.pth")
+    plans = {}
+    for name, shape in (
+        ("one", ["--gpus", "1", "--sharding", "ddp", "--max-micro-batch", "4"]),
+        ("two", ["--gpus", "2", "--sharding", "zero2", "--max-micro-batch", "2"]),
+    ):
+        assert dit_plan([*LAUNCH_TINY, *shape, "--out", str(root / f"plan_{name}")]) == 0
+        plans[name] = root / f"plan_{name}"
+    flags = ["--repa-encoder", root / "enc.pth", "--repa-depth", 1, "--repa-projector-dim", 16]
+    flags += ["--max-steps", LAUNCH_STEPS]
+    two = _start(plans["two"], root / "images", root / "run_two", *flags)  # in the background
+    one = root / "run_one"  # meanwhile in this process: no launcher, no second interpreter to start
+    args = ["--plan", plans["one"] / "plan.json", "--data-path", root / "images", "--output-dir", one]
+    assert run_in_process([*args, *QUIET, *flags]) == 0
+    out = {"one": one, "two": _finish(two)}
+    checkpoint = out["two"] / "checkpoints" / "step_00000002"
+    out["resumed"] = _finish(
+        _start(plans["two"], root / "images", root / "run_resumed", *flags, "--resume", checkpoint)
+    )
+    out["plans"] = plans
+    return out
+
+
+@pytest.mark.launched
+def test_two_zero2_processes_with_accumulation_equal_one_process(launched):
+    from test_train_fsdp import _assert_close, _losses, _weights
+
+    one, two = launched["one"], launched["two"]
+    assert json.loads((launched["plans"]["two"] / "plan.json").read_text())["decision"]["grad_accum"] == 2
+    assert (
+        "no published DINOv2 backbone; the plan counted dinov2-s" in (two / "logs" / "rank0.log").read_text()
+    )
+    assert _losses(two) == pytest.approx(_losses(one), abs=1e-5)
+    final = "checkpoints/step_00000004"
+    # micro 2 x 2 ranks vs micro 4: the same sums in another order (1.2e-6 seen at patch 4)
+    _assert_close(_weights(two / final), _weights(one / final), 5e-6, "network", layouts_differ=True)
+    projector = _projector(two / final)
+    _assert_close(projector, _projector(one / final), 1e-6, "projector")
+    trained = _projector(two / "checkpoints/step_00000002")
+    assert any(not torch.equal(projector[k], trained[k]) for k in projector)  # it trains with the model
+
+
+@pytest.mark.launched
+def test_a_resumed_repa_run_is_the_straight_run_and_its_ema_is_the_dit_alone(launched):
+    from safetensors.torch import load_file
+    from test_train_fsdp import _dcp
+
+    from dit_accel import checkpoint as ckpt
+
+    straight, resumed = (launched[name] / "checkpoints" / "step_00000004" for name in ("two", "resumed"))
+    for folder in (ckpt.SHARDED_MODEL, "optimizer_0"):
+        a, b = _dcp(straight / folder), _dcp(resumed / folder)
+        assert a.keys() == b.keys() and any(PROJECTOR_PREFIX in k for k in a)
+        assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor)), folder
+    ema, resumed_ema = load_file(str(straight / ckpt.EMA_WEIGHTS)), load_file(str(resumed / ckpt.EMA_WEIGHTS))
+    assert ema.keys() == resumed_ema.keys() and all(torch.equal(ema[k], resumed_ema[k]) for k in ema)
+    assert not any(PROJECTOR_PREFIX in k for k in ema)
+    model, _spec, info = ckpt.load_for_inference(straight)  # sampling's network: the DiT alone
+    assert info["weights"] == "ema" and not hasattr(model, "repa_projector")

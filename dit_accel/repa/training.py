@@ -8,11 +8,15 @@ working set is freed before the network's activations grow), `Repa.loss` after i
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from dit_accel.errors import UserError
 from dit_accel.repa.align import Repa
+from planner.repa import encoder_by_shape
+
+log = logging.getLogger("dit_accel.train")  # the run log (dit_accel.runlog)
 
 
 def token_grid(spec) -> int:
@@ -20,17 +24,37 @@ def token_grid(spec) -> int:
     return spec.latent_size // spec.patch
 
 
-def build_for_run(model, config, spec, latents: str, device) -> Repa | None:
+def build_for_run(model, config, plan, spec, device) -> Repa | None:
     """The run's alignment from --repa-encoder/--repa-depth/--repa-coeff/--repa-projector-dim, with the
-    projector attached to the unwrapped `model` (seeded: every rank draws the same one); None without REPA."""
+    projector attached to the unwrapped `model` (seeded: every rank draws the same one); None without REPA.
+
+    The plan counted one encoder and projector (dit-plan --repa): a run without them, with another published
+    backbone or another projector width contradicts it and is refused, as a launch of another precision is."""
+    planned = plan.decision.repa
     if not config.repa_encoder:
+        if planned:
+            raise UserError(
+                f"the plan was made for REPA with {planned} but --repa-encoder is not given",
+                f"pass --repa-encoder PATH ({planned}'s weights), or re-plan without --repa",
+            )
         return None
-    if latents == "precomputed":
+    if not planned:
+        raise UserError(
+            "--repa-encoder is given but the plan counts no REPA encoder",
+            "re-plan with dit-plan --repa ENCODER (e.g. dinov2-b) so its memory and compute are planned",
+        )
+    if plan.decision.latents == "precomputed":
         raise UserError(
             "REPA's encoder sees the clean images, and training from a latent cache reads none",
             "train on images (dit-plan --latents online, or pixel) with --data-path DIR",
         )
-    return Repa.build(
+    if config.repa_projector_dim != plan.decision.repa_projector_dim:
+        raise UserError(
+            f"--repa-projector-dim {config.repa_projector_dim} but the plan counts a projector of width "
+            f"{plan.decision.repa_projector_dim}",
+            "pass the plan's width, or re-plan with dit-plan --repa-projector-dim",
+        )
+    repa = Repa.build(
         model,
         config.repa_encoder,
         config.repa_depth,
@@ -39,6 +63,30 @@ def build_for_run(model, config, spec, latents: str, device) -> Repa | None:
         token_grid(spec),
         device,
     )
+    check_planned_encoder(repa.encoder, planned)
+    return repa
+
+
+def check_planned_encoder(encoder, planned: str) -> None:
+    """Refuse published weights of another backbone than the plan's; weights of no published shape (a custom
+    or test encoder) are logged, since the plan can only have counted a published one."""
+    found = encoder_by_shape(encoder.dim, len(encoder.blocks), encoder.registers)
+    if found is not None and found.name != planned:
+        raise UserError(
+            f"--repa-encoder holds {found.name}'s weights but the plan counts {planned}",
+            f"pass {planned}'s weights, or re-plan with dit-plan --repa {found.name}",
+        )
+    if found is None:
+        params = sum(p.numel() for p in encoder.parameters())
+        log.warning(
+            "REPA encoder: %d-wide, %d blocks, %d registers (%s parameters) is no published DINOv2 backbone; "
+            "the plan counted %s",
+            encoder.dim,
+            len(encoder.blocks),
+            encoder.registers,
+            f"{params:,}",
+            planned,
+        )
 
 
 def encoder_autocast(components):

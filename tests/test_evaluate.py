@@ -48,7 +48,20 @@ def test_trace_of_the_square_root_of_a_non_symmetric_product_matches_an_iterativ
     sigma1, sigma2 = a @ a.T + 0.1 * np.eye(5), b @ b.T + 0.1 * np.eye(5)
     root = _denman_beavers_sqrt(sigma1 @ sigma2)
     np.testing.assert_allclose(root @ root, sigma1 @ sigma2, rtol=1e-8)
-    assert metrics.trace_sqrt_product(sigma1, sigma2) == pytest.approx(np.trace(root), rel=1e-9)
+    first, second = metrics.Statistics(np.zeros(5), sigma1), metrics.Statistics(np.zeros(5), sigma2)
+    assert metrics.trace_sqrt_product(first, second) == pytest.approx(np.trace(root), rel=1e-9)
+
+
+def test_fewer_samples_than_features_take_the_small_route_to_the_same_distance():
+    rng = np.random.default_rng(5)
+    few = metrics.statistics(rng.normal(size=(6, 40)))
+    many = metrics.statistics(rng.normal(1.0, 2.0, size=(500, 40)))
+    assert few.factor is not None and many.factor is None
+    full = metrics.Statistics(few.mu, few.sigma)  # no factor: the D x D route
+    # the D x D route takes square roots of 34 round-off eigenvalues (~1e-16 each) of the singular S1
+    expected = metrics.frechet_distance(full, many)
+    assert metrics.frechet_distance(few, many) == pytest.approx(expected, rel=1e-7)
+    assert metrics.frechet_distance(many, few) == pytest.approx(expected, rel=1e-7)
 
 
 def test_a_singular_covariance_is_no_failure():
@@ -147,3 +160,207 @@ def test_squared_distances_fall_back_to_float32_when_float16_overflows():
     far = torch.tensor([[300.0, 0.0]])
     distances = metrics.squared_distances(far, torch.zeros(1, 2))
     assert distances.dtype == torch.float32 and distances.item() == 90000.0
+
+
+# --- the network -------------------------------------------------------------------------------------------
+
+
+def test_tf1_resize_reads_position_i_times_in_over_out_without_half_pixel_centres():
+    from dit_accel.evaluate.inception import resize_like_tf1
+
+    row = torch.tensor([[[[10.0, 20.0]]]])  # 1 x 1 x 1 x 2 -> width 4: positions 0, 0.5, 1, 1.5 (clamped)
+    np.testing.assert_allclose(resize_like_tf1(row, 4)[..., 0, :].flatten().numpy(), [10, 15, 20, 20][:4])
+    square = torch.arange(9.0).view(1, 1, 3, 3)
+    assert torch.equal(resize_like_tf1(square, 3), square)
+    # 3 -> 2: positions 0 and 1.5 along both axes
+    np.testing.assert_allclose(resize_like_tf1(square, 2)[0, 0].numpy(), [[0.0, 1.5], [4.5, 6.0]])
+
+
+EVAL_PX = 75  # the least Inception-v3 takes; the graph's 299 would make these tests 16 times slower
+
+
+def _fitted_random_inception(images: np.ndarray):
+    """A randomly initialised network whose BatchNorm statistics are those of `images` (one forward in
+    training mode with a cumulative average), so that its features are of order 1, not vanishing."""
+    from dit_accel.evaluate.inception import InceptionV3
+
+    torch.manual_seed(0)
+    network = InceptionV3(EVAL_PX)
+    for module in network.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.momentum = None
+    with torch.no_grad():
+        network.train()(torch.as_tensor(images))
+    return network.eval()
+
+
+def _blobs(count: int, seed: int, px: int = 32) -> np.ndarray:
+    """Smooth coloured images: a bright disc of random place, size and colour on a dark background."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[:px, :px]
+    images = np.zeros((count, px, px, 3), dtype=np.uint8)
+    for image in images:
+        cy, cx, radius = rng.uniform(8, px - 8, 2).tolist() + [rng.uniform(4, 10)]
+        inside = (y - cy) ** 2 + (x - cx) ** 2 <= radius**2
+        image[inside] = rng.integers(128, 256, 3)
+        image[~inside] = rng.integers(0, 64, 3)
+    return images
+
+
+@pytest.fixture(scope="module")
+def evaluation(tmp_path_factory):
+    """Weights in the published file's layout, a reference batch and a sample batch."""
+    root = tmp_path_factory.mktemp("evaluate")
+    reference = _blobs(12, seed=1)
+    torch.save(_fitted_random_inception(reference).state_dict(), root / "inception.pth")
+    np.savez(root / "reference.npz", reference)
+    np.savez(root / "alike.npz", _blobs(10, seed=2), np.arange(10))  # arr_1: labels, as sample writes
+    return root
+
+
+def _evaluate(root, samples: str, *extra, out: str = "results.json", cache=None):
+    from dit_accel.evaluate.command import main
+
+    argv = ["--samples", str(root / samples), "--reference", str(root / "reference.npz")]
+    argv += ["--inception-weights", str(root / "inception.pth"), "--cache-dir", str(cache or root / "cache")]
+    argv += ["--input-px", str(EVAL_PX), "--batch-size", "4", "--out", str(root / out), *extra]
+    return main(argv)
+
+
+@pytest.fixture(scope="module")
+def alike_scores(evaluation):
+    """One run of the command: its output and its JSON (the reference's statistics are cached by it)."""
+    import contextlib
+    import io
+    import json
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert _evaluate(evaluation, "alike.npz", out="alike.json") == 0
+    return out.getvalue(), json.loads((evaluation / "alike.json").read_text())
+
+
+def test_the_command_scores_samples_and_says_the_count_beside_fid(alike_scores):
+    table, scores = alike_scores
+    assert "FID" in table and "10 samples vs 12 reference images" in table
+    assert "! 10 samples, not the 50,000 the papers score" in table
+    assert scores["num_samples"] == 10 and scores["num_reference_images"] == 12
+    assert scores["reference_statistics"] == "computed from its images"
+    assert scores["fid"] > 1 and scores["sfid"] > 1 and scores["inception_score"] > 1
+    assert 0 <= scores["precision"] <= 1 and 0 <= scores["recall"] <= 1
+    assert scores["inception_score_splits"] == 1
+
+
+def test_the_reference_scored_against_itself_is_perfect_and_its_statistics_come_from_the_cache(
+    evaluation, alike_scores, capsys
+):
+    """The plumbing (read, shard, gather, order) loses nothing: FID 0, precision and recall 1. The first
+    run cached the reference's statistics: this one extracts the samples' features only."""
+    import json
+
+    assert _evaluate(evaluation, "reference.npz", out="self.json") == 0
+    progress = capsys.readouterr().err
+    assert "sample features: 12/12" in progress and "reference features" not in progress
+    assert len(list((evaluation / "cache").glob("reference-*.npz"))) == 1
+    itself = json.loads((evaluation / "self.json").read_text())
+    # zero up to the round-off of traces of order 1e4
+    assert itself["fid"] == pytest.approx(0, abs=1e-4) and itself["sfid"] == pytest.approx(0, abs=1e-4)
+    assert itself["precision"] == itself["recall"] == 1.0
+
+
+def test_precomputed_reference_statistics_are_used(evaluation, alike_scores, tmp_path):
+    """A reference whose mu/mu_s are its own images' statistics shifted (by 1 and 0.5 per feature): its
+    images scored against it give FID = 2048 x 1^2 and sFID = 63 x 0.5^2 exactly, so the precomputed
+    statistics are what FID used."""
+    import json
+
+    (entry,) = (evaluation / "cache").glob("reference-*.npz")  # made by the first run, from the images
+    with np.load(entry) as cached:
+        own = {name: cached[name] for name in cached.files}
+    with np.load(evaluation / "reference.npz") as reference:
+        images = reference["arr_0"]
+    shifted = {
+        "mu": own["mu"] + 1.0,
+        "sigma": own["sigma"],
+        "mu_s": own["mu_s"] + 0.5,
+        "sigma_s": own["sigma_s"],
+    }
+    (tmp_path / "inception.pth").symlink_to(evaluation / "inception.pth")
+    np.savez(tmp_path / "images.npz", images)
+    np.savez(tmp_path / "reference.npz", images, **shifted)
+    assert _evaluate(tmp_path, "images.npz") == 0
+    first = json.loads((tmp_path / "results.json").read_text())
+    assert first["reference_statistics"] == "precomputed" and first["num_reference_images"] == 12
+    assert first["fid"] == pytest.approx(2048, rel=1e-6) and first["sfid"] == pytest.approx(
+        63 * 0.25, rel=1e-6
+    )
+    assert first["precision"] == first["recall"] == 1.0  # from the images, as the evaluator does
+
+
+@pytest.mark.parametrize(
+    "problem",
+    ["missing samples", "float images", "no weights", "too few", "half the statistics", "foreign weights"],
+)
+def test_bad_input_is_one_line_and_exit_2_with_nothing_written(
+    evaluation, alike_scores, tmp_path, capsys, problem
+):
+    root = tmp_path
+    for name in ("inception.pth", "reference.npz", "alike.npz"):
+        (root / name).symlink_to(evaluation / name)
+    samples = "alike.npz"
+    if problem == "missing samples":
+        samples = "absent.npz"
+    elif problem == "float images":
+        np.savez(root / "float.npz", np.zeros((5, 8, 8, 3), dtype=np.float32))
+        samples = "float.npz"
+    elif problem == "no weights":
+        (root / "inception.pth").unlink()
+    elif problem == "too few":
+        np.savez(root / "few.npz", _blobs(3, seed=5))
+        samples = "few.npz"
+    elif problem == "half the statistics":
+        (root / "reference.npz").unlink()
+        np.savez(root / "reference.npz", _blobs(6, seed=1), mu=np.zeros(2048))
+    elif problem == "foreign weights":
+        (root / "inception.pth").unlink()
+        torch.save({"conv.weight": torch.zeros(1)}, root / "inception.pth")
+    assert _evaluate(root, samples, cache=evaluation / "cache") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dit-accel evaluate: error: ") and len(err.splitlines()) == 1, err
+    assert not (root / "results.json").exists()
+    if problem == "no weights":
+        assert "curl -L --create-dirs -o" in err and "weights-inception-2015-12-05-6726825d.pth" in err
+
+
+@pytest.mark.launched
+def test_two_launched_processes_give_the_numbers_of_one(evaluation, alike_scores, tmp_path):
+    """Each rank extracts its share of both batches (reference: 6 + 6, samples: 5 + 5); the gathered
+    features, in global order, give the one-process numbers (a fresh cache: the reference is recomputed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--main_process_port", "0", "-m", "dit_accel.evaluate.command"]
+    command += ["--samples", str(evaluation / "alike.npz"), "--reference", str(evaluation / "reference.npz")]
+    command += [
+        "--inception-weights",
+        str(evaluation / "inception.pth"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    command += ["--input-px", str(EVAL_PX), "--batch-size", "4", "--out", str(tmp_path / "two.json")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("measured on") == 1  # the table comes from the main process only
+    one = alike_scores[1]
+    two = json.loads((tmp_path / "two.json").read_text())
+    for key in ("fid", "sfid", "inception_score"):  # batches of other sizes: float round-off apart
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    for key in ("precision", "recall", "num_samples", "num_reference_images"):
+        assert two[key] == one[key], key
+    assert len(list((tmp_path / "cache").glob("reference-*.npz"))) == 1

@@ -13,12 +13,13 @@ Definitions follow guided-diffusion's evaluations/evaluator.py, which every DiT/
 
 The matrix square root of the Fréchet distance is not scipy's (no dependency of this package brings scipy):
 tr(sqrt(S1 S2)) = sum of sqrt(eigenvalues of sqrt(S1) S2 sqrt(S1)), a symmetric positive semi-definite
-matrix, so two symmetric eigen-decompositions in float64 give it without complex round-off.
+matrix, so two symmetric eigen-decompositions in float64 give it without complex round-off (one small one
+when a side has fewer samples than features).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,10 +30,13 @@ DISTANCE_BLOCK = 10000  # rows and columns of one block of pairwise distances, a
 
 @dataclass(frozen=True)
 class Statistics:
-    """Mean and covariance of one feature set (the `mu`/`sigma` or `mu_s`/`sigma_s` of a reference .npz)."""
+    """Mean and covariance of one feature set (the `mu`/`sigma` or `mu_s`/`sigma_s` of a reference .npz).
+    `factor`, when kept, is B with sigma = B^T B: (N, D) for N <= D samples, a cheaper route to the trace
+    of the Fréchet distance (`trace_sqrt_product`)."""
 
     mu: np.ndarray
     sigma: np.ndarray
+    factor: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.mu.ndim != 1 or self.sigma.shape != (len(self.mu), len(self.mu)):
@@ -44,7 +48,9 @@ def statistics(features: np.ndarray) -> Statistics:
     features = np.asarray(features, dtype=np.float64)
     if features.ndim != 2 or len(features) < 2:
         raise ValueError(f"need an (N >= 2, D) feature matrix, got shape {features.shape}")
-    return Statistics(features.mean(axis=0), np.cov(features, rowvar=False))
+    mu = features.mean(axis=0)
+    factor = (features - mu) / np.sqrt(len(features) - 1)
+    return Statistics(mu, factor.T @ factor, factor if len(features) <= features.shape[1] else None)
 
 
 def _symmetric_sqrt(matrix: np.ndarray) -> np.ndarray:
@@ -52,11 +58,18 @@ def _symmetric_sqrt(matrix: np.ndarray) -> np.ndarray:
     return (eigenvectors * np.sqrt(np.clip(eigenvalues, 0, None))) @ eigenvectors.T
 
 
-def trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
-    """tr(sqrt(sigma1 @ sigma2)) for covariance matrices: sigma1 @ sigma2 is similar to the PSD matrix
-    sqrt(sigma1) sigma2 sqrt(sigma1), whose eigenvalues are real and non-negative up to round-off."""
-    root1 = _symmetric_sqrt(np.asarray(sigma1, dtype=np.float64))
-    inner = root1 @ np.asarray(sigma2, dtype=np.float64) @ root1
+def trace_sqrt_product(first: Statistics, second: Statistics) -> float:
+    """tr(sqrt(S1 S2)) for covariance matrices: S1 S2 is similar to the PSD matrix sqrt(S1) S2 sqrt(S1),
+    whose eigenvalues are real and non-negative up to round-off. With S1 = B^T B from N <= D samples, the
+    non-zero eigenvalues of S1 S2 are those of the N x N matrix B S2 B^T: the same trace for far less work
+    (a 1,000-sample FID during training, a test's handful)."""
+    if first.factor is None and second.factor is not None:
+        first, second = second, first
+    if first.factor is not None:
+        inner = first.factor @ second.sigma @ first.factor.T
+    else:
+        root1 = _symmetric_sqrt(first.sigma)
+        inner = root1 @ second.sigma @ root1
     eigenvalues = np.linalg.eigvalsh((inner + inner.T) / 2)
     return float(np.sqrt(np.clip(eigenvalues, 0, None)).sum())
 
@@ -66,7 +79,7 @@ def frechet_distance(first: Statistics, second: Statistics) -> float:
     if first.mu.shape != second.mu.shape:
         raise ValueError(f"features of different sizes: {first.mu.shape} and {second.mu.shape}")
     difference = first.mu - second.mu
-    trace_product = trace_sqrt_product(first.sigma, second.sigma)
+    trace_product = trace_sqrt_product(first, second)
     return float(difference @ difference + np.trace(first.sigma) + np.trace(second.sigma) - 2 * trace_product)
 
 

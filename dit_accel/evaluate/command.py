@@ -1,0 +1,129 @@
+"""`dit-accel evaluate --samples S.npz --reference R.npz [--out results.json]`: the ADM evaluator's FID,
+sFID, Inception Score, precision and recall, as a table and as JSON. Under `accelerate launch` every
+process extracts the features of its share of the images. Flags are parsed before torch is imported."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dit_accel.cli_args import OneLineParser, positive_int
+from dit_accel.errors import exits_cleanly
+
+METRIC_ROWS = (  # key, name in the table
+    ("fid", "FID"),
+    ("sfid", "sFID"),
+    ("inception_score", "Inception Score"),
+    ("precision", "Precision"),
+    ("recall", "Recall"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="dit-accel evaluate",
+        description="FID, sFID, Inception Score, precision and recall of a sample batch against a reference "
+        "batch, as guided-diffusion's TensorFlow evaluator defines them (docs/evaluation.md). Run it under "
+        "`accelerate launch` to extract features on every GPU.",
+    )
+    parser.add_argument("--samples", required=True, help="sample batch .npz (arr_0: uint8 N x H x W x 3)")
+    parser.add_argument(
+        "--reference",
+        required=True,
+        help="reference batch .npz in the ADM layout, e.g. VIRTUAL_imagenet256_labeled.npz (its mu/sigma/"
+        "mu_s/sigma_s are used when present)",
+    )
+    parser.add_argument("--out", default=None, help="results JSON to write (written whole or not at all)")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=64,
+        help="images per Inception forward pass on each process",
+    )
+    parser.add_argument(
+        "--inception-weights",
+        default=None,
+        help="TF-ported Inception-v3 weights (default: weights-inception-2015-12-05-6726825d.pth in the torch "
+        "hub cache, ~/.cache/torch/hub/checkpoints/)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where reference statistics are cached (default: ~/.cache/dit-accel/reference-stats)",
+    )
+    # tests only: the graph resizes to 299 px; 75 px runs a CPU test in a fraction of the time
+    parser.add_argument("--input-px", type=positive_int, default=299, help=argparse.SUPPRESS)
+    return parser
+
+
+def table(scores: dict, reference_note: str) -> str:
+    from tabulate import tabulate
+
+    count = f"{scores['num_samples']:,} samples"
+    notes = {
+        "fid": f"{count} vs {reference_note}",
+        "sfid": f"{count}, mixed_6/conv features",
+        "inception_score": f"{count}, {scores['inception_score_splits']} split(s) of 5,000",
+        "precision": f"k = 3, {scores['num_reference_images']:,} reference images",
+        "recall": f"k = 3, {count}",
+    }
+    rows = [(name, f"{scores[key]:.4f}", notes[key]) for key, name in METRIC_ROWS]
+    return tabulate(rows, headers=("metric", "value", "measured on"))
+
+
+def sample_count_warning(num_samples: int) -> str | None:
+    from dit_accel.evaluate.evaluator import PAPER_SAMPLES
+
+    if num_samples == PAPER_SAMPLES:
+        return None
+    return (
+        f"! {num_samples:,} samples, not the {PAPER_SAMPLES:,} the papers score: FID falls as the count grows, "
+        f"so compare it only with FIDs of {num_samples:,} samples"
+    )
+
+
+def evaluate(args) -> int:
+    from accelerate import Accelerator
+
+    from dit_accel.atomic import write_json_atomically
+    from dit_accel.evaluate.evaluator import Evaluator, check_enough
+    from dit_accel.evaluate.features import NpzImages
+
+    accelerator = Accelerator(cpu=not _cuda_available())
+    samples = NpzImages(args.samples, "--samples")
+    check_enough(len(samples), "the samples")
+    evaluator = Evaluator(accelerator, args.inception_weights, args.batch_size, args.cache_dir, args.input_px)
+    reference = evaluator.reference(args.reference)
+    features = evaluator.npz_features(samples, desc="sample features")
+    scores = evaluator.score(features, reference)
+    if accelerator.is_main_process:
+        scores = {"samples": str(Path(args.samples)), "reference": str(Path(args.reference)), **scores}
+        scores["inception_weights"] = str(evaluator.weights)
+        print(table(scores, reference.describe()))
+        if warning := sample_count_warning(scores["num_samples"]):
+            print(warning)
+        if args.out:
+            write_json_atomically(args.out, scores)
+            print(f"wrote {args.out}")
+    accelerator.wait_for_everyone()
+    return 0
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@exits_cleanly("dit-accel evaluate")
+def main(argv: list[str] | None = None) -> int:
+    from dit_accel.cpu_threads import cpu_threads
+
+    args = build_parser().parse_args(argv)
+    with cpu_threads():
+        return evaluate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""`Evaluator`: what `dit-accel evaluate`, `sample --evaluate` and training's `--eval-every` share: the
+Inception network on this rank's device, the reference batch's statistics (cached), and the five numbers.
+
+Every rank extracts features of its share; the scores are computed on the main process only (the
+precision/recall k-NN over 50,000 x 10,000 pool features wants one GPU, not eight copies of the work), and
+`score` returns None on the other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from dit_accel.errors import UserError
+from dit_accel.evaluate import metrics
+from dit_accel.evaluate.features import ADM_BATCH, FeatureCollector, Features, NpzImages, npz_features
+from dit_accel.evaluate.inception import INPUT_PX, default_weights_path, load_inception
+from dit_accel.evaluate.reference import (
+    ReferenceBatch,
+    cache_path,
+    default_cache_dir,
+    file_sha256,
+    precomputed_statistics,
+    read_cache,
+    write_cache,
+)
+
+PAPER_SAMPLES = 50_000  # FID-50K: what DiT, SiT and REPA report
+
+
+class Evaluator:
+    def __init__(
+        self,
+        accelerator=None,
+        weights: str | Path | None = None,
+        batch_size: int = ADM_BATCH,
+        cache_dir: str | Path | None = None,
+        input_px: int = INPUT_PX,
+    ):
+        self.accelerator = accelerator
+        self.device = accelerator.device if accelerator else "cpu"
+        self.weights = Path(weights) if weights else default_weights_path()
+        self.network = load_inception(self.weights, self.device, input_px)
+        self.weights_sha256 = file_sha256(self.weights)
+        self.batch_size, self.input_px = batch_size, input_px
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.is_main = accelerator is None or accelerator.is_main_process
+
+    def _wait(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+
+    def collector(self) -> FeatureCollector:
+        """For features of images made on the fly (sampling): `add` each batch, then `gathered`."""
+        return FeatureCollector(self.network, self.device)
+
+    def gathered(self, collector: FeatureCollector) -> Features:
+        return collector.gathered(self.accelerator)
+
+    def npz_features(self, images: NpzImages, desc: str) -> Features:
+        return npz_features(images, self.network, self.accelerator, self.batch_size, desc)
+
+    def reference(self, path: str | Path) -> ReferenceBatch:
+        """The reference batch's statistics: from the cache when an entry for this file and these weights
+        exists, else computed (its images' features; FID/sFID statistics from the .npz when it holds them)
+        and cached by the main process."""
+        path = Path(path)
+        images = NpzImages(path, "the reference")
+        cached_at = cache_path(path, self.weights_sha256, self.input_px, self.cache_dir)
+        cached = read_cache(cached_at)
+        if cached is not None:
+            return cached
+        check_enough(len(images), "the reference")
+        precomputed = precomputed_statistics(path)
+        features = self.npz_features(images, desc="reference features")
+        fid, sfid = precomputed or (metrics.statistics(features.pool), metrics.statistics(features.spatial))
+        reference = ReferenceBatch(features.pool, fid, sfid, len(features), precomputed is not None)
+        if reference.fid.mu.shape != (features.pool.shape[1],):
+            raise UserError(
+                f"the reference {path}'s mu has {len(reference.fid.mu)} features, the Inception pool has "
+                f"{features.pool.shape[1]}",
+                "use a reference batch made for the ADM evaluator",
+            )
+        if self.is_main:
+            try:
+                write_cache(cached_at, reference)
+            except OSError as error:
+                print(
+                    f"! reference statistics not cached at {cached_at} ({error}); pass --cache-dir DIR",
+                    flush=True,
+                )
+        self._wait()
+        return reference
+
+    def score(self, samples: Features, reference: ReferenceBatch) -> dict | None:
+        """The five numbers of `samples` against `reference` (main process; None elsewhere)."""
+        if not self.is_main:
+            return None
+        check_enough(len(samples), "the samples")
+        import torch
+
+        sample_fid = metrics.statistics(samples.pool)
+        sample_sfid = metrics.statistics(samples.spatial)
+        precision, recall = metrics.precision_recall(
+            torch.as_tensor(reference.pool, device=self.device),
+            torch.as_tensor(samples.pool, device=self.device),
+        )
+        return {
+            "fid": metrics.frechet_distance(sample_fid, reference.fid),
+            "sfid": metrics.frechet_distance(sample_sfid, reference.sfid),
+            "inception_score": metrics.inception_score(metrics.softmax(samples.logits)),
+            "precision": precision,
+            "recall": recall,
+            "num_samples": len(samples),
+            "num_reference_images": reference.num_images,
+            "reference_statistics": "precomputed" if reference.precomputed else "computed from its images",
+            "inception_score_splits": math.ceil(len(samples) / metrics.IS_SPLIT_SIZE),
+        }
+
+
+def check_enough(count: int, what: str) -> None:
+    """Precision and recall need more than k = 3 images a side (FID needs 2)."""
+    least = metrics.NEAREST_NEIGHBOUR_K + 1
+    if count < least:
+        raise UserError(
+            f"{what} hold {count} images: the k = {metrics.NEAREST_NEIGHBOUR_K} precision/recall needs at least {least}",
+            f"score {PAPER_SAMPLES:,} samples, as the papers do",
+        )

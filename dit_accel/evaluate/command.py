@@ -52,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where reference statistics are cached (default: ~/.cache/dit-accel/reference-stats)",
     )
-    # tests only: the graph resizes to 299 px; 75 px runs a CPU test in a fraction of the time
-    parser.add_argument("--input-px", type=positive_int, default=299, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--input-px",
+        type=positive_int,
+        default=299,
+        help="side the images are resized to: the TF graph's 299; only tests lower it (75 is the least)",
+    )
     return parser
 
 

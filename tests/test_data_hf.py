@@ -212,8 +212,9 @@ def _shards(cache: Path) -> list[dict]:
     return found
 
 
-def assert_same_cache(cache: Path, reference: Path, sources: list[str]) -> None:
-    """The same latents, labels and order as the folder's cache; each entry names the row it came from."""
+def assert_same_cache(cache: Path, reference: Path, sources: list[str], named: bool = True) -> None:
+    """The same latents, labels and order as the folder's cache; each entry names the row it came from.
+    `named`: the classes have the folder's names (a ClassLabel), else their indices ('0', '1', ...)."""
     from dit_accel.data.latent_cache import read_manifest
 
     made, wanted = _shards(cache), _shards(reference)
@@ -223,8 +224,10 @@ def assert_same_cache(cache: Path, reference: Path, sources: list[str]) -> None:
             assert torch.equal(mine[name], theirs[name]), name
     assert [name for shard in made for name in shard["sources"]] == sources
     manifest, folder = read_manifest(cache), read_manifest(reference)
-    assert manifest["classes"] == folder["classes"] and manifest["count"] == folder["count"] == 16
-    assert manifest["images_per_class"] == folder["images_per_class"]
+    names = folder["classes"] if named else [str(k) for k in range(len(folder["classes"]))]
+    assert manifest["classes"] == names and manifest["count"] == folder["count"] == 16
+    assert list(manifest["images_per_class"].values()) == list(folder["images_per_class"].values())
+    assert list(manifest["images_per_class"]) == names
 
 
 @pytest.mark.parametrize("form", ["saved", "parquet"])
@@ -240,6 +243,28 @@ def test_extraction_from_a_dataset_writes_the_folders_cache(forms, extracted, fo
         # Rerun: every shard is reused; another split of the same dataset is another cache.
         rerun = _extract(forms[form], extracted["vae"], tmp_path / "cache")
         assert rerun.shards_reused == [0, 1, 2, 3] and not rerun.shards_written
+    finally:
+        PartialState._reset_state()
+
+
+def test_extraction_from_webdataset_shards_is_one_ordered_pass_to_the_same_cache(forms, extracted, tmp_path):
+    from accelerate.state import PartialState
+
+    from dit_accel.data.latents import shard_name
+
+    out = tmp_path / "cache"
+    try:
+        options = {"image_column": "png", "label_column": "cls"}
+        assert _extract(forms["tars"], extracted["vae"], out, **options).count == 16
+        assert_same_cache(out, extracted["folder"], [f"row {i}" for i in range(16)], named=False)
+        # A killed run left shards 0 and 2 and no manifest: the rerun keeps them and writes the rest.
+        (out / "manifest.json").unlink()
+        for shard in (1, 3):
+            (out / shard_name(shard)).unlink()
+        PartialState._reset_state()
+        rerun = _extract(forms["tars"], extracted["vae"], out, **options)
+        assert rerun.shards_reused == [0, 2] and rerun.shards_written == [1, 3]
+        assert_same_cache(out, extracted["folder"], [f"row {i}" for i in range(16)], named=False)
     finally:
         PartialState._reset_state()
 

@@ -168,9 +168,7 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
 
     Every process of an `accelerate launch` calls this; each encodes a share of the missing shards."""
     from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list, gather_object
-
-    from dit_accel.progress import progress_bar
+    from accelerate.utils import broadcast_object_list
 
     if config.dtype not in STORAGE_DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(STORAGE_DTYPES)}, not {config.dtype!r}")
@@ -186,6 +184,11 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         config.data_path, options, sample=True, skip_bad_images=config.skip_bad_images
     )
     listing = summary.listing
+    if listing is None:  # a stream (webdataset shards): its listing grows as the one pass reads it
+        from dit_accel.data.stream_latents import stream_listing
+
+        listing = stream_listing(summary, options)
+    streamed = getattr(listing, "streamed", False)
     vae, identity = load_vae(config.vae)
     downsample = 2 ** (len(vae.config.block_out_channels) - 1)
     if config.resolution < downsample or config.resolution % downsample:
@@ -234,14 +237,23 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
             leftover.unlink(missing_ok=True)
         if work != out:
             _link_shards(out, work)
-        present = [[k for k in range(layout.num_shards) if (work / shard_name(k)).is_file()]]
+        shards = range(layout.num_shards) if not streamed else _shard_numbers(work)
+        present = [[k for k in shards if (work / shard_name(k)).is_file()]]
     broadcast_object_list(present)
     state.wait_for_everyone()
 
+    result = ExtractResult(out=out, count=0, is_main_process=state.is_main_process)
+    records: list[dict] = []
+    if streamed:  # one ordered pass; each process encodes the shards it owns as the pass reaches them
+        from dit_accel.data.stream_latents import stream_batches
+
+        loader = stream_batches(layout, present[0], config, result, records, _reuse_shard, _collate)
+        return _encode_and_finish(
+            layout, loader, None, vae, config, state, result, records, identity, work, out
+        )
     # Ranks share out what remains to do, so a resumed run stays balanced.
     missing = sorted(set(range(layout.num_shards)) - set(present[0]))
-    result = ExtractResult(out=out, count=0, is_main_process=state.is_main_process)
-    records, to_encode = [], missing[layout.rank :: layout.world_size]
+    to_encode = missing[layout.rank :: layout.world_size]
     for shard in present[0][layout.rank :: layout.world_size]:
         record = _reuse_shard(layout, shard)
         if record is None:
@@ -267,8 +279,23 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         pin_memory=state.device.type == "cuda",
         worker_init_fn=WorkerShield(STOP_SIGNALS),
     )
+    total = sum(map(len, batches))
+    return _encode_and_finish(
+        layout, loader, total, vae, config, state, result, records, identity, work, out, summary
+    )
+
+
+def _encode_and_finish(
+    layout, loader, total, vae, config, state, result, records, identity, work, out, summary=None
+):
+    """Every process: encode its batches into shards; then, all of them done (or stopped), rank 0 writes
+    the manifest. `summary`: the folder's or dataset's check; None for a stream, whose pass makes it."""
+    from accelerate.utils import gather_object
+
+    from dit_accel.progress import progress_bar
+
     progress = progress_bar(
-        total=sum(map(len, batches)),
+        total=total,
         unit="img",
         disable=not state.is_main_process,
         desc=f"encoding (rank 0 of {layout.world_size})",
@@ -300,6 +327,7 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
             )
         all_records = [record for shard_records, _ in gathered for record in shard_records]
         if state.is_main_process:
+            summary = summary or layout.listing.summary()
             manifest = _write_manifest(
                 layout, sorted(all_records, key=lambda r: r["shard"]), summary, identity, config, vae.config
             )
@@ -310,6 +338,13 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         return result
     finally:
         stop.close()
+
+
+def _shard_numbers(folder: Path) -> list[int]:
+    """The shard files in `folder`, by number (a stream's count of shards is known only after its pass)."""
+    return sorted(
+        int(path.name[len("shard-") : -len(".safetensors")]) for path in folder.glob("shard-*.safetensors")
+    )
 
 
 def _complete_manifest(out: Path) -> dict | None:

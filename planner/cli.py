@@ -450,6 +450,7 @@ def common_kwargs(args) -> dict:
         gpu_hour_cost=args.gpu_hour_cost,
         repa=args.repa,
         repa_projector_dim=args.repa_projector_dim,
+        objective=args.objective,
         **custom,
     )
 
@@ -580,7 +581,6 @@ def run(argv: list[str] | None) -> int:
     # the terminal view writes ./plan by default; a document format is the document alone unless --out says
     out = check_out_dir(args.out or "plan") if args.out is not None or args.format == "table" else None
     plan = make_plan(**combos[0], **kwargs)
-    plan["objective"] = args.objective  # what the trainer trains (dit_accel.step.run_objective)
     chart = None
     if args.plot is not None:
         from planner.plot import candidates_chart

@@ -23,7 +23,7 @@ from planner.host import host_estimate
 from planner.memory import COMPONENTS, Cluster, element_bytes, saved_activation_bytes
 from planner.planfile import SCHEMA
 from planner.repa import DEFAULT_PROJECTOR_DIM, encoder_spec
-from planner.rules import PRECISIONS, SHARDING_MODES
+from planner.rules import OBJECTIVES, PRECISIONS, SHARDING_MODES
 from planner.search import (
     SearchSpace,
     alternatives,
@@ -208,6 +208,7 @@ def make_plan(
     gpu_hour_cost=None,
     repa: str = "",
     repa_projector_dim: int = DEFAULT_PROJECTOR_DIM,
+    objective: str = "ddpm",
 ) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
 
@@ -230,6 +231,8 @@ def make_plan(
         _positive_int(max_micro_batch, "--max-micro-batch")
     if adamw not in ("foreach", "fused"):
         raise PlanError(f"--adamw must be foreach or fused, got {adamw!r}")
+    if objective not in OBJECTIVES:
+        raise PlanError(f"--objective must be {' or '.join(OBJECTIVES)}, got {objective!r}")
     if main_process_ip and nodes == 1:
         raise PlanError("--main-process-ip only matters with --nodes 2 or more: drop it, or give --nodes")
     if main_process_port is not None and not 0 < int(main_process_port) < 65536:
@@ -343,6 +346,7 @@ def make_plan(
             else DEFAULT_MAIN_PROCESS_PORT,
         },
         "global_batch": global_batch,
+        "objective": objective,  # what the trainer trains (dit_accel.step.run_objective)
         "decision": {
             **dataclasses.asdict(decision),
             "matmul": matmul,  # bf16 | fp16 | tf32 | ieee-fp32 (--precision fp32: the trainer's --no-tf32)

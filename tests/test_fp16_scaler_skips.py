@@ -3,8 +3,11 @@
 Accelerate 1.15 refuses fp16 on a CPU (`Accelerator(mixed_precision="fp16")` needs a GPU-family device), so
 the seam is the Accelerator's `scaler`, set before `prepare` exactly as accelerate sets it for fp16 on a GPU:
 from then on accelerate's own code scales the loss, unscales before clipping and lets the scaler skip an
-overflowing step (`optimizer_step_was_skipped`). An initial scale of 2**126 overflows float32 gradients for
-the first steps; the scaler halves it per skip until the steps fit, as on a GPU with fp16's smaller range.
+overflowing step (`optimizer_step_was_skipped`). The gradients are float32 here, so the seam gives them fp16's
+range: after each backward a scaled gradient beyond fp16's largest finite value becomes inf, as it would in
+fp16. An initial scale of 2**126 overflows that range for the first steps; the scaler lowers it per skip
+until the steps fit, as on a GPU. (The overflow must be in the gradients themselves: accelerate 1.16 leaves
+gradients alone when asked for their norm only, where 1.15 multiplied them by inf/inf.)
 """
 
 import pytest
@@ -15,6 +18,7 @@ from dit_accel import checkpoint as ckpt
 from dit_accel.step import NON_FINITE, SCALER_OVERFLOW
 
 HUGE_SCALE = 2.0**126
+FP16_MAX = torch.finfo(torch.float16).max
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +35,17 @@ def _with_cpu_grad_scaler(monkeypatch):
     def make_accelerator(*args, **kwargs):
         accelerator = real(*args, **kwargs)
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=HUGE_SCALE, backoff_factor=2.0**-40)
+        backward = accelerator.backward
+
+        def backward_in_fp16_range(loss, **kwargs):
+            backward(loss, **kwargs)
+            for optimizer in accelerator._optimizers:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.masked_fill_(p.grad.abs() > FP16_MAX, float("inf"))
+
+        accelerator.backward = backward_in_fp16_range
         return accelerator
 
     monkeypatch.setattr(distributed, "make_accelerator", make_accelerator)

@@ -22,6 +22,7 @@ from planner.calibration import load_calibration
 from planner.clusterfile import SHAPE_KEYS, preset_rows, read_cluster_file
 from planner.errors import PlanError
 from planner.hardware import Assumptions, assumption_names, assumption_types, gpu_presets
+from planner.host import DATA_SOURCES
 from planner.outputs import (
     MEMORY_CHART,
     check_file_path,
@@ -189,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="REPA projector's width (default: %(default)s, the paper's)",
+    )
+    tr.add_argument(
+        "--data-source",
+        choices=tuple(DATA_SOURCES),
+        default="folder",
+        help="where an online or pixel run reads its images (the trainer's --data-path): an image folder, or a "
+        "Hugging Face dataset (save_to_disk, parquet), for the host-RAM estimate (default: %(default)s)",
     )
     tt = p.add_argument_group("time to train")
     tt.add_argument(
@@ -451,6 +459,7 @@ def common_kwargs(args) -> dict:
         repa=args.repa,
         repa_projector_dim=args.repa_projector_dim,
         objective=args.objective,
+        data_source=args.data_source,
         **custom,
     )
 

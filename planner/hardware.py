@@ -250,6 +250,7 @@ class Assumptions:
         64 * MiB
     )  # its listing as each rank maps it (RUN/data_index, 50 MB, shared pages)
     folder_listing_bytes: int = 400 * MiB  # the main process's peak while it lists the folder, once per job
+    dataset_row_bytes: int = 16  # a Hugging Face dataset's row and label indices (int64 each) a rank holds
 
     def replace(self, **changes) -> Assumptions:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

@@ -3,7 +3,9 @@
 Every rank on a node is its own process holding its own CPU copies while it starts or resumes, and each
 spawns its own data-loader workers. The estimate is per rank, times the GPUs of a node, plus what the main
 process alone holds once: the listing of an image folder, which it makes for every rank (the ranks map the
-index it writes).
+index it writes). A Hugging Face dataset (`--data-source dataset`) is an Arrow table that every rank maps:
+its pages are the kernel's shared, reclaimable page cache, and what a rank holds resident is its row and
+label arrays (`dataset_row_bytes` a row, as `dit-accel doctor` reports them).
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from planner.spec import DiTSpec
 from planner.units import count, format_bytes
 
 WARN_FRACTION = 0.9  # warn when the estimate comes this close to --host-ram
+IMAGENET_TRAIN_IMAGES = 1_281_167  # the rows a dataset is taken to have without --dataset-size
+# --data-source: where the images of an online or pixel run come from (the trainer's --data-path)
+DATA_SOURCES = {
+    "folder": "an ImageNet-layout folder of image files, listed once by the main process",
+    "dataset": "a Hugging Face dataset (save_to_disk or parquet), its Arrow table memory-mapped by every rank",
+}
 
 
 def sample_bytes(spec: DiTSpec, latents: str) -> int:
@@ -23,7 +31,18 @@ def sample_bytes(spec: DiTSpec, latents: str) -> int:
     return FP32_BYTES * 3 * spec.resolution**2
 
 
-def per_rank_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) -> dict[str, int]:
+def _image_source_bytes(decision: Decision, assumptions: Assumptions, data_source: str, rows: int | None):
+    """(a rank's share, the main process's once) of the image source: none when training reads latents."""
+    if decision.latents == "precomputed":
+        return 0, 0
+    if data_source == "dataset":
+        return assumptions.dataset_row_bytes * (rows or IMAGENET_TRAIN_IMAGES), 0
+    return assumptions.folder_index_bytes, assumptions.folder_listing_bytes
+
+
+def per_rank_bytes(
+    spec: DiTSpec, decision: Decision, assumptions: Assumptions, data_source: str = "folder", rows=None
+) -> dict[str, int]:
     """Host bytes of one rank at its worst moment (resuming), by part.
 
     model_states: on resume `load_state` reads the model, EMA and optimizer state dicts to the CPU
@@ -41,23 +60,33 @@ def per_rank_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) 
         "loader_workers": assumptions.loader_workers * assumptions.loader_worker_bytes,
         "loader_prefetch": assumptions.loader_workers * assumptions.prefetch_factor * batch,
         "pinned_batches": assumptions.pinned_batches * batch,
-        "folder_index": assumptions.folder_index_bytes if decision.latents != "precomputed" else 0,
+        # an image folder's index (RUN/data_index), or a dataset's row and label arrays
+        f"{data_source}_index": _image_source_bytes(decision, assumptions, data_source, rows)[0],
     }
 
 
-def main_process_bytes(decision: Decision, assumptions: Assumptions) -> dict[str, int]:
+def main_process_bytes(
+    decision: Decision, assumptions: Assumptions, data_source: str = "folder", rows=None
+) -> dict[str, int]:
     """What the main process holds beyond a rank's share, once per job (so on the first node): the listing of
-    an image folder while it checks it and writes the index every rank reads."""
-    return {"folder_listing": assumptions.folder_listing_bytes if decision.latents != "precomputed" else 0}
+    an image folder while it checks it and writes the index every rank reads (a dataset needs none)."""
+    return {"folder_listing": _image_source_bytes(decision, assumptions, data_source, rows)[1]}
 
 
 def host_estimate(
-    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions, host_ram_bytes: int | None
+    spec: DiTSpec,
+    decision: Decision,
+    cluster: Cluster,
+    assumptions: Assumptions,
+    host_ram_bytes: int | None,
+    data_source: str = "folder",
+    rows: int | None = None,
 ) -> tuple[dict, list[str]]:
-    """The plan's `host` section and its warnings (with the fix) when --host-ram is too small."""
-    parts = per_rank_bytes(spec, decision, assumptions)
+    """The plan's `host` section and its warnings (with the fix) when --host-ram is too small. `rows`: the
+    dataset's size (--dataset-size), for a dataset's per-rank arrays."""
+    parts = per_rank_bytes(spec, decision, assumptions, data_source, rows)
     rank_total = sum(parts.values())
-    once = main_process_bytes(decision, assumptions)
+    once = main_process_bytes(decision, assumptions, data_source, rows)
     node_total = rank_total * cluster.gpus_per_node + sum(once.values())  # the main process's node
     host = {
         "per_rank": parts,
@@ -68,6 +97,7 @@ def host_estimate(
         "host_ram_bytes": host_ram_bytes,
         "fits": None if host_ram_bytes is None else node_total <= host_ram_bytes,
         "loader_workers_per_rank": assumptions.loader_workers,
+        "data_source": data_source,
     }
     warnings = []
     if host_ram_bytes is not None and node_total > WARN_FRACTION * host_ram_bytes:

@@ -19,7 +19,7 @@ import math
 from planner.calibration import apply_calibration, check_calibration, load_calibration
 from planner.errors import PlanError
 from planner.hardware import Assumptions, gpu_preset
-from planner.host import host_estimate
+from planner.host import DATA_SOURCES, host_estimate
 from planner.memory import COMPONENTS, Cluster, element_bytes, saved_activation_bytes
 from planner.planfile import SCHEMA
 from planner.repa import DEFAULT_PROJECTOR_DIM, encoder_spec
@@ -209,6 +209,7 @@ def make_plan(
     repa: str = "",
     repa_projector_dim: int = DEFAULT_PROJECTOR_DIM,
     objective: str = "ddpm",
+    data_source: str = "folder",
 ) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
 
@@ -231,6 +232,8 @@ def make_plan(
         _positive_int(max_micro_batch, "--max-micro-batch")
     if adamw not in ("foreach", "fused"):
         raise PlanError(f"--adamw must be foreach or fused, got {adamw!r}")
+    if data_source not in DATA_SOURCES:
+        raise PlanError(f"--data-source must be {' or '.join(DATA_SOURCES)}, got {data_source!r}")
     if objective not in OBJECTIVES:
         raise PlanError(f"--objective must be {' or '.join(OBJECTIVES)}, got {objective!r}")
     if main_process_ip and nodes == 1:
@@ -303,7 +306,8 @@ def make_plan(
     best, path = choose(spec, space, cluster, assumed, budget_bytes)
     decision, memory, throughput = best.decision, best.memory, best.throughput
     others = alternatives(spec, space, cluster, assumed, budget_bytes, decision)
-    host, host_warnings = host_estimate(spec, decision, cluster, assumed, host_ram_bytes)
+    rows = int(dataset_size) if dataset_size is not None else None
+    host, host_warnings = host_estimate(spec, decision, cluster, assumed, host_ram_bytes, data_source, rows)
     warnings += host_warnings
     warnings += _advice(
         spec, decision, cluster, preset, precision, main_process_ip, others, throughput, assumed

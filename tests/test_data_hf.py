@@ -154,6 +154,60 @@ def test_bad_datasets_are_one_line_each(forms, tmp_path):
     assert skipped.images_per_class == {"a": 1, "b": 0}
 
 
+def test_extract_latents_from_a_bad_dataset_exits_2_with_one_line_and_writes_nothing(
+    forms, extracted, tmp_path, capsys
+):
+    """The command, not only the check: each bad form is one stderr line, exit 2, no cache folder."""
+    import datasets
+    from accelerate.state import PartialState
+
+    from dit_accel.cli import main
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    image = {"bytes": _png_bytes(), "path": None}
+    bad = {
+        "a missing column": ([str(forms["saved"]), "--label-column", "class"], "has no column 'class'"),
+        "a label outside": (
+            [str(_bad_dataset(tmp_path / "l", {"image": [image] * 2, "label": [0, -1]}, features))],
+            "label outside its 2 classes",
+        ),
+        "an undecodable row": (
+            [
+                str(
+                    _bad_dataset(
+                        tmp_path / "d",
+                        {"image": [image, {"bytes": b"no", "path": None}], "label": [0, 1]},
+                        features,
+                    )
+                )
+            ],
+            "cannot decode image",
+        ),
+        "an empty split": ([str(tmp_path / "empty")], "is empty"),
+    }
+    datasets.Dataset.from_dict({"image": [image], "label": [0]}, features=features).select([]).save_to_disk(
+        str(tmp_path / "empty")
+    )
+    capsys.readouterr()  # the datasets' own progress bars, written above
+    for case, (data_args, reason) in bad.items():
+        out = tmp_path / case.replace(" ", "_")
+        argv = [
+            "extract-latents",
+            "--data-path",
+            *data_args,
+            "--vae",
+            str(extracted["vae"]),
+            "--out",
+            str(out),
+        ]
+        code = main([*argv, "--resolution", str(RESOLUTION)])
+        PartialState._reset_state()
+        err = capsys.readouterr().err.strip()
+        assert code == 2, case
+        assert reason in err and len(err.splitlines()) == 1 and "Traceback" not in err, (case, err)
+        assert not out.exists(), case
+
+
 def test_string_labels_are_classes_in_sorted_order(tmp_path):
     image = {"bytes": _png_bytes(), "path": None}
     import datasets

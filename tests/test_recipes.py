@@ -38,6 +38,8 @@ def test_every_recipe_is_listed_here_and_has_a_description():
         "dit-xl2-256.yaml",
         "dit-xl2-512.yaml",
         "finetune-from-import.yaml",
+        "repa-sit-xl2-256.yaml",
+        "sit-xl2-256.yaml",
     ]
     import yaml
 
@@ -59,6 +61,28 @@ def test_the_paper_recipes_are_the_dit_recipe(tiny_plan, tmp_path):
         assert (config.ema_decay, config.ema_warmup, config.class_dropout) == (0.9999, False, 0.1)
         assert config.max_steps == steps and config.checkpoint_every == 50_000 and config.hflip is True
         assert config.grad_clip is None and config.scale_lr is False and config.resume == "auto"
+
+
+def test_the_sit_and_repa_recipes_are_the_papers(tiny_plan, tmp_path):
+    """SiT: DiT's optimiser and EMA under the linear flow objective; REPA: SiT's plus the alignment (block 8,
+    coeff 0.5, width 2048), clipping at 1.0 and no flips (its released train.py and dataset)."""
+    for name in ("sit-xl2-256.yaml", "repa-sit-xl2-256.yaml"):
+        config = _config(tiny_plan, tmp_path, "--config", RECIPES / name)
+        config.check()
+        assert (config.objective, config.flow_path, config.time_sampling) == ("flow", "linear", "uniform")
+        assert (config.lr, config.weight_decay, config.betas, config.warmup_steps) == (
+            1e-4,
+            0.0,
+            (0.9, 0.999),
+            0,
+        )
+        assert (config.ema_decay, config.class_dropout, config.max_steps) == (0.9999, 0.1, 400_000)
+    sit = _config(tiny_plan, tmp_path, "--config", RECIPES / "sit-xl2-256.yaml")
+    assert sit.grad_clip is None and sit.hflip is True and not sit.repa_encoder
+    repa = _config(tiny_plan, tmp_path, "--config", RECIPES / "repa-sit-xl2-256.yaml")
+    assert (repa.repa_depth, repa.repa_coeff, repa.repa_projector_dim) == (8, 0.5, 2048)
+    assert repa.grad_clip == 1.0 and repa.hflip is False
+    assert not repa.repa_encoder  # a local file, given on the command line
 
 
 def test_the_finetune_recipe_starts_from_an_import_and_flags_override(tiny_plan, tmp_path):

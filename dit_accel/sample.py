@@ -5,6 +5,8 @@ Two outputs, one code path:
   --num-samples N --npz F   the evaluation batch for the ADM/DiT FID evaluator: F.npz with `arr_0`
                             (N, H, W, 3) uint8 and `arr_1` (N,) int64 labels, made by every process of
                             `accelerate launch`, resumable shard by shard.
+  --evaluate REF.npz        the same batch scored as it is made (dit_accel.evaluate: each rank's images go
+                            straight to its Inception features), with or without --npz.
 
 Reproducibility rule: sample i (its global index) starts from noise drawn with its own generator, seeded
 from (seed, i), and every later noise draw of the sampler for that sample comes from the same generator.
@@ -31,6 +33,7 @@ import torch
 from dit_accel.atomic import write_atomically, write_json_atomically
 from dit_accel.cpu_threads import cpu_threads
 from dit_accel.errors import UserError, exits_cleanly
+from dit_accel.evaluate import PAPER_SAMPLES
 from dit_accel.sample_args import (
     DDPM_SAMPLERS,
     DIFFUSION_FORMS,
@@ -126,7 +129,7 @@ class EvalBatch:
     rerun (with any number of processes) skips what exists and a kill loses at most the batches in flight.
     """
 
-    npz_path: Path
+    npz_path: Path | None  # None: scored (--evaluate) and not kept
     num_samples: int
     batch_size: int
     classes: tuple[int, ...]  # the labels to balance over (usually every class of the model)
@@ -166,6 +169,10 @@ class EvalBatch:
                 return shard["images"].shape[0] == len(expected) and np.array_equal(shard["labels"], expected)
         except (OSError, ValueError, KeyError, zipfile.BadZipFile):
             return False
+
+    def read_shard(self, batch: int) -> np.ndarray:
+        with np.load(self.shard_path(batch)) as shard:
+            return shard["images"]
 
     def save_shard(self, batch: int, images: np.ndarray, labels: np.ndarray) -> None:
         write_atomically(self.shard_path(batch), lambda file: np.savez(file, images=images, labels=labels))
@@ -503,15 +510,18 @@ IMAGENET_SHOWCASE = (207, 360, 387, 974, 88, 979, 417, 279)
 
 
 def _check_args(args) -> None:
-    if (args.out is None) == (args.npz is None):
+    batch = args.npz is not None or args.evaluate is not None  # the evaluation batch, kept and/or scored
+    if (args.out is None) != batch:
         raise UserError(
-            "pass exactly one of --out grid.png (a grid to look at) or --npz samples.npz --num-samples N "
-            "(the FID evaluation batch)"
+            "pass exactly one of --out grid.png (a grid to look at) or --npz samples.npz and/or --evaluate "
+            "REF.npz (the FID evaluation batch, kept and/or scored)"
         )
-    if args.npz is not None and not args.num_samples:
-        raise UserError("--npz needs --num-samples N (50000 for the standard FID-50K)")
-    if args.num_samples is not None and args.npz is None:
-        raise UserError("--num-samples is for the evaluation batch: add --npz samples.npz")
+    if args.num_samples is not None and not batch:
+        raise UserError(
+            "--num-samples is for the evaluation batch: add --npz samples.npz or --evaluate REF.npz"
+        )
+    if batch and args.num_samples is None:
+        args.num_samples = PAPER_SAMPLES
     for flag in ("per_class", "batch_size", "num_samples"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -594,14 +604,17 @@ def sample_grid(args) -> int:
 def sample_eval_batch(args) -> int:
     from accelerate import Accelerator
 
+    from dit_accel.evaluate.evaluator import Scorer
     from dit_accel.progress import progress_bar
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    npz_path = Path(args.npz)
-    if npz_path.exists():
+    npz_path = Path(args.npz) if args.npz else None
+    if npz_path and npz_path.exists():
         raise UserError(f"{npz_path} already exists: delete it, or choose another --npz")
-    if not npz_path.parent.is_dir():
-        raise UserError(f"the folder of --npz {npz_path} does not exist: create {npz_path.parent} first")
+    for flag, path in (("--npz", npz_path), ("--results", args.evaluate and Path(args.results))):
+        if path and not path.parent.is_dir():
+            raise UserError(f"the folder of {flag} {path} does not exist: create {path.parent} first")
+    scorer = Scorer.from_flags(accelerator, args) if args.evaluate else None  # a bad reference stops here
     source = load_source(args.checkpoint, use_ema=args.ema, device=accelerator.device)
     vae_path = args.vae or default_vae_path(source)
     decoder = load_decoder(source.spec, vae_path, accelerator.device)
@@ -624,34 +637,49 @@ def sample_eval_batch(args) -> int:
         "batch_size": job.batch_size,
         "classes": list(job.classes),
     }
-    job.check_or_write_settings(fingerprint, write=False)  # every rank refuses foreign shards before any work
+    if npz_path:  # every rank refuses foreign shards before any work
+        job.check_or_write_settings(fingerprint, write=False)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        job.check_or_write_settings(fingerprint, write=True)
+        if npz_path:
+            job.check_or_write_settings(fingerprint, write=True)
         warn_about_the_ema(source)
     accelerator.wait_for_everyone()
 
     mine = job.batches_for_rank(accelerator.process_index, accelerator.num_processes)
-    todo = [batch for batch in mine if not job.shard_is_done(batch)]
-    skipped = len(mine) - len(todo)
-    for batch in progress_bar(
-        todo, desc="batches", unit="batch", disable=not accelerator.is_local_main_process
+    where = (args.spacing, accelerator.device)
+    done = {batch for batch in mine if npz_path and job.shard_is_done(batch)}
+    for batch in progress_bar(  # a resumed --evaluate reads the batches already made back for their features
+        mine if scorer else [batch for batch in mine if batch not in done],
+        desc="batches",
+        unit="batch",
+        disable=not accelerator.is_local_main_process,
     ):
         indices = job.indices(batch)
         labels = job.labels[indices.start : indices.stop]
-        images = sample_images(
-            source.model, source.spec, decoder, labels, indices, settings, args.spacing, accelerator.device
-        )
-        job.save_shard(batch, images, labels)
-    print(f"rank {accelerator.process_index}: {len(todo)} batches made, {skipped} already done", flush=True)
+        if batch in done:
+            images = job.read_shard(batch)
+        else:
+            images = sample_images(source.model, source.spec, decoder, labels, indices, settings, *where)
+        if npz_path and batch not in done:
+            job.save_shard(batch, images, labels)
+        if scorer:
+            scorer.add(images, indices)
+    print(
+        f"rank {accelerator.process_index}: {len(mine) - len(done)} batches made, {len(done)} already done",
+        flush=True,
+    )
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and npz_path:
         job.assemble()
         counts = np.bincount(job.labels, minlength=max(job.classes) + 1)[list(job.classes)]
         print(
             f"wrote {npz_path}: arr_0 {job.num_samples} images, arr_1 labels ({len(job.classes)} classes, "
             f"{counts.min()}-{counts.max()} each), {settings.sampler} {settings.steps} steps, cfg {settings.cfg_scale}"
         )
+    if scorer:
+        kept = str(npz_path) if npz_path else f"sampled from {source.info['checkpoint']}, not kept"
+        scorer.finish(args.results, {"samples": kept, "sampling": fingerprint})
     accelerator.wait_for_everyone()
     return 0
 
@@ -661,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_args(args)
     with cpu_threads():
-        return sample_eval_batch(args) if args.npz is not None else sample_grid(args)
+        return sample_eval_batch(args) if args.out is None else sample_grid(args)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import argparse
 import math
 
 from dit_accel.cli_args import OneLineParser, finite_float, positive_float, positive_int, seed_int
+from dit_accel.evaluate import PAPER_SAMPLES
 
 DDPM_SAMPLERS = ("ddpm", "ddim")  # for models trained with --objective ddpm (DiT's)
 FLOW_SAMPLERS = ("ode", "sde")  # for models trained with --objective flow (SiT's, REPA's)
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="dit-accel sample",
         description="Class-conditional samples: a PNG grid plus single images (--out), or the FID evaluation "
-        "batch (--num-samples N --npz FILE; run it under `accelerate launch` to use every GPU).",
+        "batch written (--npz FILE) and/or scored as it is made (--evaluate REF.npz), 50,000 images unless "
+        "--num-samples says otherwise; run it under `accelerate launch` to use every GPU.",
     )
     parser.add_argument(
         "--checkpoint",
@@ -130,6 +132,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--npz", default=None, help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels)"
     )
     parser.add_argument(
-        "--num-samples", type=positive_int, default=None, help="images in the evaluation batch (e.g. 50000)"
+        "--num-samples",
+        type=positive_int,
+        default=None,
+        help=f"images in the evaluation batch (--npz, --evaluate): {PAPER_SAMPLES:,} unless given, the papers' FID-50K",
+    )
+    parser.add_argument(
+        "--evaluate",
+        default=None,
+        metavar="REF.npz",
+        help="score the batch as it is sampled against this ADM reference batch (e.g. "
+        "VIRTUAL_imagenet256_labeled.npz): FID, sFID, IS, precision, recall as `dit-accel evaluate` "
+        "computes them, without writing images (add --npz to keep them too)",
+    )
+    parser.add_argument(
+        "--results",
+        default="results.json",
+        help="--evaluate: the results JSON to write (whole or not at all)",
+    )
+    parser.add_argument(
+        "--inception-weights",
+        default=None,
+        help="--evaluate: TF-ported Inception-v3 weights (default: torch-fidelity's file in the torch hub cache)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="--evaluate: where reference statistics are cached (default: ~/.cache/dit-accel/reference-stats)",
+    )
+    parser.add_argument(
+        "--input-px",
+        type=positive_int,
+        default=299,
+        help="--evaluate: side the Inception resizes images to: the TF graph's 299; only tests lower it",
     )
     return parser

@@ -243,8 +243,9 @@ def alike_scores(evaluation):
 def test_the_command_scores_samples_and_says_the_count_beside_fid(alike_scores):
     table, scores = alike_scores
     assert "FID" in table and "10 samples vs 12 reference images" in table
+    assert f"FID {scores['fid']:.4f} (10 samples vs 12 reference images)" in table.splitlines()
     assert "! 10 samples, not the 50,000 the papers score" in table
-    assert scores["num_samples"] == 10 and scores["num_reference_images"] == 12
+    assert scores["num_samples"] == 10 and scores["num_reference"] == 12
     assert scores["reference_statistics"] == "computed from its images"
     assert scores["fid"] > 1 and scores["sfid"] > 1 and scores["inception_score"] > 1
     assert 0 <= scores["precision"] <= 1 and 0 <= scores["recall"] <= 1
@@ -290,7 +291,7 @@ def test_precomputed_reference_statistics_are_used(evaluation, alike_scores, tmp
     np.savez(tmp_path / "reference.npz", images, **shifted)
     assert _evaluate(tmp_path, "images.npz") == 0
     first = json.loads((tmp_path / "results.json").read_text())
-    assert first["reference_statistics"] == "precomputed" and first["num_reference_images"] == 12
+    assert first["reference_statistics"] == "precomputed" and first["num_reference"] == 12
     assert first["fid"] == pytest.approx(2048, rel=1e-6) and first["sfid"] == pytest.approx(
         63 * 0.25, rel=1e-6
     )
@@ -361,6 +362,119 @@ def test_two_launched_processes_give_the_numbers_of_one(evaluation, alike_scores
     two = json.loads((tmp_path / "two.json").read_text())
     for key in ("fid", "sfid", "inception_score"):  # batches of other sizes: float round-off apart
         assert two[key] == pytest.approx(one[key], rel=1e-5), key
-    for key in ("precision", "recall", "num_samples", "num_reference_images"):
+    for key in ("precision", "recall", "num_samples", "num_reference"):
         assert two[key] == one[key], key
     assert len(list((tmp_path / "cache").glob("reference-*.npz"))) == 1
+
+
+# --- sample --evaluate: scored as it is sampled ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 1-block pixel-space DiT at 16 px, trained one step on demo images: a real run folder to sample."""
+    from dit_accel.data.demo import write_demo_data
+    from dit_accel.train import main as train
+    from planner.cli import main as dit_plan
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    write_demo_data(root / "images", classes=4, per_class=2, resolution=16, seed=0)
+    model = ["--model", "DiT-S/2", "--depth", "1", "--hidden", "32", "--heads", "2", "--resolution", "16"]
+    model += [
+        "--latents",
+        "pixel",
+        "--num-classes",
+        "4",
+        "--vram",
+        "8G",
+        "--precision",
+        "fp32",
+        "--gpus",
+        "1",
+    ]
+    assert dit_plan([*model, "--global-batch", "8", "--out", str(root / "plan")]) == 0
+    argv = [
+        "--plan",
+        root / "plan" / "plan.json",
+        "--data-path",
+        root / "images",
+        "--output-dir",
+        root / "run",
+    ]
+    argv += ["--max-steps", 1, "--num-workers", 0, "--no-progress-bar", "--no-tensorboard"]
+    with _fresh_accelerate_state():
+        assert train([str(a) for a in argv]) == 0
+    return root / "run"
+
+
+def _fresh_accelerate_state():
+    import contextlib
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    @contextlib.contextmanager
+    def fresh():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        try:
+            yield
+        finally:
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+
+    return fresh()
+
+
+def _sample(run, *argv) -> int:
+    from dit_accel.sample import main
+
+    common = ["--checkpoint", run, "--num-samples", 8, "--batch-size", 8, "--steps", 2, "--no-ema"]
+    with _fresh_accelerate_state():
+        return main([str(a) for a in [*common, *argv]])
+
+
+def test_sample_evaluate_scores_what_evaluate_scores_on_the_same_images(
+    evaluation, tiny_run, tmp_path, capsys
+):
+    """One run keeps the batch (--npz) and scores it (--evaluate); `evaluate` on that .npz and a run that
+    only scores (no file of images anywhere) give the same five numbers: same seed, same images."""
+    import json
+
+    scoring = [
+        "--evaluate",
+        evaluation / "reference.npz",
+        "--inception-weights",
+        evaluation / "inception.pth",
+    ]
+    scoring += ["--cache-dir", evaluation / "cache", "--input-px", EVAL_PX]
+    assert _sample(tiny_run, "--npz", tmp_path / "s.npz", *scoring, "--results", tmp_path / "both.json") == 0
+    from dit_accel.evaluate.command import main as evaluate
+
+    argv = ["--samples", tmp_path / "s.npz", "--reference", *scoring[1:], "--batch-size", 8]
+    argv += ["--out", tmp_path / "file.json"]
+    assert evaluate([str(a) for a in argv]) == 0
+    assert _sample(tiny_run, *scoring, "--results", tmp_path / "only.json") == 0
+    printed = capsys.readouterr().out
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "both.json",
+        "file.json",
+        "only.json",
+        "s.npz",
+    ]
+    both, from_file, only = (
+        json.loads((tmp_path / f"{n}.json").read_text()) for n in ("both", "file", "only")
+    )
+    for key in ("fid", "sfid", "inception_score", "precision", "recall", "num_samples", "num_reference"):
+        assert only[key] == pytest.approx(from_file[key], rel=1e-9) == both[key], key
+    assert only["num_samples"] == 8 and only["num_reference"] == 12 and math.isfinite(only["fid"])
+    assert only["samples"].endswith("not kept") and only["sampling"]["steps"] == 2
+    assert (
+        printed.count(f"FID {only['fid']:.4f} (8 samples vs 12 reference images)") == 3
+    )  # both runs of sample, and evaluate
+
+    # A missing reference stops the command before any sampling, one line, nothing written.
+    missing = ["--evaluate", tmp_path / "absent.npz", *scoring[2:], "--results", tmp_path / "bad.json"]
+    assert _sample(tiny_run, *missing) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dit-accel sample: error: the reference") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "bad.json").exists()

@@ -268,7 +268,7 @@ def test_guidance_modes_and_samplers_differ_and_bad_input_is_one_line(run, tmp_p
             "--classes [9] out of range: this model has classes 0..3",
         ),
         (["--out", tmp_path / "g.png", "--npz", tmp_path / "s.npz"], "pass exactly one of --out"),
-        (["--npz", tmp_path / "s.npz"], "--npz needs --num-samples"),
+        (["--out", tmp_path / "g.png", "--num-samples", "5"], "--num-samples is for the evaluation batch"),
         (["--out", tmp_path / "g.png", "--vae", tmp_path / "missing"], "--vae"),
     ]:
         assert sample_main(["--checkpoint", run / "run", "--steps", "2", *argv]) == 2

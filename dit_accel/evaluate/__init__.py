@@ -6,3 +6,5 @@ without TensorFlow.
 `features` the batched, distributed extraction, `reference` the ADM .npz layout and the cached reference
 statistics, `command` the CLI. docs/evaluation.md says how close the numbers are to the TF evaluator's.
 """
+
+PAPER_SAMPLES = 50_000  # FID-50K: what DiT, SiT and REPA report (here: no torch, for the light flag modules)

@@ -10,14 +10,7 @@ from pathlib import Path
 
 from dit_accel.cli_args import OneLineParser, positive_int
 from dit_accel.errors import exits_cleanly
-
-METRIC_ROWS = (  # key, name in the table
-    ("fid", "FID"),
-    ("sfid", "sFID"),
-    ("inception_score", "Inception Score"),
-    ("precision", "Precision"),
-    ("recall", "Recall"),
-)
+from dit_accel.evaluate.report import report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,36 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def table(scores: dict, reference_note: str) -> str:
-    from tabulate import tabulate
-
-    count = f"{scores['num_samples']:,} samples"
-    notes = {
-        "fid": f"{count} vs {reference_note}",
-        "sfid": f"{count}, mixed_6/conv features",
-        "inception_score": f"{count}, {scores['inception_score_splits']} split(s) of 5,000",
-        "precision": f"k = 3, {scores['num_reference_images']:,} reference images",
-        "recall": f"k = 3, {count}",
-    }
-    rows = [(name, f"{scores[key]:.4f}", notes[key]) for key, name in METRIC_ROWS]
-    return tabulate(rows, headers=("metric", "value", "measured on"))
-
-
-def sample_count_warning(num_samples: int) -> str | None:
-    from dit_accel.evaluate.evaluator import PAPER_SAMPLES
-
-    if num_samples == PAPER_SAMPLES:
-        return None
-    return (
-        f"! {num_samples:,} samples, not the {PAPER_SAMPLES:,} the papers score: FID falls as the count grows, "
-        f"so compare it only with FIDs of {num_samples:,} samples"
-    )
-
-
 def evaluate(args) -> int:
     from accelerate import Accelerator
 
-    from dit_accel.atomic import write_json_atomically
     from dit_accel.evaluate.evaluator import Evaluator, check_enough
     from dit_accel.evaluate.features import NpzImages
 
@@ -104,12 +70,7 @@ def evaluate(args) -> int:
     if accelerator.is_main_process:
         scores = {"samples": str(Path(args.samples)), "reference": str(Path(args.reference)), **scores}
         scores["inception_weights"] = str(evaluator.weights)
-        print(table(scores, reference.describe()))
-        if warning := sample_count_warning(scores["num_samples"]):
-            print(warning)
-        if args.out:
-            write_json_atomically(args.out, scores)
-            print(f"wrote {args.out}")
+        report(scores, reference, args.out)
     accelerator.wait_for_everyone()
     return 0
 

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from dit_accel.errors import UserError
-from dit_accel.evaluate import metrics
+from dit_accel.evaluate import PAPER_SAMPLES, metrics
 from dit_accel.evaluate.features import ADM_BATCH, FeatureCollector, Features, NpzImages, npz_features
 from dit_accel.evaluate.inception import INPUT_PX, default_weights_path, load_inception
 from dit_accel.evaluate.reference import (
@@ -25,7 +25,7 @@ from dit_accel.evaluate.reference import (
     write_cache,
 )
 
-PAPER_SAMPLES = 50_000  # FID-50K: what DiT, SiT and REPA report
+__all__ = ["PAPER_SAMPLES", "Evaluator", "check_enough"]
 
 
 class Evaluator:
@@ -112,7 +112,7 @@ class Evaluator:
             "precision": precision,
             "recall": recall,
             "num_samples": len(samples),
-            "num_reference_images": reference.num_images,
+            "num_reference": reference.num_images,
             "reference_statistics": "precomputed" if reference.precomputed else "computed from its images",
             "inception_score_splits": math.ceil(len(samples) / metrics.IS_SPLIT_SIZE),
         }
@@ -126,3 +126,65 @@ def check_enough(count: int, what: str) -> None:
             f"{what} hold {count} images: the k = {metrics.NEAREST_NEIGHBOUR_K} precision/recall needs at least {least}",
             f"score {PAPER_SAMPLES:,} samples, as the papers do",
         )
+
+
+class Scorer:
+    """Images scored as they are made (`sample --evaluate`, training's `--eval-every`): every rank `add`s the
+    uint8 batches it sampled with their global indices; `scores` gathers the features and computes the five
+    numbers on the main process (None elsewhere). The reference is read (or its cached statistics loaded)
+    when the scorer is made, so a bad reference or missing weights stop the command before any sampling."""
+
+    def __init__(
+        self,
+        accelerator,
+        reference: str | Path,
+        weights: str | Path | None = None,
+        batch_size: int = ADM_BATCH,
+        cache_dir: str | Path | None = None,
+        input_px: int = INPUT_PX,
+        num_samples: int | None = None,
+    ):
+        if num_samples is not None:
+            check_enough(num_samples, "the samples")
+        self.reference_path = Path(reference)
+        self.evaluator = Evaluator(accelerator, weights, batch_size, cache_dir, input_px)
+        self.reference = self.evaluator.reference(self.reference_path)
+        self.collector = self.evaluator.collector()
+
+    @classmethod
+    def from_flags(cls, accelerator, args) -> Scorer:
+        """`sample --evaluate`'s: its reference, weights, batch size, cache, Inception input and count."""
+        return cls(
+            accelerator,
+            args.evaluate,
+            args.inception_weights,
+            args.batch_size,
+            args.cache_dir,
+            args.input_px,
+            args.num_samples,
+        )
+
+    def add(self, images, indices) -> None:
+        """uint8 (n, H, W, 3) images, in Inception batches of at most the evaluator's batch size."""
+        size = self.evaluator.batch_size
+        indices = list(indices)
+        for start in range(0, len(indices), size):
+            self.collector.add(images[start : start + size], indices[start : start + size])
+
+    def scores(self) -> dict | None:
+        """The scores of every image added since the last call, on every rank's call (a collective)."""
+        features = self.evaluator.gathered(self.collector)
+        self.collector = self.evaluator.collector()
+        return self.evaluator.score(features, self.reference)
+
+    def finish(self, out: str | Path | None, about: dict) -> dict | None:
+        """`scores`, then on the main process the evaluator's table and its JSON (`about` first, then the
+        numbers, then what they were measured with)."""
+        from dit_accel.evaluate.report import report
+
+        scores = self.scores()
+        if scores is not None:
+            scores = {**about, "reference": str(self.reference_path), **scores}
+            scores["inception_weights"] = str(self.evaluator.weights)
+            report(scores, self.reference, out)
+        return scores

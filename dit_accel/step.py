@@ -229,7 +229,8 @@ def train_micro_step(components: Components, batch: dict) -> torch.Tensor:
 
     device = components.device
     x0 = batch["x"].to(device, non_blocking=True)
-    repa_targets = encoder_targets(components, x0)  # REPA: the clean images' tokens, before the forward
+    # REPA: the clean images' tokens, before the forward (a latent cache's batch carries its images)
+    repa_targets = encoder_targets(components, batch.get("image", x0))
     if components.vae is not None:
         x0 = encode_online(components, x0, batch["posterior_noise"])
     labels = batch["y"].to(device, non_blocking=True)

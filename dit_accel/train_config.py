@@ -54,7 +54,8 @@ class TrainConfig:
         default=None,
         metadata={
             "help": "image folder (one sub-folder per class), or a Hugging Face dataset: a save_to_disk folder, "
-            "parquet files (FILE, DIR or glob) or a dataset name in the local cache (docs/data.md)"
+            "parquet files (FILE, DIR or glob) or a dataset name in the local cache (docs/data.md); beside --latents "
+            "with REPA, where the cache's source images are now"
         },
     )
     split: str | None = field(
@@ -242,6 +243,42 @@ class TrainConfig:
     sample_cfg_scale: float = field(
         default=4.0, metadata={"help": "classifier-free guidance scale of --sample-every's grid"}
     )
+    eval_every: int = field(
+        default=0,
+        metadata={
+            "help": "every N optimizer steps, FID and Inception Score of --eval-samples EMA samples against "
+            "--eval-reference, to metrics.jsonl and the trackers as eval/fid and eval/is (0: off)"
+        },
+    )
+    eval_samples: int = field(
+        default=10_000, metadata={"help": "images each --eval-every evaluation samples, shared by the ranks"}
+    )
+    eval_reference: str | None = field(
+        default=None,
+        metadata={"help": "--eval-every's ADM reference batch .npz, e.g. VIRTUAL_imagenet256_labeled.npz"},
+    )
+    eval_steps: int = field(
+        default=250,
+        metadata={
+            "help": "sampling steps of --eval-every: DDPM's (ddpm runs), or the ODE's Heun steps (flow)"
+        },
+    )
+    eval_cfg_scale: float = field(
+        default=1.0, metadata={"help": "classifier-free guidance scale of --eval-every's samples (1: none)"}
+    )
+    inception_weights: str | None = field(
+        default=None,
+        metadata={
+            "help": "--eval-every's TF-ported Inception-v3 weights (default: torch-fidelity's file in the torch "
+            "hub cache)"
+        },
+    )
+    eval_input_px: int = field(
+        default=299,
+        metadata={
+            "help": "side --eval-every's Inception resizes images to: the TF graph's 299; only tests lower it"
+        },
+    )
     progress_bar: bool = field(
         default=True,
         metadata={
@@ -280,7 +317,8 @@ class TrainConfig:
                 "--output-dir is required: the run folder for checkpoints and logs, e.g. runs/xl2"
             )
         sources = [name for name in ("data_path", "latents") if getattr(self, name)]
-        if len(sources) != 1:
+        # REPA from a latent cache reads its source images too: --data-path then says where they are now
+        if len(sources) != 1 and not (len(sources) == 2 and self.repa_encoder):
             raise UserError("pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)")
         if self.resume == "latest":  # the name other trainers use for the same thing
             self.resume = "auto"
@@ -293,11 +331,12 @@ class TrainConfig:
             raise UserError(
                 "--init-from-ema chooses the weights of --init-from: add --init-from RUN_OR_CHECKPOINT, or drop it"
             )
-        positive = ("max_steps", "checkpoint_every", "keep_last", "log_every", "sample_steps")
+        positive = ("max_steps", "checkpoint_every", "keep_last", "log_every", "sample_steps", "eval_steps")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         numbers = ("lr", "weight_decay", "ema_decay", "class_dropout", "grad_clip", "sample_cfg_scale")
+        numbers += ("eval_cfg_scale",)
         for flag, value in [(_flag(n), getattr(self, n)) for n in numbers] + [
             ("betas", b) for b in self.betas
         ]:
@@ -333,7 +372,14 @@ class TrainConfig:
                 "--skip-bad-images is for an image folder (--data-path)",
                 "drop it: a latent cache holds only images that decoded (extract-latents has its own flag)",
             )
-        for name in ("warmup_steps", "num_workers", "max_skipped_steps", "max_bad_images", "sample_every"):
+        for name in (
+            "warmup_steps",
+            "num_workers",
+            "max_skipped_steps",
+            "max_bad_images",
+            "sample_every",
+            "eval_every",
+        ):
             if (getattr(self, name) or 0) < 0:
                 raise UserError(
                     f"--{_flag(name)} must not be negative, got {getattr(self, name)}", "pass 0 or more"
@@ -348,6 +394,8 @@ class TrainConfig:
             raise UserError(
                 f"--sample-cfg-scale must be >= 0 (1 turns guidance off), got {self.sample_cfg_scale}"
             )
+        if self.eval_every:
+            self.check_eval()
         from dit_accel.trackers import parse_report_to
 
         parse_report_to(self.report_to)
@@ -377,6 +425,30 @@ class TrainConfig:
             raise UserError(
                 f"--collective-timeout-s must be a positive number of seconds, got {self.collective_timeout_s}",
                 "pass e.g. 1800",
+            )
+
+    def check_eval(self) -> None:
+        """--eval-every's files, before anything starts (the default Inception path is checked when the
+        trainer loads it, still before the first step)."""
+        if self.eval_samples < 4 or self.eval_input_px < 75 or self.eval_cfg_scale < 0:
+            raise UserError(
+                f"--eval-samples {self.eval_samples}, --eval-input-px {self.eval_input_px}, --eval-cfg-scale "
+                f"{self.eval_cfg_scale}: precision/recall need 4 samples, the Inception 75 px, guidance >= 0",
+                "pass e.g. --eval-samples 10000 (--eval-input-px 299, --eval-cfg-scale 1)",
+            )
+        fetch = "docs/evaluation.md says where to fetch it"
+        if not self.eval_reference:
+            raise UserError(
+                "--eval-every needs --eval-reference REF.npz", f"pass an ADM reference batch: {fetch}"
+            )
+        if not Path(self.eval_reference).is_file():
+            raise UserError(
+                f"--eval-reference {self.eval_reference} does not exist", f"pass the file: {fetch}"
+            )
+        if self.inception_weights and not Path(self.inception_weights).is_file():
+            raise UserError(
+                f"--inception-weights {self.inception_weights} does not exist",
+                f"pass torch-fidelity's weights-inception-2015-12-05-6726825d.pth: {fetch}",
             )
 
     def to_json(self) -> dict:

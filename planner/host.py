@@ -24,19 +24,23 @@ DATA_SOURCES = {
 }
 
 
-def sample_bytes(spec: DiTSpec, latents: str) -> int:
-    """One sample as a worker hands it over: an fp32 latent from the cache, or fp32 RGB pixels."""
+def sample_bytes(spec: DiTSpec, latents: str, repa: str = "") -> int:
+    """One sample as a worker hands it over: an fp32 latent from the cache, or fp32 RGB pixels; REPA from a
+    cache hands over both (the encoder sees the latent's source image)."""
+    pixels = FP32_BYTES * 3 * spec.resolution**2
     if latents == "precomputed":
-        return FP32_BYTES * spec.in_channels * spec.latent_size**2
-    return FP32_BYTES * 3 * spec.resolution**2
+        return FP32_BYTES * spec.in_channels * spec.latent_size**2 + (pixels if repa else 0)
+    return pixels
 
 
 def _image_source_bytes(decision: Decision, assumptions: Assumptions, data_source: str, rows: int | None):
     """(a rank's share, the main process's once) of the image source: none when training reads latents."""
-    if decision.latents == "precomputed":
+    if decision.latents == "precomputed" and not decision.repa:
         return 0, 0
     if data_source == "dataset":
         return assumptions.dataset_row_bytes * (rows or IMAGENET_TRAIN_IMAGES), 0
+    if decision.latents == "precomputed":  # REPA: the cache's names of its images, no folder listing
+        return assumptions.folder_index_bytes, 0
     return assumptions.folder_index_bytes, assumptions.folder_listing_bytes
 
 
@@ -52,7 +56,7 @@ def per_rank_bytes(
     params = spec.params_trainable
     ema = FP32_BYTES * params if decision.ema else 0
     resume = FP32_BYTES * params + 2 * FP32_BYTES * params + ema
-    batch = decision.micro_batch * sample_bytes(spec, decision.latents)
+    batch = decision.micro_batch * sample_bytes(spec, decision.latents, decision.repa)
     return {
         "process": assumptions.host_process_bytes,
         "model_states": resume,

@@ -300,7 +300,7 @@ def make_plan(
         adamw=adamw,
         gradient_as_bucket_view=bool(gradient_as_bucket_view),
         matmul=matmul,
-        repa=_repa_encoder(repa, latents, repa_projector_dim),
+        repa=_repa_encoder(repa, repa_projector_dim),
         repa_projector_dim=repa_projector_dim,
     )
     best, path = choose(spec, space, cluster, assumed, budget_bytes)
@@ -434,16 +434,12 @@ def make_plan(
     }
 
 
-def _repa_encoder(name: str, latents: str, projector_dim: int) -> str:
-    """--repa's encoder, checked: a known one, on images the trainer can show it (not a latent cache)."""
+def _repa_encoder(name: str, projector_dim: int) -> str:
+    """--repa's encoder, checked: a known one. With a latent cache the trainer reads each latent's source
+    image beside it (dit_accel.data.cache_images), which the host estimate counts."""
     if not name:
         return ""
     encoder_spec(name)
-    if latents == "precomputed":
-        raise PlanError(
-            "--repa's encoder sees the clean images, and a latent cache holds none",
-            "plan with --latents online (or pixel) and train with --data-path",
-        )
     if not isinstance(projector_dim, int) or projector_dim <= 0:
         raise PlanError(f"--repa-projector-dim must be a positive integer, got {projector_dim!r}")
     return name

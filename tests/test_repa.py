@@ -218,8 +218,6 @@ def test_the_plan_counts_the_encoder_the_projector_and_their_flops(tmp_path):
     assert 40e9 < 2 * encoder.fwd_macs_per_image(16) < 48e9
     with pytest.raises(PlanError, match="unknown REPA encoder 'dinov2-q'"):
         make_plan(**common, repa="dinov2-q")
-    with pytest.raises(PlanError, match="a latent cache holds none"):
-        make_plan(**{**common, "latents": "precomputed"}, repa="dinov2-b")
 
 
 # --- the trainer's step --------------------------------------------------------------------------------

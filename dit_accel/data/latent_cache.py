@@ -113,7 +113,7 @@ def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | No
 
 
 class LatentCache(torch.utils.data.Dataset):
-    """Latents for the trainer: `cache[i] -> (latent, label)`.
+    """Latents for the trainer: `cache[i] -> (latent, label)`, and `image` third when `images` is set.
 
     latent: float32 [C, h, w] = (mean + std * noise - shift_factor) * scale_factor, i.e. a fresh draw from
             the VAE posterior, already scaled for diffusion (the trainer does not scale again).
@@ -140,6 +140,7 @@ class LatentCache(torch.utils.data.Dataset):
         self.flip = flip and self.views == 2
         self.seed = seed
         self.epoch = 0
+        self.images = None  # a `cache_images.CacheImages` (REPA): each entry's source image beside its latent
         self._files = [record["file"] for record in self.manifest["shards"]]
         counts = [record["count"] for record in self.manifest["shards"]]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -220,7 +221,11 @@ class LatentCache(torch.utils.data.Dataset):
         latents = (
             torch.from_numpy(means).float() + torch.from_numpy(stds).float() * noise - self.shift_factor
         ) * self.scale_factor
-        labels = self.labels[torch.from_numpy(self._starts[shards] + rows)]
+        entries = self._starts[shards] + rows
+        labels = self.labels[torch.from_numpy(entries)]
+        if self.images is not None:  # the image each latent was encoded from, mirrored with its view
+            pixels = [self.images.pixels(int(entry), bool(view)) for entry, view in zip(entries, views)]
+            return list(zip(latents.unbind(0), labels.unbind(0), pixels))
         return list(zip(latents.unbind(0), labels.unbind(0)))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

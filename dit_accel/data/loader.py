@@ -70,6 +70,12 @@ def build_dataset(plan: Plan, config: TrainConfig, spec, index_dir=None, once=No
             )
         # A two-view cache flips unless told not to; --no-hflip then reads the images only.
         dataset.flip = dataset.views == 2 and config.hflip is not False
+        if plan.decision.repa:  # REPA's encoder sees each latent's image: the cache names its source
+            from dit_accel.data.cache_images import CacheImages
+            from dit_accel.data.source_kind import DatasetOptions
+
+            options = DatasetOptions(config.split, config.image_column, config.label_column)
+            dataset.images = CacheImages(dataset.dir, dataset.manifest, config.data_path, options)
     else:
         from dit_accel.data.folder import (
             ImageFolderData,

@@ -194,17 +194,21 @@ class Collate:
         self.noise = noise
 
     def __call__(self, items):
-        xs, labels, numbers = [], [], []
+        xs, labels, numbers, images = [], [], [], []
         for item, number in items:
             x, label = _unpack_item(item)
             xs.append(torch.as_tensor(x))
             labels.append(int(label))
             numbers.append(number)
+            if isinstance(item, tuple) and len(item) == 3:  # a latent's source image (REPA from a cache)
+                images.append(item[2])
         batch = {
             "x": torch.stack(xs),
             "y": torch.tensor(labels, dtype=torch.long),
             "sample_number": torch.tensor(numbers, dtype=torch.long),
         }
+        if images:
+            batch["image"] = torch.stack(images)
         batch.update(self.noise(numbers))
         return batch
 

@@ -96,12 +96,12 @@ class LoaderFacts:
 
 
 def loader_facts(plan: PlanFacts, workers_per_rank: int) -> LoaderFacts:
-    """The sample size by the planner's own rule (an fp32 latent, or fp32 RGB pixels)."""
+    """The sample size by the planner's own rule (an fp32 latent, or fp32 RGB pixels; REPA from a cache
+    both)."""
     from planner.host import sample_bytes
 
-    return LoaderFacts(
-        workers_per_rank=workers_per_rank, sample_bytes=sample_bytes(plan.plan.spec(), plan.latents)
-    )
+    size = sample_bytes(plan.plan.spec(), plan.latents, plan.plan.decision.repa)
+    return LoaderFacts(workers_per_rank=workers_per_rank, sample_bytes=size)
 
 
 def check_ram(plan: PlanFacts, host: HostFacts, workers_per_rank: int) -> Check:

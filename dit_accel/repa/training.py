@@ -43,11 +43,6 @@ def build_for_run(model, config, plan, spec, device) -> Repa | None:
             "--repa-encoder is given but the plan counts no REPA encoder",
             "re-plan with dit-plan --repa ENCODER (e.g. dinov2-b) so its memory and compute are planned",
         )
-    if plan.decision.latents == "precomputed":
-        raise UserError(
-            "REPA's encoder sees the clean images, and training from a latent cache reads none",
-            "train on images (dit-plan --latents online, or pixel) with --data-path DIR",
-        )
     if config.repa_projector_dim != plan.decision.repa_projector_dim:
         raise UserError(
             f"--repa-projector-dim {config.repa_projector_dim} but the plan counts a projector of width "

@@ -1,0 +1,89 @@
+"""The images a latent cache was made from, read beside its latents: REPA's encoder sees the clean image.
+
+Every shard of a cache names its entries' sources (an image folder's relative path, a dataset's `row N`).
+With the folder or dataset the cache was made from (the manifest's `data_path`, or the trainer's
+--data-path where it has moved), entry i's image is decoded and centre-cropped as extraction did, and
+mirrored when the cache hands out its mirror view, so that the encoder sees exactly the image whose latent
+the network learns from. The decode is the DataLoader workers' work, as it is for an image folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dit_accel.data.folder import center_crop_adm, image_to_uint8, load_rgb, uint8_to_unit_range
+from dit_accel.data.source_kind import DatasetOptions, dataset_kind
+from dit_accel.errors import UserError
+
+ROW_PREFIX = "row "  # how a dataset's entries are named (hf_source.DatasetListing.name)
+
+
+def shard_sources(path: Path) -> list[str]:
+    """The `sources` a shard's metadata lists, one per entry in its order."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as handle:
+        metadata = handle.metadata() or {}
+    if "sources" not in metadata:
+        raise UserError(
+            f"latent cache shard {path} names no source images (made before caches recorded them)",
+            "extract the latents again (`dit-accel extract-latents ... --overwrite`) to train REPA from them",
+        )
+    return json.loads(metadata["sources"])
+
+
+class CacheImages:
+    """`pixels(index, mirrored)`: entry `index`'s image in [-1, 1], CHW float32, at the cache's resolution."""
+
+    def __init__(self, cache_dir: Path, manifest: dict, data_path: str | None, options: DatasetOptions):
+        self.root = str(Path(data_path or manifest["data_path"]).expanduser())
+        self.resolution = int(manifest["resolution"])
+        self.kind = dataset_kind(self.root)
+        if self.kind == "webdataset":
+            raise UserError(
+                f"latent cache {cache_dir} was made from {self.root}, a stream of tar shards, whose images cannot "
+                "be read by entry",
+                "extract the latents from an image folder or a save_to_disk/parquet dataset to train REPA from them",
+            )
+        if self.kind is None and not Path(self.root).is_dir():
+            raise UserError(
+                f"latent cache {cache_dir} was made from {self.root}, which is not here",
+                "pass --data-path with the image folder or dataset it was made from",
+            )
+        self.options = DatasetOptions(
+            manifest.get("split") or options.split, options.image_column, options.label_column
+        )
+        names = [name for record in manifest["shards"] for name in shard_sources(cache_dir / record["file"])]
+        self.sources = np.array(names, dtype=np.bytes_)  # fixed width: no per-entry objects in the workers
+        self._rows = None  # a dataset's split, opened in the process (or worker) that reads it
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_rows"] = None
+        return state
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def _open(self, name: str):
+        if self.kind is None:
+            return load_rgb(Path(self.root) / name, name)
+        from dit_accel.data.hf_source import image_stream, open_dataset
+
+        if self._rows is None:
+            from datasets import Image as ImageFeature
+
+            rows = open_dataset(self.root, self.options)[0]
+            if isinstance((rows.features or {}).get(self.options.image_column), ImageFeature):
+                rows = rows.cast_column(self.options.image_column, ImageFeature(decode=False))
+            self._rows = rows
+        cell = self._rows[int(name.removeprefix(ROW_PREFIX))][self.options.image_column]
+        return load_rgb(image_stream(cell), f"{self.root} {name}")
+
+    def pixels(self, index: int, mirrored: bool) -> torch.Tensor:
+        image = center_crop_adm(self._open(self.sources[index].decode()), self.resolution)
+        return uint8_to_unit_range(image_to_uint8(image, flip=mirrored))

@@ -1,0 +1,167 @@
+"""REPA from a latent cache: each entry's source image read beside its latent (dit_accel.data.cache_images),
+the same pixels the folder or dataset gives, mirrored with the latent's view; a run on a cache trains the
+projector; the planner counts the images the workers then hand over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate.state import PartialState
+
+from dit_accel.data.folder import center_crop_adm, image_to_uint8, load_rgb, uint8_to_unit_range
+from dit_accel.errors import UserError
+
+RESOLUTION = 32
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """A demo folder, the same images as a save_to_disk dataset, and a flipped latent cache of each."""
+    import datasets
+
+    from dit_accel.data.demo import demo_vae, write_demo_data
+    from dit_accel.data.folder import validate_image_folder
+    from dit_accel.data.latents import ExtractConfig, extract_latents
+
+    root = tmp_path_factory.mktemp("repa_cache")
+    images = write_demo_data(root / "images", classes=2, per_class=3, resolution=40, seed=2)
+    listing = validate_image_folder(images).listing
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=listing.classes)}
+    )
+    rows = {"image": [{"bytes": (images / rel).read_bytes(), "path": None} for rel in listing.paths]}
+    datasets.Dataset.from_dict({**rows, "label": list(listing.labels)}, features=features).save_to_disk(
+        str(root / "saved")
+    )
+    demo_vae(RESOLUTION).save_pretrained(root / "vae")
+    out = {"images": images, "paths": listing.paths, "vae": root / "vae", "saved": root / "saved"}
+    for name, source in (("folder", images), ("dataset", root / "saved")):
+        config = ExtractConfig(
+            data_path=str(source),
+            vae=str(root / "vae"),
+            out=str(root / name),
+            resolution=RESOLUTION,
+            batch_size=4,
+            shard_size=4,  # 6 images: 2 shards
+            num_workers=0,
+            dtype="float32",
+        )
+        extract_latents(config)
+        PartialState._reset_state()
+        out[name] = root / name
+    return out
+
+
+def _expected(images, rel: str, mirrored: bool) -> torch.Tensor:
+    return uint8_to_unit_range(
+        image_to_uint8(center_crop_adm(load_rgb(images / rel), RESOLUTION), flip=mirrored)
+    )
+
+
+@pytest.mark.parametrize("source", ["folder", "dataset"])
+def test_each_entry_reads_the_image_it_was_encoded_from_mirrored_with_its_view(caches, source):
+    from dit_accel.data.cache_images import CacheImages
+    from dit_accel.data.latent_cache import LatentCache
+    from dit_accel.data.source_kind import DatasetOptions
+
+    cache = LatentCache(caches[source], flip=True, seed=7)
+    cache.images = CacheImages(cache.dir, cache.manifest, None, DatasetOptions())
+    assert len(cache.images) == len(cache) == 6
+    for index, rel in enumerate(caches["paths"]):
+        for mirrored in (False, True):
+            assert torch.equal(
+                cache.images.pixels(index, mirrored), _expected(caches["images"], rel, mirrored)
+            )
+    items = cache.__getitems__(list(range(6)))
+    plain = LatentCache(caches[source], flip=True, seed=7).__getitems__(list(range(6)))
+    seen = set()
+    for (latent, label, image), (same_latent, same_label), rel in zip(items, plain, caches["paths"]):
+        assert torch.equal(latent, same_latent) and label == same_label  # the images change no draw
+        mirrored = torch.equal(image, _expected(caches["images"], rel, True))
+        assert mirrored or torch.equal(image, _expected(caches["images"], rel, False))
+        seen.add(mirrored)
+    cache.flip = False  # --no-hflip: view 0 and the image itself, always
+    assert all(
+        torch.equal(image, _expected(caches["images"], rel, False))
+        for (_, _, image), rel in zip(cache.__getitems__(list(range(6))), caches["paths"])
+    )
+    assert seen == {False, True}  # seed 7 draws both views among 6 entries
+
+
+def test_a_moved_folder_is_found_with_data_path_and_a_missing_one_is_one_line(caches, tmp_path):
+    import json
+    import shutil
+
+    from dit_accel.data.cache_images import CacheImages
+    from dit_accel.data.latent_cache import read_manifest
+    from dit_accel.data.source_kind import DatasetOptions
+
+    manifest = read_manifest(caches["folder"])
+    moved = shutil.copytree(caches["images"], tmp_path / "moved")
+    gone = dict(manifest, data_path=str(tmp_path / "gone"))
+    with pytest.raises(UserError, match="was made from .*gone, which is not here.*pass --data-path"):
+        CacheImages(caches["folder"], gone, None, DatasetOptions())
+    images = CacheImages(caches["folder"], gone, str(moved), DatasetOptions())
+    assert torch.equal(images.pixels(0, False), _expected(caches["images"], caches["paths"][0], False))
+    old = tmp_path / "old"
+    shutil.copytree(caches["folder"], old)
+    for shard in old.glob("shard-*.safetensors"):  # a cache from before shards named their sources
+        from safetensors.torch import load_file, save_file
+
+        save_file(load_file(shard), shard, metadata={"format": "pt"})
+    with pytest.raises(UserError, match="names no source images.*extract the latents again"):
+        CacheImages(old, json.loads((old / "manifest.json").read_text()), None, DatasetOptions())
+
+
+def test_a_repa_run_trains_from_a_latent_cache_with_its_images(caches, tmp_path):
+    """Two steps in process on a cache: the loader's batches carry the images, the projector learns."""
+    from safetensors.torch import load_file
+    from test_repa import save_tiny_encoder
+    from test_train_e2e import QUIET, run_in_process
+
+    from planner.cli import main as plan_main
+
+    plan = tmp_path / "plan"
+    argv = [
+        *("--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--num-classes", "2"),
+        *("--resolution", str(RESOLUTION), "--latents", "precomputed", "--vram", "8G", "--gpus", "1"),
+        *("--global-batch", "2", "--precision", "fp32", "--repa", "dinov2-s", "--repa-projector-dim", "16"),
+        *("--out", str(plan)),
+    ]
+    assert plan_main(argv) == 0
+    save_tiny_encoder(tmp_path / "enc.pth")
+    out = tmp_path / "run"
+    code = run_in_process(
+        [
+            *("--plan", plan / "plan.json", "--latents", caches["folder"], "--output-dir", out),
+            *("--repa-encoder", tmp_path / "enc.pth", "--repa-depth", "1", "--repa-projector-dim", "16"),
+            *(
+                "--max-steps",
+                "2",
+                "--checkpoint-every",
+                "2",
+                "--no-tensorboard",
+                "--num-workers",
+                "0",
+                *QUIET,
+            ),
+        ]
+    )
+    assert code == 0
+    weights = load_file(next((out / "checkpoints" / "step_00000002").rglob("model.safetensors")))
+    assert any(key.startswith("repa_projector") for key in weights)
+
+
+def test_the_planner_counts_the_images_a_cache_run_hands_over():
+    from planner.plan import make_plan
+
+    common = dict(gpus=8, vram="80G", global_batch=256, sharding="ddp", max_micro_batch=32)
+    plain, aligned = make_plan(**common), make_plan(**common, repa="dinov2-b")
+    pixels = 4 * 3 * 256 * 256  # fp32 RGB beside each fp32 latent
+    assert aligned["decision"]["latents"] == "precomputed"
+    for part in ("loader_prefetch", "pinned_batches"):
+        per_sample = (aligned["host"]["per_rank"][part] - plain["host"]["per_rank"][part]) // 32
+        assert per_sample * 32 == aligned["host"]["per_rank"][part] - plain["host"]["per_rank"][part]
+        assert per_sample in (pixels * 4 * 2, pixels * 2)  # workers x prefetch batches, or 2 pinned batches
+    assert aligned["host"]["per_rank"]["folder_index"] > 0 == plain["host"]["per_rank"]["folder_index"]
+    assert aligned["host"]["main_process_once"] == {"folder_listing": 0}

@@ -12,7 +12,7 @@ optimizer step, the NaN policy, logging, checkpoints), finish. Each part lives i
     checkpoint         commit, rotate and load checkpoints
     runlog             logs, metrics and the measured memory against the plan
     trackers           --report-to: TensorBoard, wandb, through Accelerate's trackers
-    train_samples      --sample-every: an EMA sample grid to RUN/samples/ and the trackers
+    train_samples      --sample-every: an EMA sample grid to RUN/samples/ and the trackers (train_eval: FID)
     progress           tqdm on a terminal, a plain line every 10% in a log file
     faults             test-only fault injection, installed once at start
     preemption         a stop signal noticed at a step boundary; the rank dies with its launcher
@@ -59,6 +59,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.runlog import StepLog, parameter_checksum, setup_logging, tracker_config
     from dit_accel.step import NON_FINITE, SCALER_OVERFLOW, build_components, optimizer_step, train_micro_step
     from dit_accel.trackers import chosen_trackers, start_trackers
+    from dit_accel.train_eval import TrainingEval
     from dit_accel.train_samples import TrainingSamples
     from dit_accel.watchdog import Watchdog
     from planner.planfile import read_plan
@@ -84,6 +85,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     d = plan.decision
     watchdog = Watchdog(run_dir, rank, world_size, d.grad_accum, config.collective_timeout_s)
     stop_request.closing.append(watchdog.stop)
+    evaluation = TrainingEval(config, plan, spec, accelerator, run_dir, watchdog)  # files refused now
 
     # The parts: data, where the run starts, model/EMA/optimizer, then the state restored into them.
     dataset = build_dataset(plan, config, spec, run_dir / "data_index", partial(main_decides, accelerator))
@@ -222,6 +224,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
             loss = steplog.write(step, result, state["skipped_steps"])
             progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
         preempted = bool(result.stop_ranks) and step < config.max_steps  # every rank saves this step, exits
+        if evaluation.due(step) and not preempted:  # before the checkpoint: its metrics.jsonl holds the line
+            evaluation.run(step, components)
         if preempted or config.saves_checkpoint_at(step):
             last_good = checkpointer.save(step, dict(state, **order.position(step)))
             log.info(f"checkpoint {last_good}")

@@ -1,0 +1,129 @@
+"""`--eval-every`: FID and IS of the EMA while training (dit_accel.train_eval), in process on a 1-block
+pixel-space DiT at 16 px and a random Inception at 75 px (tests/test_evaluate.py's), against what
+`dit-accel sample --evaluate` computes from the checkpoints of the same steps."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import test_train_e2e as e2e
+import torch
+from test_evaluate import EVAL_PX, _blobs, _fitted_random_inception
+
+EVAL = ["--eval-every", 2, "--eval-samples", 8, "--eval-steps", 2, "--eval-input-px", EVAL_PX]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from dit_accel.data.demo import write_demo_data
+    from planner.cli import main as dit_plan
+
+    root = tmp_path_factory.mktemp("train_eval")
+    write_demo_data(root / "images", classes=4, per_class=2, resolution=16, seed=0)
+    model = ["--model", "DiT-S/2", "--depth", "1", "--hidden", "32", "--heads", "2", "--resolution", "16"]
+    model += [
+        "--latents",
+        "pixel",
+        "--num-classes",
+        "4",
+        "--vram",
+        "8G",
+        "--precision",
+        "fp32",
+        "--gpus",
+        "1",
+    ]
+    assert dit_plan([*model, "--global-batch", "8", "--out", str(root / "plan")]) == 0
+    reference = _blobs(12, seed=1)
+    torch.save(_fitted_random_inception(reference).state_dict(), root / "inception.pth")
+    np.savez(root / "reference.npz", reference)
+    return root
+
+
+def _train(workspace, run, *extra, env=None) -> int:
+    argv = ["--plan", workspace / "plan" / "plan.json", "--data-path", workspace / "images"]
+    argv += ["--output-dir", run, "--num-workers", 0, "--no-progress-bar", "--lr", "3e-3", "--log-every", 1]
+    return e2e.run_in_process([*argv, *extra], env=env)
+
+
+@pytest.fixture(scope="module")
+def evaluated(workspace):
+    """4 steps, an evaluation at steps 2 and 4 (TensorBoard on), a checkpoint at each."""
+    run = workspace / "run"
+    weights = [
+        "--eval-reference",
+        workspace / "reference.npz",
+        "--inception-weights",
+        workspace / "inception.pth",
+    ]
+    extra = ["--max-steps", 4, "--checkpoint-every", 2, *EVAL, *weights]
+    assert _train(workspace, run, *extra, env={"XDG_CACHE_HOME": str(workspace / "cache")}) == 0
+    return run
+
+
+def test_fid_and_is_are_logged_at_each_multiple_of_eval_every_in_metrics_and_tensorboard(evaluated):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = [json.loads(line) for line in (evaluated / "metrics.jsonl").read_text().splitlines()]
+    evals = [line for line in lines if "eval/fid" in line]
+    assert [line["step"] for line in evals] == [2, 4]
+    assert [line["step"] for line in lines if "loss" in line] == [1, 2, 3, 4]  # the step lines as before
+    assert all(math.isfinite(line["eval/fid"]) and line["eval/is"] >= 1 for line in evals)
+    assert evals[0]["eval/fid"] != evals[1]["eval/fid"] and evals[0]["eval/num_samples"] == 8
+    events = EventAccumulator(str(evaluated / "tensorboard" / "dit-accel"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag, key in (("eval/fid", "eval/fid"), ("eval/is", "eval/is")):
+        scalars = events.Scalars(tag)
+        assert [event.step for event in scalars] == [2, 4], tag
+        assert [event.value for event in scalars] == pytest.approx([line[key] for line in evals], rel=1e-6)
+    # the checkpoint of step 2 holds its evaluation's line: a resume from it keeps it in the timeline
+    copied = (evaluated / "checkpoints" / "step_00000002" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(copied[-1]) == evals[0]
+
+
+def test_the_scores_are_those_sample_evaluate_gives_for_the_checkpoints_of_those_steps(
+    evaluated, workspace, tmp_path
+):
+    """The same EMA, labels, seeds, sampler and batches: `sample --evaluate` on step 2's and step 4's
+    checkpoints scores what the run logged (the reference's statistics from the run's cache)."""
+    from dit_accel.sample import main as sample
+
+    logged = [json.loads(line) for line in (evaluated / "metrics.jsonl").read_text().splitlines()]
+    logged = {line["step"]: line for line in logged if "eval/fid" in line}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the run sampled
+    try:
+        for step in (2, 4):
+            argv = ["--checkpoint", evaluated / "checkpoints" / f"step_{step:08d}", "--num-samples", 8]
+            argv += ["--batch-size", 8, "--steps", 2, "--cfg-scale", 1.0, "--input-px", EVAL_PX]
+            argv += ["--evaluate", workspace / "reference.npz", "--results", tmp_path / f"{step}.json"]
+            argv += ["--inception-weights", workspace / "inception.pth"]
+            argv += ["--cache-dir", workspace / "cache" / "dit-accel" / "reference-stats"]
+            with e2e_state():
+                assert sample([str(a) for a in argv]) == 0
+            scores = json.loads((tmp_path / f"{step}.json").read_text())
+            assert scores["fid"] == pytest.approx(logged[step]["eval/fid"], rel=1e-6), step
+            assert scores["inception_score"] == pytest.approx(logged[step]["eval/is"], rel=1e-6), step
+    finally:
+        torch.set_num_threads(threads)
+    assert len(list((workspace / "cache").rglob("reference-*.npz"))) == 1  # computed once, by the run
+
+
+def e2e_state():
+    from test_evaluate import _fresh_accelerate_state
+
+    return _fresh_accelerate_state()
+
+
+@pytest.mark.parametrize("problem", ["no reference", "no weights"])
+def test_missing_files_are_refused_in_one_line_before_training(workspace, tmp_path, capsys, problem):
+    run = tmp_path / "run"
+    reference = workspace / "reference.npz" if problem == "no weights" else tmp_path / "absent.npz"
+    flags = [*EVAL, "--eval-reference", reference, "--max-steps", 1]
+    env = {"TORCH_HOME": str(tmp_path / "torch")}  # no weights in its hub cache
+    assert _train(workspace, run, *flags, env=env) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dit_accel.train: error: "), err
+    assert ("absent.npz does not exist" if problem == "no reference" else "curl -L --create-dirs") in err
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()

@@ -253,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
 IMPORT_STEP = 0
 
 
-def placeholder_plan(spec) -> dict:
+def placeholder_plan(spec, objective: str = "ddpm") -> dict:
     """A real dit-plan plan (one 80 GB GPU, global batch 256) for the imported network: the checkpoint needs one
-    to say which network it holds. Fine-tuning makes its own plan for the GPUs it runs on."""
+    to say which network it holds, and what it was trained under (a SiT or REPA model's flow objective).
+    Fine-tuning makes its own plan for the GPUs it runs on."""
     from planner.errors import PlanError
     from planner.plan import make_plan
 
@@ -278,6 +279,7 @@ def placeholder_plan(spec) -> dict:
             patch=spec.patch,
             num_classes=spec.num_classes,
             round_global_batch=True,
+            objective=objective,
         )
     except PlanError as error:
         raise UserError(f"cannot describe the imported {spec.name} with a plan ({error})") from None
@@ -307,7 +309,7 @@ def write_imported_checkpoint(
             "this checkpoint predicts no variance (learn_sigma off)",
             "dit-accel trains and samples DiTs with learned sigma only, as the released DiT checkpoints are",
         )
-    plan = placeholder_plan(spec)
+    plan = placeholder_plan(spec, (objective or {}).get("name", "ddpm"))
     rebuilt = spec_from_plan(plan)
     if dataclasses.replace(rebuilt, name=spec.name) != spec:
         raise UserError(

@@ -50,6 +50,10 @@ def test_an_imported_sit_network_is_sits_network_in_dit_accel_time(tmp_path, cap
     torch.testing.assert_close(ours[:, :4], -sit[:, :4], atol=1e-4, rtol=1e-4)  # SiT's velocity is d/dt_SiT
     torch.testing.assert_close(ours[:, 4:], sit[:, 4:], atol=1e-4, rtol=1e-4)  # the unused half, unchanged
     assert recorded_objective(run / "checkpoints" / "step_00000000")["name"] == "flow"
+    import json  # the run's placeholder plan says flow too, so fine-tuning plans from it agree
+
+    for plan in (run / "plan.json", run / "checkpoints" / "step_00000000" / "plan.json"):
+        assert json.loads(plan.read_text())["objective"] == "flow"
     assert sampler_for(recorded_objective(run), None) == "ode"
     assert (
         export_main(["--checkpoint", str(run), "--out", str(tmp_path / "pipe")]) == 2

@@ -31,6 +31,7 @@ class InitWeights:
     parameters: dict[str, torch.Tensor]
     timestep_freq_shift: int
     source: str  # where they came from: for the log and train_state.json
+    objective: str = "ddpm"  # what they were trained under (their dit_accel.json): the run must train it too
 
 
 def read_init_weights(path: str, spec, use_ema: bool = False) -> InitWeights:
@@ -49,8 +50,13 @@ def read_init_weights(path: str, spec, use_ema: bool = False) -> InitWeights:
             "plan the network of those weights (dit-plan --depth/--hidden/--heads/--patch/--num-classes/"
             "--resolution) or pass matching weights",
         )
+    from dit_accel.diffusion.flow import recorded_objective
+
     return InitWeights(
-        parameters, timestep_freq_shift(model), f"{info['checkpoint']} ({info['weights']} weights)"
+        parameters,
+        timestep_freq_shift(model),
+        f"{info['checkpoint']} ({info['weights']} weights)",
+        recorded_objective(info["checkpoint"])["name"],
     )
 
 

@@ -140,6 +140,11 @@ def build_components(
     spec = spec or plan.spec()
     decision = plan.decision
     config.objective = run_objective(plan, config)  # resolved here, so the run records what it trains
+    if init is not None and init.objective != config.objective:  # a flow model's output is a velocity
+        raise UserError(
+            f"--init-from {init.source} holds a {init.objective} model but this run trains {config.objective}",
+            f"re-plan with `dit-plan --objective {init.objective}`, or start from a {config.objective} model",
+        )
     if accelerator is not None and precision is not None:
         raise ValueError("precision is the Accelerator's (mixed_precision); pass it only for a bare device")
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_model import original_state_dict, reference_dit_forward
 
@@ -54,6 +55,7 @@ def test_an_imported_sit_network_is_sits_network_in_dit_accel_time(tmp_path, cap
 
     for plan in (run / "plan.json", run / "checkpoints" / "step_00000000" / "plan.json"):
         assert json.loads(plan.read_text())["objective"] == "flow"
+    _a_ddpm_run_refuses_to_start_from_it(run)
     assert sampler_for(recorded_objective(run), None) == "ode"
     assert (
         export_main(["--checkpoint", str(run), "--out", str(tmp_path / "pipe")]) == 2
@@ -75,3 +77,24 @@ def test_an_imported_repa_network_is_repas_network_with_a_zero_sigma_half(tmp_pa
     torch.testing.assert_close(ours[:, :4], repa, atol=1e-4, rtol=1e-4)
     assert torch.count_nonzero(ours[:, 4:]) == 0
     assert recorded_objective(run)["name"] == "flow"
+
+
+def _a_ddpm_run_refuses_to_start_from_it(run):
+    """--init-from a flow model into a ddpm plan: its output is a velocity, not a noise; refused in one line."""
+    import dataclasses
+
+    from dit_accel.errors import UserError
+    from dit_accel.resume import read_init_weights
+    from dit_accel.step import build_components
+    from dit_accel.train_config import TrainConfig
+    from planner.planfile import read_plan
+
+    plan = read_plan(run / "plan.json")
+    init = read_init_weights(str(run), plan.spec(), use_ema=True)
+    assert init.objective == "flow"
+    config = TrainConfig(plan="p", output_dir="o", latents="l")
+    with pytest.raises(
+        UserError, match="holds a flow model but this run trains ddpm.*dit-plan --objective flow"
+    ):
+        build_components(dataclasses.replace(plan, objective="ddpm"), config, device="cpu", init=init)
+    build_components(plan, TrainConfig(plan="p", output_dir="o", latents="l"), device="cpu", init=init)

@@ -31,7 +31,7 @@ from planner.outputs import (
     write_file_atomically,
     write_plan_dir,
 )
-from planner.plan import make_plan
+from planner.plan import EVAL_DEFAULTS, make_plan
 from planner.report import FORMATS, render, render_sweep
 from planner.report.tables import sweep_row
 from planner.rules import OBJECTIVES
@@ -216,6 +216,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-hour-cost",
         metavar="USD",
         help="price of one GPU-hour for the run's cost, with --steps or --epochs (default: not shown)",
+    )
+    tt.add_argument(
+        "--eval-every",
+        metavar="N",
+        help="the trainer's --eval-every: add the sampling time of an FID evaluation every N steps to the time "
+        "to train, with --steps (default: none)",
+    )
+    tt.add_argument(
+        "--eval-samples",
+        metavar="M",
+        default=EVAL_DEFAULTS["samples"],
+        help="images each evaluation samples (default: %(default)s, the trainer's)",
+    )
+    tt.add_argument(
+        "--eval-steps",
+        metavar="S",
+        default=EVAL_DEFAULTS["steps"],
+        help="sampling steps of an evaluation: DDPM's, or a flow model's Heun steps, 2 model calls each "
+        "(default: %(default)s, the trainer's)",
+    )
+    tt.add_argument(
+        "--eval-cfg-scale",
+        metavar="SCALE",
+        default=EVAL_DEFAULTS["cfg_scale"],
+        help="guidance of the evaluation's samples; other than 1, every call is two forwards (default: "
+        "%(default)s, the trainer's: none)",
     )
     ch = p.add_argument_group("the choice")
     ch.add_argument(
@@ -460,6 +486,10 @@ def common_kwargs(args) -> dict:
         repa_projector_dim=args.repa_projector_dim,
         objective=args.objective,
         data_source=args.data_source,
+        eval_every=args.eval_every,
+        eval_samples=args.eval_samples,
+        eval_steps=args.eval_steps,
+        eval_cfg_scale=args.eval_cfg_scale,
         **custom,
     )
 

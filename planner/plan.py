@@ -126,15 +126,82 @@ def train_steps(global_batch: int, steps=None, epochs=None, dataset_size=None) -
     return math.ceil(epochs * size / global_batch)
 
 
-def time_to_train(steps: int | None, global_batch: int, world_size: int, throughput, price) -> dict:
-    """Wall-clock time, GPU-hours and cost of `steps` optimizer steps at the estimate and its range."""
+EVAL_DEFAULTS = {"samples": 10_000, "steps": 250, "cfg_scale": 1.0}  # the trainer's --eval-* defaults
+
+
+def evaluation_time(
+    steps: int | None,
+    every,
+    samples,
+    sample_steps,
+    cfg_scale,
+    objective: str,
+    spec,
+    world_size: int,
+    throughput,
+) -> dict | None:
+    """The sampling time of the trainer's --eval-every evaluations (dit_accel.train_eval), None without it.
+
+    One evaluation samples `samples` images over every GPU; each image costs `sample_steps` x model calls per
+    step (1 for DDPM, 2 for a flow model's Heun ODE) x 2 with guidance (cfg scale not 1: the conditional and
+    the unconditional half) forwards of spec.fwd_flops_per_image, at the DiT's matmul rate of the plan
+    (peak x MFU, its range from the MFU range; sampling batches are taken as saturating). There are
+    floor(steps / every) evaluations (multiples of `every`, never step 0). The Inception features and the
+    VAE decode are left out (at 256 px: 5.7 GFLOP and about 1.2 TFLOP an image, against 250 x 237 GFLOP)."""
+    if every is None:
+        return None
+    if steps is None:
+        raise PlanError("--eval-every adds its sampling time to the time to train: give --steps N too")
+    every = _positive_number(every, "--eval-every", whole=True)
+    samples = _positive_number(samples, "--eval-samples", whole=True)
+    sample_steps = _positive_number(sample_steps, "--eval-steps", whole=True)
+    try:
+        cfg_scale = float(cfg_scale)
+    except (TypeError, ValueError):
+        cfg_scale = math.nan
+    if not (math.isfinite(cfg_scale) and cfg_scale >= 0):
+        raise PlanError(f"--eval-cfg-scale must be a finite number >= 0, got {cfg_scale!r}", "pass 1 (none)")
+    calls = 2 if objective == "flow" else 1
+    guidance = 1 if cfg_scale == 1.0 else 2
+    image_flops = sample_steps * calls * guidance * spec.fwd_flops_per_image
+    evaluations = steps // every
+    rate = world_size * throughput.peak_flops_per_gpu  # FLOP/s of the cluster at 100% MFU
+    point, low, high = (
+        evaluations * samples * image_flops / (rate * mfu)
+        for mfu in (throughput.assumed_mfu, throughput.mfu_high, throughput.mfu_low)
+    )
+    return {
+        "every": every,
+        "samples": samples,
+        "steps": sample_steps,
+        "cfg_scale": cfg_scale,
+        "model_calls_per_step": calls,
+        "guidance_factor": guidance,
+        "sample_flops_per_image": image_flops,
+        "evaluations": evaluations,
+        "time_s": point,
+        "time_s_low": low,
+        "time_s_high": high,
+    }
+
+
+def time_to_train(
+    steps: int | None, global_batch: int, world_size: int, throughput, price, evaluation: dict | None = None
+) -> dict:
+    """Wall-clock time, GPU-hours and cost of `steps` optimizer steps at the estimate and its range, with the
+    sampling time of `evaluation` (`evaluation_time`) added when there is one."""
     if steps is None:
         return {"train_steps": None, "time_to_train_s": None, "gpu_hours": None, "cost": None}
     images = steps * global_batch
+    extra = (
+        (evaluation["time_s"], evaluation["time_s_low"], evaluation["time_s_high"])
+        if evaluation
+        else (0, 0, 0)
+    )
     point, low, high = (
-        images / throughput.images_per_s,
-        images / throughput.images_per_s_high,  # the fast end of the range gives the short time
-        images / throughput.images_per_s_low,
+        images / throughput.images_per_s + extra[0],
+        images / throughput.images_per_s_high + extra[1],  # the fast end of the range gives the short time
+        images / throughput.images_per_s_low + extra[2],
     )
     hours = [t * world_size / 3600 for t in (point, low, high)]
     out = {
@@ -210,13 +277,18 @@ def make_plan(
     repa_projector_dim: int = DEFAULT_PROJECTOR_DIM,
     objective: str = "ddpm",
     data_source: str = "folder",
+    eval_every=None,
+    eval_samples=EVAL_DEFAULTS["samples"],
+    eval_steps=EVAL_DEFAULTS["steps"],
+    eval_cfg_scale=EVAL_DEFAULTS["cfg_scale"],
 ) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
 
     `assumptions`: overrides of assumed constants (a dict, or an `Assumptions`). `calibration`: a file written
     by `dit-accel calibrate` (path) or its parsed dict; its measured figures replace the assumed ones where
     they apply to this plan (planner/calibration.py), and `assumptions` still override them. `steps` (or
-    `epochs` with `dataset_size`) adds the time to train, GPU-hours and, with `gpu_hour_cost`, the cost.
+    `epochs` with `dataset_size`) adds the time to train, GPU-hours and, with `gpu_hour_cost`, the cost;
+    `eval_every` (with `eval_samples`, `eval_steps`, `eval_cfg_scale`) the trainer's evaluations' sampling.
     """
     inputs = {k: v for k, v in locals().items() if k not in ("assumptions", "calibration")}  # as given
     inputs["assumptions"] = dict(assumptions) if isinstance(assumptions, dict) else None
@@ -312,10 +384,13 @@ def make_plan(
     warnings += _advice(
         spec, decision, cluster, preset, precision, main_process_ip, others, throughput, assumed
     )
-    training = time_to_train(steps, global_batch, world, throughput, price)
+    evaluation = evaluation_time(
+        steps, eval_every, eval_samples, eval_steps, eval_cfg_scale, objective, spec, world, throughput
+    )
+    training = time_to_train(steps, global_batch, world, throughput, price, evaluation)
 
-    def timed(candidate) -> dict:
-        t = time_to_train(steps, global_batch, world, candidate.throughput, price)
+    def timed(candidate) -> dict:  # the same evaluations: their time does not depend on the choice
+        t = time_to_train(steps, global_batch, world, candidate.throughput, price, evaluation)
         return {key: t[key] for key in ("time_to_train_s", "gpu_hours", "cost")}
 
     return {
@@ -398,6 +473,7 @@ def make_plan(
             "comm_bytes_per_gpu": comm_bytes_per_gpu(spec, decision, cluster),
             "memory_bandwidth_bytes_per_s": memory_bandwidth(cluster, assumed),
             **training,
+            "evaluation": evaluation,  # --eval-every's sampling, included in time_to_train_s (null: none)
             "gpu_hour_cost": price,
         },
         "host": host,

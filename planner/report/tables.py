@@ -133,11 +133,27 @@ def time_to_train_rows(plan: dict) -> tuple[list, list]:
     )
     rows = [row]
     world = plan["cluster"]["world_size"]
+    evaluation = t.get("evaluation")  # --eval-every: its sampling is in every row's time, and on a line
+    extra = [evaluation[key] for key in ("time_s", "time_s_low", "time_s_high")] if evaluation else [0, 0, 0]
+    if evaluation:
+        hours = [x * world / 3600 for x in extra]
+        rows.append(
+            [
+                f"  of which evaluation: {evaluation['evaluations']:,} x {evaluation['samples']:,} samples, "
+                f"{evaluation['steps']} steps, cfg {evaluation['cfg_scale']:g}",
+                f"every {evaluation['every']:,}",
+                duration(extra[0]),
+                f"{duration(extra[1])} - {duration(extra[2])}",
+                f"{hours[0]:,.0f}",
+                f"{hours[1]:,.0f} - {hours[2]:,.0f}",
+            ]
+            + ([money_cell(hours[0] * t["gpu_hour_cost"]), ""] if priced else [])
+        )
     steps, batch = t["train_steps"], plan["global_batch"]
     for a in plan["alternatives"]:
         times = [
-            steps * batch / a[key]
-            for key in ("est_images_per_s", "est_images_per_s_high", "est_images_per_s_low")
+            steps * batch / a[key] + more
+            for key, more in zip(("est_images_per_s", "est_images_per_s_high", "est_images_per_s_low"), extra)
         ]
         hours = [x * world / 3600 for x in times]
         rows.append(

@@ -176,6 +176,24 @@ def test_tf1_resize_reads_position_i_times_in_over_out_without_half_pixel_centre
     np.testing.assert_allclose(resize_like_tf1(square, 2)[0, 0].numpy(), [[0.0, 1.5], [4.5, 6.0]])
 
 
+# torch-fidelity's FeatureExtractorInceptionV3 (its source at commit 5e211a9): the sha256 of its state dict's
+# sorted "name shape dtype" lines, its tensor count and its element count, recorded once from that module
+# (docs/evaluation.md: the same random weights gave bit-identical features in both networks).
+TORCH_FIDELITY_LAYOUT = ("928ac4362eaf1dd51cd1dba587554736ca4639309f446436ea83fa2721257cf5", 566, 23_885_486)
+
+
+def test_the_network_has_the_state_dict_layout_of_torch_fidelitys_inception():
+    """The published weight file is torch-fidelity's module's state dict: the same names, shapes and dtypes."""
+    import hashlib
+
+    from dit_accel.evaluate.inception import InceptionV3
+
+    state = InceptionV3(299).state_dict()
+    lines = "\n".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in sorted(state.items()))
+    layout = (hashlib.sha256(lines.encode()).hexdigest(), len(state), sum(t.numel() for t in state.values()))
+    assert layout == TORCH_FIDELITY_LAYOUT
+
+
 EVAL_PX = 75  # the least Inception-v3 takes; the graph's 299 would make these tests 16 times slower
 
 

@@ -14,6 +14,17 @@ import torch
 
 from dit_accel.evaluate import metrics
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread, as the launched commands run (OMP_NUM_THREADS=1): torch's default of one per core
+    runs the small convolutions here several times slower on a shared 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --- Fréchet distance -------------------------------------------------------------------------------------
 
 
@@ -446,7 +457,7 @@ def _fresh_accelerate_state():
 def _sample(run, *argv) -> int:
     from dit_accel.sample import main
 
-    common = ["--checkpoint", run, "--num-samples", 8, "--batch-size", 8, "--steps", 2, "--no-ema"]
+    common = ["--checkpoint", run, "--num-samples", 5, "--batch-size", 5, "--steps", 2, "--no-ema"]
     with _fresh_accelerate_state():
         return main([str(a) for a in [*common, *argv]])
 
@@ -468,7 +479,7 @@ def test_sample_evaluate_scores_what_evaluate_scores_on_the_same_images(
     assert _sample(tiny_run, "--npz", tmp_path / "s.npz", *scoring, "--results", tmp_path / "both.json") == 0
     from dit_accel.evaluate.command import main as evaluate
 
-    argv = ["--samples", tmp_path / "s.npz", "--reference", *scoring[1:], "--batch-size", 8]
+    argv = ["--samples", tmp_path / "s.npz", "--reference", *scoring[1:], "--batch-size", 5]
     argv += ["--out", tmp_path / "file.json"]
     assert evaluate([str(a) for a in argv]) == 0
     assert _sample(tiny_run, *scoring, "--results", tmp_path / "only.json") == 0
@@ -484,10 +495,10 @@ def test_sample_evaluate_scores_what_evaluate_scores_on_the_same_images(
     )
     for key in ("fid", "sfid", "inception_score", "precision", "recall", "num_samples", "num_reference"):
         assert only[key] == pytest.approx(from_file[key], rel=1e-9) == both[key], key
-    assert only["num_samples"] == 8 and only["num_reference"] == 12 and math.isfinite(only["fid"])
+    assert only["num_samples"] == 5 and only["num_reference"] == 12 and math.isfinite(only["fid"])
     assert only["samples"].endswith("not kept") and only["sampling"]["steps"] == 2
     assert (
-        printed.count(f"FID {only['fid']:.4f} (8 samples vs 12 reference images)") == 3
+        printed.count(f"FID {only['fid']:.4f} (5 samples vs 12 reference images)") == 3
     )  # both runs of sample, and evaluate
 
     # A missing reference stops the command before any sampling, one line, nothing written.

@@ -108,6 +108,7 @@ def build_components(
     precision: str | None = None,
     init: InitWeights | None = None,
     timestep_freq_shift: int | None = None,
+    repa_encoder=None,
 ) -> Components:
     """Model, EMA, optimizer, lr schedule and objective, exactly as the plan says.
 
@@ -155,7 +156,8 @@ def build_components(
         model = build_model(spec, timestep_freq_shift=timestep_freq_shift)
     if init is not None:
         load_init_weights(model, init)  # on every rank, before sharding: each rank then keeps its shard
-    repa = build_for_run(model, config, plan, spec, device)  # its projector joins the network, seeded
+    # REPA: its projector joins the network, seeded (`repa_encoder`: a built one, for traces)
+    repa = build_for_run(model, config, plan, spec, device, repa_encoder)
     set_checkpointed_blocks(model, decision.checkpointed_blocks)
     if accelerator is not None:  # the trainer's step; verify traces the eager step on fake tensors
         compile_for_run(model, config.compile, plan.compile, device)  # after checkpointing, before FSDP/DDP

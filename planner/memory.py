@@ -631,7 +631,8 @@ def repa_bytes(spec, decision, cluster, assumptions, moment) -> int:
 
     Always: `repa_persistent_bytes`. The projector's gradient once backward has made it (from the start when
     accumulating, as the network's). `repa_encode`: the encoder's no-grad working set and, under autocast,
-    the cast copies of its weights (its own autocast region: freed when it exits). Forward and backward: the
+    the cast copy of one weight at a time (autocast caches casts of weights that require gradients only: a
+    frozen encoder's are made and freed per op; the largest counts). Forward and backward: the
     encoder's target tokens and what the projector saves for backward (its two SiLUs' inputs and outputs
     per token; gone once backward has passed it, before block 0), and FSDP2's gathered copy of it.
     """
@@ -644,7 +645,8 @@ def repa_bytes(spec, decision, cluster, assumptions, moment) -> int:
     if moment in ("end_of_backward", "optimizer_step") or decision.grad_accum > 1:
         total += FP32_BYTES * projector // shards
     if moment == "repa_encode":
-        casts = eb.compute * encoder.params if eb.compute < FP32_BYTES and not decision.sharded else 0
+        lower = eb.compute < FP32_BYTES and not decision.sharded
+        casts = eb.compute * encoder.largest_matrix_params() if lower else 0
         return total + encoder.activation_bytes(grid, b, eb.compute) + casts
     if moment in FORWARD_MOMENTS or moment == "start_of_backward":
         total += b * spec.tokens * (encoder.dim + 4 * decision.repa_projector_dim) * eb.compute

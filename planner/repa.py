@@ -64,6 +64,11 @@ class EncoderSpec:
         block = s * (4 * d * d + mlp) + 2 * s * s * d
         return grid * grid * 3 * ENCODER_PATCH * ENCODER_PATCH * d + self.depth * block
 
+    def largest_matrix_params(self) -> int:
+        """The largest weight of one block (the MLP's input projection, or qkv): autocast caches no cast of a
+        weight that requires no gradient, so the frozen encoder's casts live one op at a time, this the largest."""
+        return max(3 * self.dim * self.dim, self.dim * (2 if self.swiglu else 1) * self.mlp_hidden)
+
     def activation_bytes(self, grid: int, batch: int, bytes_per_value: int) -> int:
         """The no-grad forward's working set: nothing is saved for backward, so about one block's live
         tensors at a time (residual, normed input, qkv, attention output, the MLP's hidden) plus the

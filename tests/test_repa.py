@@ -411,3 +411,29 @@ def test_a_resumed_repa_run_is_the_straight_run_and_its_ema_is_the_dit_alone(lau
     assert not any(PROJECTOR_PREFIX in k for k in ema)
     model, _spec, info = ckpt.load_for_inference(straight)  # sampling's network: the DiT alone
     assert info["weights"] == "ema" and not hasattr(model, "repa_projector")
+
+
+def test_verify_traces_a_repa_step_and_the_planner_holds_to_it():
+    """`dit-accel verify` on a REPA plan: the encoder (of the plan's published shape, on fake tensors), its
+    working set and the projector's weights, gradients, AdamW state and saved tensors are the trace's "repa",
+    the planner's component of the same name; every component and the peak within the usual tolerances."""
+    from dit_accel.memtrace import comparison as memtrace_compare
+    from dit_accel.memtrace import trace_training_step
+    from planner.plan import make_plan
+    from planner.planfile import parse_plan
+
+    plan = parse_plan(
+        make_plan(
+            **dict(model="DiT-S/2", resolution=256, gpus=1, vram="80G", global_batch=16, sharding="ddp"),
+            **dict(precision="bf16", max_micro_batch=16, objective="flow", repa="dinov2-b"),
+        )
+    )
+    result = trace_training_step(plan, autocast_device="cpu")
+    encoder = ENCODERS["dinov2-b"]
+    projector = projector_params(384, encoder.dim, 2048)
+    persistent = 4 * encoder.params + 3 * 4 * projector  # frozen fp32 encoder; projector w + AdamW's 2
+    assert result.components["repa"] >= persistent
+    assert result.components["weights"] == 4 * plan.spec().params_trainable  # the projector is not the DiT's
+    comparison = memtrace_compare.compare(result, plan)
+    assert comparison.outside_tolerance("bf16") == []
+    assert abs(comparison.component_error("repa")) < 0.05  # held to 5% itself, beyond the 64 MiB floor

@@ -14,7 +14,17 @@ if TYPE_CHECKING:  # annotations only: the comparison itself needs no torch
 
 # Planner components a tensor trace can check; "overhead" (CUDA context, cuBLAS, NCCL) it cannot, and
 # "allocator" (reserved beyond allocated) is checked against the trace's replay through the allocator model.
-COMPARED = ("weights", "grads", "optimizer", "ema", "activations", "autocast_cache", "vae", "temporaries")
+COMPARED = (
+    "weights",
+    "grads",
+    "optimizer",
+    "ema",
+    "activations",
+    "autocast_cache",
+    "vae",
+    "repa",
+    "temporaries",
+)
 # the planner's reserved peak against the replayed one, by allocator mode: the fragmentation terms are
 # calibrated on the verify grid's replays (docs/planner-accuracy.md); expandable segments (the trainer's
 # default on CUDA) are modelled closely, fixed segments only roughly
@@ -253,6 +263,7 @@ def compare_sharded(result: TraceResult, plan: Plan) -> ShardedComparison:
         "activations": (traced["activations"], f"traced: pure {dtype}, no autocast"),
         "autocast_cache": (traced["autocast_cache"], "traced: no autocast, so no cache"),
         "vae": (traced["vae"], "traced"),
+        "repa": (traced["repa"], "traced: the frozen encoder whole, the projector as one rank holds it"),
         "temporaries": (traced["temporaries"], "traced: unsharded grads freed per parameter, not per unit"),
     }
     phases = planner_phases(plan, result.autocast_device, result.sharding, world_size)

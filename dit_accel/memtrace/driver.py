@@ -49,6 +49,9 @@ class StepParts:
     ema_tensors: list = field(default_factory=list)
     vae: torch.nn.Module | None = None
     batch_tensors: list = field(default_factory=list)
+    # REPA: the frozen encoder and the network's projector, whose storages are the planner's "repa"
+    repa_encoder: torch.nn.Module | None = None
+    repa_projector: torch.nn.Module | None = None
     # called when a parameter's gradient is complete; default: count `param.grad` as grads (a sharded trace
     # frees it and keeps a 1/N fp32 shard instead, as FSDP2's reduce-scatter does)
     on_grad: Callable[[torch.nn.Parameter, StorageTracker], None] | None = None
@@ -64,8 +67,14 @@ def run_traced(
     does the same work. Earlier steps run one micro-step: they exist to create AdamW's state, and every
     moment of theirs is matched by the same moment of the last step, which also holds that state.
     """
+    projector = (
+        {id(p) for p in parts.repa_projector.parameters()} if parts.repa_projector is not None else set()
+    )
     for param in parts.model.parameters():
-        tracker.tag(param, "weights")
+        tracker.tag(param, "repa" if id(param) in projector else "weights")
+    if parts.repa_encoder is not None:
+        for tensor in list(parts.repa_encoder.parameters()) + list(parts.repa_encoder.buffers()):
+            tracker.tag(tensor, "repa")
     for buffer in parts.model.buffers():
         tracker.tag(buffer, "buffers")
     for tensor in parts.ema_tensors:
@@ -107,7 +116,7 @@ def run_traced(
     if parts.on_grad is None:
 
         def on_grad(p):
-            tracker.tag(p.grad, "grads")
+            tracker.tag(p.grad, "repa" if id(p) in projector else "grads")
     else:
 
         def on_grad(p):
@@ -127,12 +136,24 @@ def run_traced(
         for module in parts.vae.children():
             handles.append(module.register_forward_pre_hook(vae_enter))
             handles.append(module.register_forward_hook(vae_leave))
+    if parts.repa_encoder is not None:  # what the encoder's forward makes is REPA's working set,
+
+        def repa_enter(module, args):
+            tracker.in_repa += 1
+
+        def repa_leave(module, args, output):
+            tracker.in_repa -= 1
+
+        # ... and so is what the projector saves for backward, made inside block K's forward
+        for module in (parts.repa_encoder, parts.repa_projector):
+            handles.append(module.register_forward_pre_hook(repa_enter))
+            handles.append(module.register_forward_hook(repa_leave))
 
     def optimizer_post(optimizer, args, kwargs):
-        for state in optimizer.state.values():
+        for param, state in optimizer.state.items():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    tracker.tag(value, "optimizer")
+                    tracker.tag(value, "repa" if id(param) in projector else "optimizer")
 
     handles.append(register_optimizer_step_post_hook(optimizer_post))
     try:
@@ -169,8 +190,11 @@ SD_VAE_CONFIG = {
 }
 
 
-def fake_batch(spec, micro_batch: int, device: torch.device, online: bool) -> dict:
-    """One micro-batch as the trainer's `Collate` makes it (on fake tensors: shapes and dtypes only)."""
+def fake_batch(
+    spec, micro_batch: int, device: torch.device, online: bool, flow: bool = False, images: bool = False
+) -> dict:
+    """One micro-batch as the trainer's `Collate` makes it (on fake tensors: shapes and dtypes only): a flow
+    objective's t is a float per sample; REPA from a latent cache adds each latent's source image."""
     side = spec.resolution if online else spec.latent_size
     channels = 3 if online else spec.in_channels
     batch = {
@@ -183,8 +207,12 @@ def fake_batch(spec, micro_batch: int, device: torch.device, online: bool) -> di
         ),
         "drop": torch.zeros(micro_batch, dtype=torch.bool, device=device),
     }
+    if flow:
+        batch["t"] = torch.rand(micro_batch, device=device)
     if online:
         batch["posterior_noise"] = torch.randn_like(batch["noise"])
+    if images:
+        batch["image"] = torch.randn(micro_batch, 3, spec.resolution, spec.resolution, device=device)
     return batch
 
 
@@ -226,6 +254,14 @@ def build_step_parts(
     )
     config = TrainConfig(plan="(traced)", output_dir="(traced)", latents="(traced)")
     device = torch.device(device)
+    encoder = None
+    if plan.decision.repa:  # an encoder of the plan's published shape, aligned at a block the trace has
+        from dit_accel.repa.encoder import encoder_of_shape
+        from dit_accel.repa.training import token_grid
+
+        config.repa_encoder, config.repa_projector_dim = "(traced)", plan.decision.repa_projector_dim
+        config.repa_depth = min(config.repa_depth, spec.depth)
+        encoder = encoder_of_shape(plan.decision.repa, token_grid(spec), device)
     # The plan's precision even where a bare-device run would fall back (fp16 on a CPU): the trace is a
     # proxy for the GPU run. Without an Accelerator there is no GradScaler (a few scalars).
     components = step.build_components(
@@ -234,11 +270,13 @@ def build_step_parts(
         device=device,
         spec=spec,
         precision="fp32" if sharded_world_size else plan.decision.precision,
+        repa_encoder=encoder,
     )
     components.plan = plan
     if online:
         components.vae, components.latent_shift_scale = build_vae(vae_config, device)
-    batch = fake_batch(spec, micro_batch, device, online)
+    flow, images = plan.objective == "flow", bool(plan.decision.repa) and not online
+    batch = fake_batch(spec, micro_batch, device, online, flow, images)
     losses = []
 
     no_device = device.type == "cuda" and fake_cuda.without_a_device()
@@ -268,6 +306,8 @@ def build_step_parts(
         ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
         vae=components.vae,
         batch_tensors=list(batch.values()),
+        repa_encoder=components.repa.encoder if components.repa is not None else None,
+        repa_projector=getattr(model, "repa_projector", None),
     )
     if sharded_world_size:
         make_sharded(parts, plan.decision.precision, sharded_world_size, losses)

@@ -23,6 +23,7 @@ COMPONENTS = (
     "activations",
     "autocast_cache",
     "vae",
+    "repa",
     "temporaries",
     "batch",
     "buffers",
@@ -65,6 +66,7 @@ class StorageTracker(TorchDispatchMode):
         self.window_peaks: dict[Hashable, tuple[int, dict[str, int]]] = {}
         self.phase = "forward"  # "forward" | "optimizer" (set by the driver); backward is read from autograd
         self.in_vae = 0
+        self.in_repa = 0  # inside REPA's frozen encoder (set by the driver's hooks)
         self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref, event key]
         # every storage's allocation (key, nbytes) and free (key, None), in order: the allocator replays them
         self.events: list[tuple[int, int | None]] = []
@@ -139,6 +141,8 @@ class StorageTracker(TorchDispatchMode):
     def _component_for_new(self, func, args) -> str:
         if self.in_vae:
             return "vae"
+        if self.in_repa:
+            return "repa"
         # Inside autograd's backward, ops run without grad mode, except a checkpointed block's recompute,
         # which recreates that block's saved activations (and, under autocast, its weight copies).
         if _in_backward() and not torch.is_grad_enabled():

@@ -110,11 +110,13 @@ class Repa:
 
     @classmethod
     def build(
-        cls, model: nn.Module, encoder_path: str, depth: int, coeff: float, width: int, grid: int, device
+        cls, model: nn.Module, encoder, depth: int, coeff: float, width: int, grid: int, device
     ) -> Repa:
+        """`encoder`: the path of published weights (`load_encoder`), or an encoder module already built."""
         from dit_accel.repa.encoder import load_encoder
 
-        encoder = load_encoder(encoder_path, grid, device)
+        if not isinstance(encoder, nn.Module):
+            encoder = load_encoder(encoder, grid, device)
         attach_projector(model, encoder.dim, width)
         return cls(encoder, TokenCapture(model, depth), coeff, grid)
 

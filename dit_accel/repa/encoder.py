@@ -228,6 +228,18 @@ def load_encoder(path: str | Path, grid: int, device: torch.device | str = "cpu"
     return encoder.to(device).eval()
 
 
+def encoder_of_shape(name: str, grid: int, device: torch.device | str = "cpu") -> DinoV2:
+    """A frozen encoder of a published backbone's shape (planner.repa's `name`) with its weights left at their
+    initial values: what `dit-accel verify` traces on fake tensors, where only shapes and dtypes count."""
+    from planner.repa import encoder_spec
+
+    spec = encoder_spec(name)
+    with torch.device(device):
+        encoder = DinoV2(spec.dim, spec.depth, spec.mlp_hidden, spec.swiglu, spec.registers, pos_grid=grid)
+    encoder.requires_grad_(False)
+    return encoder.eval()
+
+
 def preprocess(images: torch.Tensor, grid: int) -> torch.Tensor:
     """Clean images in [-1, 1] -> what DINOv2 expects: [0, 1], ImageNet-normalised, bicubic-resized to one
     encoder patch per DiT token."""

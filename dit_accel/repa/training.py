@@ -24,9 +24,10 @@ def token_grid(spec) -> int:
     return spec.latent_size // spec.patch
 
 
-def build_for_run(model, config, plan, spec, device) -> Repa | None:
+def build_for_run(model, config, plan, spec, device, encoder=None) -> Repa | None:
     """The run's alignment from --repa-encoder/--repa-depth/--repa-coeff/--repa-projector-dim, with the
     projector attached to the unwrapped `model` (seeded: every rank draws the same one); None without REPA.
+    `encoder`: an encoder already built (`dit-accel verify`'s, of the plan's shape), not read from the flag.
 
     The plan counted one encoder and projector (dit-plan --repa): a run without them, with another published
     backbone or another projector width contradicts it and is refused, as a launch of another precision is."""
@@ -51,7 +52,7 @@ def build_for_run(model, config, plan, spec, device) -> Repa | None:
         )
     repa = Repa.build(
         model,
-        config.repa_encoder,
+        encoder if encoder is not None else config.repa_encoder,
         config.repa_depth,
         config.repa_coeff,
         config.repa_projector_dim,

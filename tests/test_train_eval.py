@@ -110,6 +110,24 @@ def test_the_scores_are_those_sample_evaluate_gives_for_the_checkpoints_of_those
     assert len(list((workspace / "cache").rglob("reference-*.npz"))) == 1  # computed once, by the run
 
 
+def test_evaluating_changes_nothing_the_run_trains(evaluated, workspace, tmp_path):
+    """Sampling draws from its own per-sample generators: the same run without --eval-every has the same
+    losses and, at step 4, the same weights and EMA bit for bit."""
+    from safetensors.torch import load_file
+
+    plain = tmp_path / "plain"
+    assert _train(workspace, plain, "--max-steps", 4, "--checkpoint-every", 2, "--no-tensorboard") == 0
+
+    def losses(run):
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [line["loss"] for line in lines if "loss" in line]
+
+    assert losses(plain) == losses(evaluated)
+    for name in ("model.safetensors", "ema.safetensors"):
+        ours, theirs = (load_file(run / "checkpoints" / "step_00000004" / name) for run in (plain, evaluated))
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+
+
 def e2e_state():
     from test_evaluate import _fresh_accelerate_state
 

@@ -28,7 +28,12 @@ def table(scores: dict, reference_note: str) -> str:
         "recall": f"k = 3, {count}",
     }
     rows = [(name, f"{scores[key]:.4f}", notes[key]) for key, name in METRIC_ROWS]
-    return tabulate(rows, headers=("metric", "value", "measured on"))
+    return tabulate(
+        rows,
+        headers=("metric", "value", "measured on"),
+        disable_numparse=True,
+        colalign=("left", "right", "left"),
+    )
 
 
 def fid_line(scores: dict, reference_note: str) -> str:

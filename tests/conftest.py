@@ -21,6 +21,16 @@ def _isolated_hf_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
 
 
+def pytest_configure(config):
+    """One intra-op thread per test process, as every launched command runs (OMP_NUM_THREADS=1 above): torch
+    otherwise starts one per core, and the xdist workers, each with its threads, contend for the same cores,
+    running the small ops of these tiny models several times slower. OMP_NUM_THREADS set by the caller wins."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if not any(item.get_closest_marker(name) for name in ("launched", "slow")):

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--classes",
         default=None,
         help="comma-separated class indices, e.g. 207,360,387 (default: the paper's 8 showcase classes "
-        "for ImageNet-1k, else the first 8; with --npz: every class)",
+        "for ImageNet-1k, else the first 8; with --npz or --evaluate: every class)",
     )
     parser.add_argument(
         "--per-class", type=positive_int, default=1, help="samples per class in the grid (one row per class)"
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cfg-scale",
         type=finite_float,
         default=None,
-        help="classifier-free guidance scale; 1 turns it off (default 4.0 for a grid, 1.5 for --npz)",
+        help="classifier-free guidance scale; 1 turns it off (default 4.0 for a grid, 1.5 for --npz/--evaluate)",
     )
     parser.add_argument(
         "--guidance",

@@ -507,3 +507,31 @@ def test_sample_evaluate_scores_what_evaluate_scores_on_the_same_images(
     err = capsys.readouterr().err.strip()
     assert err.startswith("dit-accel sample: error: the reference") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_a_resumed_batch_is_scored_with_the_shards_it_already_had(evaluation, tiny_run, tmp_path, capsys):
+    """`--npz --evaluate` over a half-made batch reads the finished shard back for its features (here one
+    whose images were altered, so a resampled shard would show): the scores are those of the file it
+    assembles."""
+    import json
+
+    from dit_accel.evaluate.command import main as evaluate
+
+    assert _sample(tiny_run, "--batch-size", 3, "--npz", tmp_path / "a.npz") == 0
+    with np.load(tmp_path / "a.npz") as made:
+        images, labels = made["arr_0"], made["arr_1"]
+    (tmp_path / "b.npz.parts").mkdir()
+    np.savez(tmp_path / "b.npz.parts" / "batch_000000.npz", images=255 - images[:3], labels=labels[:3])
+    scoring = ["--inception-weights", evaluation / "inception.pth", "--cache-dir", evaluation / "cache"]
+    scoring += ["--input-px", EVAL_PX]
+    argv = ["--batch-size", 3, "--npz", tmp_path / "b.npz", "--evaluate", evaluation / "reference.npz"]
+    assert _sample(tiny_run, *argv, *scoring, "--results", tmp_path / "b.json") == 0
+    assert "1 batches made, 1 already done" in capsys.readouterr().out
+    with np.load(tmp_path / "b.npz") as resumed:
+        assert np.array_equal(resumed["arr_0"][:3], 255 - images[:3])
+        assert np.array_equal(resumed["arr_0"][3:], images[3:])
+    argv = ["--samples", tmp_path / "b.npz", "--reference", evaluation / "reference.npz", "--batch-size", 3]
+    assert evaluate([str(a) for a in [*argv, *scoring, "--out", tmp_path / "file.json"]]) == 0
+    scored, from_file = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("b", "file"))
+    for key in ("fid", "sfid", "inception_score", "precision", "recall"):
+        assert scored[key] == pytest.approx(from_file[key], rel=1e-9), key

@@ -28,15 +28,17 @@ import torch
 log = logging.getLogger("dit_accel.train")
 
 
-def eval_settings(config):
-    """The sampler of the run's evaluations: `dit-accel sample`'s default for the run's objective."""
+def eval_settings(config, plan):
+    """The sampler of the run's evaluations: `dit-accel sample`'s default for the run's objective (--objective,
+    else the plan's: made before build_components resolves it into the config)."""
     from dit_accel.sample import SampleSettings
+    from dit_accel.step import run_objective
 
     return SampleSettings(
         cfg_scale=config.eval_cfg_scale,
         steps=config.eval_steps,
         seed=config.seed,
-        sampler="ode" if config.objective == "flow" else "ddpm",
+        sampler="ode" if run_objective(plan, config) == "flow" else "ddpm",
         flow_path=config.flow_path,
     )
 
@@ -56,7 +58,7 @@ class TrainingEval:
         from dit_accel.sample import balanced_labels, load_decoder
         from dit_accel.train_samples import run_vae_path
 
-        self.settings = eval_settings(config)
+        self.settings = eval_settings(config, plan)
         self.batch_size = plan.decision.micro_batch
         self.scorer = Scorer(
             accelerator,

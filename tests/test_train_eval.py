@@ -35,14 +35,16 @@ def workspace(tmp_path_factory):
         "1",
     ]
     assert dit_plan([*model, "--global-batch", "8", "--out", str(root / "plan")]) == 0
+    flow = ["--objective", "flow", "--out", str(root / "plan-flow")]
+    assert dit_plan([*model, "--global-batch", "8", *flow]) == 0
     reference = _blobs(12, seed=1)
     torch.save(_fitted_random_inception(reference).state_dict(), root / "inception.pth")
     np.savez(root / "reference.npz", reference)
     return root
 
 
-def _train(workspace, run, *extra, env=None) -> int:
-    argv = ["--plan", workspace / "plan" / "plan.json", "--data-path", workspace / "images"]
+def _train(workspace, run, *extra, env=None, plan="plan") -> int:
+    argv = ["--plan", workspace / plan / "plan.json", "--data-path", workspace / "images"]
     argv += ["--output-dir", run, "--num-workers", 0, "--no-progress-bar", "--lr", "3e-3", "--log-every", 1]
     return e2e.run_in_process([*argv, *extra], env=env)
 
@@ -87,26 +89,14 @@ def test_the_scores_are_those_sample_evaluate_gives_for_the_checkpoints_of_those
 ):
     """The same EMA, labels, seeds, sampler and batches: `sample --evaluate` on step 2's and step 4's
     checkpoints scores what the run logged (the reference's statistics from the run's cache)."""
-    from dit_accel.sample import main as sample
-
     logged = [json.loads(line) for line in (evaluated / "metrics.jsonl").read_text().splitlines()]
     logged = {line["step"]: line for line in logged if "eval/fid" in line}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the run sampled
-    try:
-        for step in (2, 4):
-            argv = ["--checkpoint", evaluated / "checkpoints" / f"step_{step:08d}", "--num-samples", 8]
-            argv += ["--batch-size", 8, "--steps", 2, "--cfg-scale", 1.0, "--input-px", EVAL_PX]
-            argv += ["--evaluate", workspace / "reference.npz", "--results", tmp_path / f"{step}.json"]
-            argv += ["--inception-weights", workspace / "inception.pth"]
-            argv += ["--cache-dir", workspace / "cache" / "dit-accel" / "reference-stats"]
-            with e2e_state():
-                assert sample([str(a) for a in argv]) == 0
-            scores = json.loads((tmp_path / f"{step}.json").read_text())
-            assert scores["fid"] == pytest.approx(logged[step]["eval/fid"], rel=1e-6), step
-            assert scores["inception_score"] == pytest.approx(logged[step]["eval/is"], rel=1e-6), step
-    finally:
-        torch.set_num_threads(threads)
+    for step in (2, 4):
+        scores = _sample_evaluate(
+            evaluated / "checkpoints" / f"step_{step:08d}", workspace, tmp_path / f"{step}.json"
+        )
+        assert scores["fid"] == pytest.approx(logged[step]["eval/fid"], rel=1e-6), step
+        assert scores["inception_score"] == pytest.approx(logged[step]["eval/is"], rel=1e-6), step
     assert len(list((workspace / "cache").rglob("reference-*.npz"))) == 1  # computed once, by the run
 
 
@@ -126,6 +116,57 @@ def test_evaluating_changes_nothing_the_run_trains(evaluated, workspace, tmp_pat
     for name in ("model.safetensors", "ema.safetensors"):
         ours, theirs = (load_file(run / "checkpoints" / "step_00000004" / name) for run in (plain, evaluated))
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+
+
+def _sample_evaluate(checkpoint, workspace, results) -> dict:
+    """`dit-accel sample --evaluate` with the run's evaluation settings, on one thread as the run sampled."""
+    from dit_accel.sample import main as sample
+
+    argv = [
+        "--checkpoint",
+        checkpoint,
+        "--num-samples",
+        8,
+        "--batch-size",
+        8,
+        "--steps",
+        2,
+        "--cfg-scale",
+        1.0,
+    ]
+    argv += ["--input-px", EVAL_PX, "--evaluate", workspace / "reference.npz", "--results", results]
+    argv += ["--inception-weights", workspace / "inception.pth"]
+    argv += ["--cache-dir", workspace / "cache" / "dit-accel" / "reference-stats"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with e2e_state():
+            assert sample([str(a) for a in argv]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads(results.read_text())
+
+
+def test_a_flow_run_is_scored_with_the_ode_sample_uses_for_it(workspace, tmp_path):
+    """The plan's objective decides the sampler (the run resolves --objective later): the ODE, as `sample`
+    picks it for the checkpoint."""
+    run = tmp_path / "flow"
+    weights = [
+        "--eval-reference",
+        workspace / "reference.npz",
+        "--inception-weights",
+        workspace / "inception.pth",
+    ]
+    extra = ["--max-steps", 2, "--checkpoint-every", 2, "--no-tensorboard", *EVAL, *weights]
+    env = {"XDG_CACHE_HOME": str(workspace / "cache")}
+    assert _train(workspace, run, *extra, env=env, plan="plan-flow") == 0
+    assert "ode 2 steps" in (run / "logs" / "rank0.log").read_text()
+    (logged,) = [
+        json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/fid" in line
+    ]
+    scores = _sample_evaluate(run / "checkpoints" / "step_00000002", workspace, tmp_path / "flow.json")
+    assert scores["sampling"]["sampler"] == "ode"
+    assert scores["fid"] == pytest.approx(logged["eval/fid"], rel=1e-6)
 
 
 def e2e_state():

@@ -428,8 +428,10 @@ class TrainConfig:
             )
 
     def check_eval(self) -> None:
-        """--eval-every's files, before anything starts (the default Inception path is checked when the
-        trainer loads it, still before the first step)."""
+        """--eval-every's numbers and files, before anything starts: the reference batch and the Inception
+        weights (--inception-weights, else the torch hub cache's file) must be there."""
+        from dit_accel.evaluate.weights import weights_file
+
         if self.eval_samples < 4 or self.eval_input_px < 75 or self.eval_cfg_scale < 0:
             raise UserError(
                 f"--eval-samples {self.eval_samples}, --eval-input-px {self.eval_input_px}, --eval-cfg-scale "
@@ -445,11 +447,7 @@ class TrainConfig:
             raise UserError(
                 f"--eval-reference {self.eval_reference} does not exist", f"pass the file: {fetch}"
             )
-        if self.inception_weights and not Path(self.inception_weights).is_file():
-            raise UserError(
-                f"--inception-weights {self.inception_weights} does not exist",
-                f"pass torch-fidelity's weights-inception-2015-12-05-6726825d.pth: {fetch}",
-            )
+        weights_file(self.inception_weights)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

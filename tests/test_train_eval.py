@@ -185,4 +185,4 @@ def test_missing_files_are_refused_in_one_line_before_training(workspace, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("dit_accel.train: error: "), err
     assert ("absent.npz does not exist" if problem == "no reference" else "curl -L --create-dirs") in err
-    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert not run.exists()  # refused with the flags: no run folder, no process group, no model

@@ -14,7 +14,7 @@ from pathlib import Path
 from dit_accel.errors import UserError
 from dit_accel.evaluate import PAPER_SAMPLES, metrics
 from dit_accel.evaluate.features import ADM_BATCH, FeatureCollector, Features, NpzImages, npz_features
-from dit_accel.evaluate.inception import INPUT_PX, default_weights_path, load_inception
+from dit_accel.evaluate.inception import INPUT_PX, load_inception
 from dit_accel.evaluate.reference import (
     ReferenceBatch,
     cache_path,
@@ -24,6 +24,7 @@ from dit_accel.evaluate.reference import (
     read_cache,
     write_cache,
 )
+from dit_accel.evaluate.weights import default_weights_path
 
 __all__ = ["PAPER_SAMPLES", "Evaluator", "check_enough"]
 

@@ -24,14 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dit_accel.errors import UserError
+from dit_accel.evaluate.weights import WEIGHTS_URL, weights_file
 
 INPUT_PX = 299
 SPATIAL_BLOCK, SPATIAL_CHANNELS = "Mixed_6d", 7
 POOL_FEATURES, CLASSES = 2048, 1008
-
-WEIGHTS_URL = "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
-# torch-fidelity's name first; pytorch-fid publishes the same conversion under the second one
-WEIGHTS_NAMES = ("weights-inception-2015-12-05-6726825d.pth", "pt_inception-2015-12-05-6726825d.pth")
 
 
 class ConvBN(nn.Module):
@@ -236,27 +233,12 @@ class InceptionV3(nn.Module):
         return pool, spatial, pool @ self.fc.weight.T
 
 
-def default_weights_path() -> Path:
-    """Where torch hub keeps downloads (TORCH_HOME, else ~/.cache/torch/hub): checkpoints/<published name>;
-    the first of the two published names that is there, else the first."""
-    folder = Path(torch.hub.get_dir()) / "checkpoints"
-    for name in WEIGHTS_NAMES:
-        if (folder / name).is_file():
-            return folder / name
-    return folder / WEIGHTS_NAMES[0]
-
-
 def load_inception(
     weights: str | Path | None = None, device: torch.device | str = "cpu", input_px: int = INPUT_PX
 ) -> InceptionV3:
     """The network with its weights from `weights` (else the torch hub cache), in eval mode, no grads.
     Nothing is downloaded: a missing file is a one-line error saying how to fetch it."""
-    path = Path(weights) if weights else default_weights_path()
-    if not path.is_file():
-        raise UserError(
-            f"the Inception-v3 weights are not at {path}",
-            f"fetch them once: curl -L --create-dirs -o {path} {WEIGHTS_URL} (or pass --inception-weights FILE)",
-        )
+    path = weights_file(weights)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:

@@ -535,3 +535,16 @@ def test_a_resumed_batch_is_scored_with_the_shards_it_already_had(evaluation, ti
     scored, from_file = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("b", "file"))
     for key in ("fid", "sfid", "inception_score", "precision", "recall"):
         assert scored[key] == pytest.approx(from_file[key], rel=1e-9), key
+
+
+@pytest.mark.parametrize("env", [{}, {"TORCH_HOME": "/x/th"}, {"XDG_CACHE_HOME": "/x/xdg"}])
+def test_the_default_weights_place_is_the_torch_hub_cache_worked_out_without_torch(monkeypatch, env):
+    from pathlib import Path
+
+    from dit_accel.evaluate.weights import hub_checkpoints_dir
+
+    for name in ("TORCH_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert hub_checkpoints_dir() == Path(torch.hub.get_dir()) / "checkpoints"

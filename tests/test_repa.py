@@ -208,8 +208,8 @@ def test_the_plan_counts_the_encoder_the_projector_and_their_flops(tmp_path):
     encode = aligned["memory"]["phases"]["repa_encode"]["repa"]
     assert (
         encode - 4 * encoder.params - 3 * 4 * projector
-        == encoder.activation_bytes(16, 32, 2) + 2 * encoder.params
-    )
+        == encoder.activation_bytes(16, 32, 2) + 2 * encoder.largest_matrix_params()
+    )  # a frozen weight's bf16 cast lives one op at a time (autocast caches only weights with gradients)
     decision = parse_plan(aligned).decision
     spec = parse_plan(aligned).spec()
     flops = 2 * encoder.fwd_macs_per_image(16) + 6 * projector_fwd_macs_per_image(256, 1152, 768, 2048)

@@ -14,17 +14,6 @@ import torch
 
 from dit_accel.evaluate import metrics
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread, as the launched commands run (OMP_NUM_THREADS=1): torch's default of one per core
-    runs the small convolutions here several times slower on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- Fréchet distance -------------------------------------------------------------------------------------
 
 
@@ -399,6 +388,13 @@ def test_two_launched_processes_give_the_numbers_of_one(evaluation, alike_scores
 # --- sample --evaluate: scored as it is sampled ----------------------------------------------------------------
 
 
+# A 1-block pixel-space DiT at 16 px on one CPU "GPU": the plan of the runs these tests and test_train_eval score.
+TINY_PIXEL_MODEL = [
+    *("--model", "DiT-S/2", "--depth", "1", "--hidden", "32", "--heads", "2", "--resolution", "16"),
+    *("--latents", "pixel", "--num-classes", "4", "--vram", "8G", "--precision", "fp32", "--gpus", "1"),
+]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A 1-block pixel-space DiT at 16 px, trained one step on demo images: a real run folder to sample."""
@@ -408,19 +404,7 @@ def tiny_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny_run")
     write_demo_data(root / "images", classes=4, per_class=2, resolution=16, seed=0)
-    model = ["--model", "DiT-S/2", "--depth", "1", "--hidden", "32", "--heads", "2", "--resolution", "16"]
-    model += [
-        "--latents",
-        "pixel",
-        "--num-classes",
-        "4",
-        "--vram",
-        "8G",
-        "--precision",
-        "fp32",
-        "--gpus",
-        "1",
-    ]
+    model = list(TINY_PIXEL_MODEL)
     assert dit_plan([*model, "--global-batch", "8", "--out", str(root / "plan")]) == 0
     argv = [
         "--plan",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import test_train_e2e as e2e
 import torch
-from test_evaluate import EVAL_PX, _blobs, _fitted_random_inception
+from test_evaluate import EVAL_PX, TINY_PIXEL_MODEL, _blobs, _fitted_random_inception
 
 EVAL = ["--eval-every", 2, "--eval-samples", 8, "--eval-steps", 2, "--eval-input-px", EVAL_PX]
 
@@ -21,19 +21,7 @@ def workspace(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("train_eval")
     write_demo_data(root / "images", classes=4, per_class=2, resolution=16, seed=0)
-    model = ["--model", "DiT-S/2", "--depth", "1", "--hidden", "32", "--heads", "2", "--resolution", "16"]
-    model += [
-        "--latents",
-        "pixel",
-        "--num-classes",
-        "4",
-        "--vram",
-        "8G",
-        "--precision",
-        "fp32",
-        "--gpus",
-        "1",
-    ]
+    model = list(TINY_PIXEL_MODEL)
     assert dit_plan([*model, "--global-batch", "8", "--out", str(root / "plan")]) == 0
     flow = ["--objective", "flow", "--out", str(root / "plan-flow")]
     assert dit_plan([*model, "--global-batch", "8", *flow]) == 0

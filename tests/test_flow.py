@@ -311,6 +311,19 @@ def test_dit_accel_sample_reads_the_objective_from_the_checkpoint(flow_runs, tmp
     assert sample_main([*common, "--sampler", "ddim", "--out", str(tmp_path / "ddim.png")]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "--sampler ddim is for ddpm models" in error[0] and "ode or sde" in error[0]
+    # a flag only another sampler reads is refused, not silently ignored; nothing is written
+    for flags, message in (
+        (
+            ["--diffusion-form", "linear"],
+            "--diffusion-form is read by --sampler sde only, but this one samples with ode",
+        ),
+        (["--sampler", "sde", "--ode-solver", "euler"], "--ode-solver is read by --sampler ode only"),
+        (["--spacing", "leading"], "--spacing is read by --sampler ddpm or ddim only"),
+    ):
+        out = tmp_path / "ignored.png"
+        assert sample_main([*common, *flags, "--out", str(out)]) == 2, flags
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and message in error[0] and not out.exists(), error
 
 
 def test_the_trainer_refuses_an_objective_the_plan_did_not_make(flow_runs, capsys):

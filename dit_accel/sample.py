@@ -42,6 +42,7 @@ from dit_accel.sample_args import (
     ODE_SOLVERS,
     SAMPLERS,
     build_parser,
+    check_sampler_flags,
 )
 
 
@@ -458,29 +459,6 @@ def sampler_for(objective: dict, sampler: str | None) -> str:
             f"pass --sampler {' or '.join(own)} (or leave it out: {default})",
         )
     return sampler
-
-
-# flags that only one kind of sampler reads, with their defaults: another sampler would silently ignore them
-SAMPLER_FLAGS = {
-    "ode_solver": ("heun", ("ode",)),
-    "diffusion_form": ("sigma", ("sde",)),
-    "diffusion_norm": (1.0, ("sde",)),
-    "cfg_interval": ((0.0, 1.0), FLOW_SAMPLERS),
-    "spacing": (None, DDPM_SAMPLERS),
-}
-
-
-def check_sampler_flags(args, sampler: str) -> None:
-    """Refuse a flag the chosen sampler does not read (given with another value than its default)."""
-    for name, (default, readers) in SAMPLER_FLAGS.items():
-        value = getattr(args, name, default)
-        given = (tuple(value) if isinstance(value, list) else value) != default
-        if given and sampler not in readers:
-            flag = "--" + name.replace("_", "-")
-            raise UserError(
-                f"{flag} is read by --sampler {' or '.join(readers)} only, but this one samples with {sampler}",
-                f"drop {flag}, or pass --sampler {readers[0]} (if this checkpoint's objective has it)",
-            )
 
 
 def sample_images(

@@ -7,6 +7,7 @@ import argparse
 import math
 
 from dit_accel.cli_args import OneLineParser, finite_float, positive_float, positive_int, seed_int
+from dit_accel.errors import UserError
 from dit_accel.evaluate import PAPER_SAMPLES
 
 DDPM_SAMPLERS = ("ddpm", "ddim")  # for models trained with --objective ddpm (DiT's)
@@ -167,3 +168,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="--evaluate: side the Inception resizes images to: the TF graph's 299; only tests lower it",
     )
     return parser
+
+
+# flags that only one kind of sampler reads, with their defaults: another sampler would silently ignore them
+SAMPLER_FLAGS = {
+    "ode_solver": ("heun", ("ode",)),
+    "diffusion_form": ("sigma", ("sde",)),
+    "diffusion_norm": (1.0, ("sde",)),
+    "cfg_interval": ((0.0, 1.0), FLOW_SAMPLERS),
+    "spacing": (None, DDPM_SAMPLERS),
+}
+
+
+def check_sampler_flags(args, sampler: str) -> None:
+    """Refuse a flag the chosen sampler does not read (given with another value than its default)."""
+    for name, (default, readers) in SAMPLER_FLAGS.items():
+        value = getattr(args, name, default)
+        given = (tuple(value) if isinstance(value, list) else value) != default
+        if given and sampler not in readers:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(
+                f"{flag} is read by --sampler {' or '.join(readers)} only, but this one samples with {sampler}",
+                f"drop {flag}, or pass --sampler {readers[0]} (if this checkpoint's objective has it)",
+            )

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_sample import fresh_accelerate_state
 
 from dit_accel.evaluate import metrics
 
@@ -415,34 +416,16 @@ def tiny_run(tmp_path_factory):
         root / "run",
     ]
     argv += ["--max-steps", 1, "--num-workers", 0, "--no-progress-bar", "--no-tensorboard"]
-    with _fresh_accelerate_state():
+    with fresh_accelerate_state():
         assert train([str(a) for a in argv]) == 0
     return root / "run"
-
-
-def _fresh_accelerate_state():
-    import contextlib
-
-    from accelerate.state import AcceleratorState, GradientState
-
-    @contextlib.contextmanager
-    def fresh():
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        try:
-            yield
-        finally:
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-
-    return fresh()
 
 
 def _sample(run, *argv) -> int:
     from dit_accel.sample import main
 
     common = ["--checkpoint", run, "--num-samples", 5, "--batch-size", 5, "--steps", 2, "--no-ema"]
-    with _fresh_accelerate_state():
+    with fresh_accelerate_state():
         return main([str(a) for a in [*common, *argv]])
 
 

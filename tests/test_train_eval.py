@@ -10,6 +10,7 @@ import pytest
 import test_train_e2e as e2e
 import torch
 from test_evaluate import EVAL_PX, TINY_PIXEL_MODEL, _blobs, _fitted_random_inception
+from test_sample import fresh_accelerate_state
 
 EVAL = ["--eval-every", 2, "--eval-samples", 8, "--eval-steps", 2, "--eval-input-px", EVAL_PX]
 
@@ -128,7 +129,7 @@ def _sample_evaluate(checkpoint, workspace, results) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with e2e_state():
+        with fresh_accelerate_state():
             assert sample([str(a) for a in argv]) == 0
     finally:
         torch.set_num_threads(threads)
@@ -155,12 +156,6 @@ def test_a_flow_run_is_scored_with_the_ode_sample_uses_for_it(workspace, tmp_pat
     scores = _sample_evaluate(run / "checkpoints" / "step_00000002", workspace, tmp_path / "flow.json")
     assert scores["sampling"]["sampler"] == "ode"
     assert scores["fid"] == pytest.approx(logged["eval/fid"], rel=1e-6)
-
-
-def e2e_state():
-    from test_evaluate import _fresh_accelerate_state
-
-    return _fresh_accelerate_state()
 
 
 @pytest.mark.parametrize("problem", ["no reference", "no weights"])

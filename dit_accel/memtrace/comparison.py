@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.memory import ALLOCATED
 from planner.planfile import Plan
 
 if TYPE_CHECKING:  # annotations only: the comparison itself needs no torch
@@ -14,17 +15,7 @@ if TYPE_CHECKING:  # annotations only: the comparison itself needs no torch
 
 # Planner components a tensor trace can check; "overhead" (CUDA context, cuBLAS, NCCL) it cannot, and
 # "allocator" (reserved beyond allocated) is checked against the trace's replay through the allocator model.
-COMPARED = (
-    "weights",
-    "grads",
-    "optimizer",
-    "ema",
-    "activations",
-    "autocast_cache",
-    "vae",
-    "repa",
-    "temporaries",
-)
+COMPARED = ALLOCATED  # the planner's tensor components
 # the planner's reserved peak against the replayed one, by allocator mode: the fragmentation terms are
 # calibrated on the verify grid's replays (docs/planner-accuracy.md); expandable segments (the trainer's
 # default on CUDA) are modelled closely, fixed segments only roughly

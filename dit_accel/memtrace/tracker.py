@@ -14,17 +14,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-# Components in the order they are printed; the planner's plan.json memory keys use the same names.
+from planner.memory import ALLOCATED
+
+# Components in the order they are printed: the planner's (plan.json's memory keys) that a trace sees,
+# then the trace's own two (the batch; buffers, which the planner counts in its weights).
 COMPONENTS = (
-    "weights",
-    "grads",
-    "optimizer",
-    "ema",
-    "activations",
-    "autocast_cache",
-    "vae",
-    "repa",
-    "temporaries",
+    *ALLOCATED,
     "batch",
     "buffers",
 )

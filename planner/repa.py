@@ -3,7 +3,8 @@
 REPA aligns the output tokens of one early DiT/SiT block, through a small trained projector, with the patch
 tokens of a frozen self-supervised encoder that sees the clean image. The planner counts three things for it:
 the encoder's weights and no-grad forward (on every GPU, every step), the projector (trained: parameters,
-gradients and AdamW state like the network's), and the image decode it adds to a latent run's loader.
+gradients and AdamW state like the network's), and, in a latent run, the source image each batch then carries
+(counted by planner.host).
 
 The supported encoders are DINOv2's published ViT/14 backbones (Oquab et al., 2023), with or without register
 tokens: the architecture is read from the weights' shapes by `dit_accel.repa.encoder`, and this table holds

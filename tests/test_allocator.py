@@ -180,6 +180,103 @@ def test_least_reserved_is_the_smallest_limit_the_step_runs_under():
     )  # b's 100 MiB and c's 6 pages: the hole is unmapped
 
 
+# --- per-stream pools ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expandable, segment", [(False, 30 * MiB), (True, 40 * MiB)])
+def test_a_block_freed_on_a_side_stream_is_reused_only_by_that_stream(expandable, segment):
+    """30 MiB on stream 1 is its own 30 MiB segment (expandable: two 20 MiB pages of stream 1's segment);
+    freed, it stays in stream 1's pool, so the same 30 MiB on stream 0 makes new memory for stream 0 (one
+    stream: it would reuse it, reserved staying at one segment). A second request on stream 1 reuses it."""
+    allocator = CachingAllocator(expandable_segments=expandable)
+    allocator.free(allocator.malloc(30 * MiB, stream=1))
+    assert allocator.reserved == segment
+    allocator.malloc(30 * MiB)
+    assert allocator.reserved == 2 * segment and allocator.segments == 2
+    allocator.malloc(30 * MiB, stream=1)
+    assert allocator.reserved == 2 * segment and allocator.segments == 2
+    assert dict(allocator.reserved_by_stream) == {0: segment, 1: segment}
+
+
+@pytest.mark.parametrize("expandable, after, one_stream", [(False, 70, 50), (True, 60, 40)])
+def test_two_streams_free_neighbours_never_merge(expandable, after, one_stream):
+    """x (stream 0) and y (stream 1), 5 MiB each, never share a segment: two 20 MiB segments (expandable:
+    one page in each stream's own segment), 40 MiB where one stream packs both into one 20 MiB segment. Both
+    freed, each is a free 20 MiB block of its own, a release would return both. A 30 MiB request on stream 0
+    fits neither: fixed, a new 30 MiB segment (70); expandable, stream 0's segment grows its free 20 MiB by
+    a page (60). One stream merges x and y into one free 20 MiB block: 20 + 30 = 50 fixed, 40 expandable."""
+    allocator = CachingAllocator(expandable_segments=expandable)
+    x, y = allocator.malloc(5 * MiB), allocator.malloc(5 * MiB, stream=1)
+    assert allocator.reserved == 40 * MiB
+    allocator.free(x)
+    allocator.free(y)
+    assert allocator.reclaimable == 40 * MiB  # two free blocks of 20 MiB, one per stream
+    allocator.malloc(30 * MiB)
+    assert allocator.reserved == after * MiB
+    assert allocator.reserved_by_stream[1] == 20 * MiB
+    events = [("x", 5 * MiB), ("y", 5 * MiB), ("x", None), ("y", None), ("z", 30 * MiB)]
+    assert replay(events, expandable).reserved_peak_bytes == one_stream * MiB
+
+
+SIDE_STREAM_PRESSURE = [("a", 60 * MiB), ("g", 100 * MiB, 1), ("g", None), ("x", 120 * MiB)]
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_release_returns_a_side_streams_free_segment_to_the_default_stream(expandable):
+    """a 60 MiB lives on stream 0; g 100 MiB on stream 1 is freed, its segment (expandable: 5 pages) cached
+    there; x 120 MiB on stream 0 cannot use it: 280 MiB unbounded, 100 of it reclaimable. Under 200 MiB x's
+    new memory would pass the limit, so the release returns stream 1's free segment (every stream's cache
+    is released) and x fits: 60 + 120 = 180 MiB, the step's least (its allocated peak; 280 if a release
+    kept the other streams' cache)."""
+    unbounded = replay(SIDE_STREAM_PRESSURE, expandable_segments=expandable)
+    assert (unbounded.reserved_peak_bytes, unbounded.reclaimable_at_peak_bytes) == (280 * MiB, 100 * MiB)
+    tight = replay(SIDE_STREAM_PRESSURE, expandable_segments=expandable, limit_bytes=200 * MiB)
+    assert (tight.reserved_peak_bytes, tight.releases) == (180 * MiB, 1)
+    assert least_reserved(SIDE_STREAM_PRESSURE, expandable, resolution_bytes=1) == 180 * MiB
+
+
+def fsdp_like_events(blocks: int, gather_bytes: int, scatter_bytes: int, activation_bytes: int, root_bytes=0):
+    """FSDP2's pattern: each block's parameters all-gathered on stream 1 (the next block's prefetched before
+    this one's are freed, so two at once) around its forward, which leaves activations on stream 0; in
+    backward (reversed) gathered again, the activations freed, the gradient reduce-scattered through a
+    buffer on stream 2. The root's gathered parameters (stream 1) live through the whole step."""
+    events = [("root", root_bytes, 1), (("gather", 0), gather_bytes, 1)]
+    for i in range(blocks):
+        if i + 1 < blocks:
+            events.append((("gather", i + 1), gather_bytes, 1))
+        events += [(("activation", i), activation_bytes), (("gather", i), None)]
+    events.append((("gather", blocks - 1), gather_bytes, 1))
+    for i in reversed(range(blocks)):
+        if i > 0:
+            events.append((("gather", i - 1), gather_bytes, 1))
+        events += [(("activation", i), None), (("scatter", i), scatter_bytes, 2), (("scatter", i), None)]
+        events.append((("gather", i), None))
+    return events + [("root", None)]
+
+
+def side_stream_bytes(events, expandable: bool) -> int:
+    """The reserved peak beyond the default stream's own (its events replayed alone)."""
+    default = [event for event in events if len(event) < 3 or event[2] == 0]
+    return replay(events, expandable).reserved_peak_bytes - replay(default, expandable).reserved_peak_bytes
+
+
+def test_fsdp_side_streams_cache_their_buffers_beside_the_default_streams_peak():
+    """4 blocks, G = 30 MiB gathered, R = 16 MiB reduce-scattered, A = 24 MiB activations, all own
+    segments of exact size. Fixed: stream 0 peaks at 4 A = 96 MiB; stream 1 holds two G segments (the
+    prefetch), reused block after block; stream 2 one R: 96 + 60 + 16 = 172 MiB, and nothing a side stream
+    caches serves stream 0. One stream: 3 A + 3 G = 162 MiB (the fourth activation takes a freed gather
+    segment, so backward's prefetch opens a third; the scatter buffers take freed ones). Expandable: stream
+    0 maps 4 A = 96 MiB in 20 MiB pages (100), stream 1 2 G = 60 (3 pages), stream 2 R one page (20): 180."""
+    events = fsdp_like_events(4, 30 * MiB, 16 * MiB, 24 * MiB)
+    fixed = replay(events)
+    assert fixed.reserved_peak_bytes == 172 * MiB
+    assert side_stream_bytes(events, False) == 2 * 30 * MiB + 16 * MiB
+    assert replay([event[:2] for event in events]).reserved_peak_bytes == 162 * MiB
+    expandable = replay(events, expandable_segments=True)
+    assert expandable.reserved_peak_bytes == 180 * MiB
+    assert side_stream_bytes(events, True) == 60 * MiB + 20 * MiB
+
+
 # --- the planner's analytic reserved model (planner/allocator.py) ----------------------------------------
 
 
@@ -323,3 +420,25 @@ def test_fsdp_stream_pools_hold_what_the_default_stream_cannot_reuse():
         )
         == 0
     )
+
+
+def test_the_replayed_fsdp_side_streams_against_the_planners_stream_pools():
+    """DiT-XL/2 zero3 bf16 shapes through `fsdp_like_events`: G = R = 2 B (one unit in bf16, 45.6 MiB), the
+    root 2 R' (10.5 MiB). Every side-stream buffer is free at the optimizer step, so the planner's
+    `stream_pool_bytes` there, 2 (2 B + R') + 2 B = 6 B + 2 R' (147.26 MiB), is what the replay's side
+    streams hold beyond the default stream, but for rounding: fixed, each buffer is a segment of its own
+    rounded to 2 MiB: 3 x 46 + 12 = 150 MiB; expandable, each side stream's segment maps 20 MiB pages:
+    stream 1 the root and two units, 101.7 -> 120 MiB, stream 2 one unit, 45.6 -> 60: 180 MiB."""
+    from planner.hardware import Assumptions
+    from planner.memory import Cluster, Decision, stream_pool_bytes
+    from planner.spec import model_spec
+
+    spec = model_spec("DiT-XL/2", 256)
+    b, r = spec.block_params, spec.params_trainable - spec.depth * spec.block_params
+    events = fsdp_like_events(spec.depth, 2 * b, 2 * b, 200 * MiB, root_bytes=2 * r)
+    zero3 = Decision(32, 1, 0, "bf16", "zero3", "precomputed")
+    planned = stream_pool_bytes(spec, zero3, Cluster(1, 8, 80 * 10**9), Assumptions(), "optimizer_step")
+    assert planned == 6 * b + 2 * r
+    assert side_stream_bytes(events, False) == 150 * MiB
+    assert side_stream_bytes(events, True) == 180 * MiB
+    assert 2 * MiB < 150 * MiB - planned < 3 * MiB and 32 * MiB < 180 * MiB - planned < 33 * MiB

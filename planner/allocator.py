@@ -125,6 +125,17 @@ def parameter_rounding_bytes(spec: DiTSpec, element_bytes: int, shards: int, seg
     return rounding + packed_rounding_bytes(rounded) + sum(rounded) - sum(shared)
 
 
+def stream_pool_reserved(buffers: list[int], segments: str) -> int:
+    """What a side stream's pool reserves for the buffers it caches (their sizes in bytes): with expandable
+    segments one segment of its own, mapped in whole 20 MiB pages; with fixed segments each buffer of 10 MiB
+    or more a segment rounded to 2 MiB, and the smaller ones packed into 20 MiB segments."""
+    if segments == "expandable":
+        return _round_up(sum(buffers), LARGE_PAGE_BYTES) if sum(buffers) > 0 else 0
+    own = sum(block_bytes(b, segments) for b in buffers if b >= OWN_SEGMENT_BYTES)
+    shared = sum(_round_up(b, MIN_BLOCK_BYTES) for b in buffers if 0 < b < OWN_SEGMENT_BYTES)
+    return own + _round_up(shared, LARGE_PAGE_BYTES)
+
+
 def bucket_rounding_bytes(gradient_bytes: int, segments: str) -> int:
     """DDP's flat gradient buckets: about one bucket per 25 MiB of gradients, each rounded like a tensor."""
     if gradient_bytes <= 0:

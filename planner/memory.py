@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner import repa, vae
-from planner.allocator import reserved_bytes
+from planner.allocator import reserved_bytes, stream_pool_reserved
 from planner.errors import PlanError
 from planner.hardware import Assumptions, GPUPreset
 from planner.repa import DEFAULT_PROJECTOR_DIM
@@ -447,17 +447,22 @@ def gathered_bytes(spec: DiTSpec, decision: Decision, moment: str) -> int:
 
 
 def stream_pool_bytes(spec, decision, cluster, assumptions, moment) -> int:
-    """FSDP2 all-gathers on a stream of its own and reduce-scatters on another: the blocks they free stay
-    cached in those streams' pools, which the default stream's requests cannot take. Reserved there beyond
-    what they hold at `moment`: the all-gather pool's peak (the gathered copies) and the reduce-scatter
-    pool's (one unit's unsharded gradient, in flight only in backward), less what is live now. A release
-    under pressure returns them (whole free segments)."""
+    """FSDP2's side streams keep pools the default stream's requests cannot take (torch 2.13,
+    fully_shard/_fsdp_collectives.py): the flat all-gather outputs are allocated on the copy-in stream (up to
+    the units in flight with prefetch; each is freed once copied out into the unsharded parameters, which live
+    on the default stream and count as weights; zero2 gathers each unit once, zero3 again in backward: two
+    units and the root in flight either way), and each reduce-scatter's output shard on the reduce-scatter
+    stream (its unsharded input is default-stream memory). Once the first step has run both pools stay
+    cached at every moment, held in the allocator's units (`stream_pool_reserved`). A release under pressure
+    returns them (whole free segments, free pages)."""
     if not decision.sharded:
         return 0
-    gather_peak = gathered_bytes(spec, decision, FORWARD_MOMENTS[-1])
-    scatter = _eb(decision, assumptions).compute * spec.block_params
-    live = gathered_bytes(spec, decision, moment) + (scatter if moment in BACKWARD_MOMENTS else 0)
-    return gather_peak + scatter - live
+    compute = _eb(decision, assumptions).compute
+    root = spec.params_trainable - spec.depth * spec.block_params
+    in_flight = [compute * spec.block_params] * min(2, spec.depth) + [compute * root]  # prefetch: 2 units
+    scatter_shard = compute * spec.block_params // cluster.world_size
+    segments = assumptions.allocator_segments
+    return stream_pool_reserved(in_flight, segments) + stream_pool_reserved([scatter_shard], segments)
 
 
 def live_gradient_params(spec: DiTSpec, decision: Decision, moment: str) -> int:

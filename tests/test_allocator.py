@@ -398,47 +398,42 @@ def test_the_memory_table_says_when_a_plan_fits_only_after_a_release():
 
 
 def test_fsdp_stream_pools_hold_what_the_default_stream_cannot_reuse():
-    """zero3 bf16, DiT-XL/2: units of B = block_params parameters, the root R = params - 28 B. The all-gather
-    pool peaks at 2 x (2 B + R) bytes (two units and the root, bf16), the reduce-scatter pool at 2 B (one
-    unit's gradient). At the optimizer step both are free and cached: 6 B + 2 R beyond what is live; in
-    backward both are in use: nothing; at the end of the forward the reduce-scatter pool's 2 B. DDP: none."""
+    """zero3 and zero2 bf16, DiT-XL/2, 8 GPUs: units of B = block_params parameters, the root R = params -
+    28 B. The copy-in stream caches the flat all-gather outputs in flight (two units and the root: 2 x 2 B
+    and 2 R bytes, 45.6 and 10.5 MiB), the reduce-scatter stream one unit's output shard (2 B / 8 = 5.7 MiB).
+    Fixed segments: 2 x 46 + 12 MiB (each >= 10 MiB rounded to 2 MiB) + one 20 MiB segment for the shard =
+    124 MiB; expandable: 101.7 -> 120 MiB of pages + 20 = 140 MiB; the same at every moment (cached once the
+    first step ran) and for zero2 (which gathers every unit once, two in flight too). DDP: none."""
+    from planner.hardware import Assumptions
+    from planner.memory import FORWARD_MOMENTS, Cluster, Decision, stream_pool_bytes
+    from planner.spec import model_spec
+
+    spec = model_spec("DiT-XL/2", 256)
+    cluster = Cluster(1, 8, 80 * 10**9)
+    fixed, expandable = Assumptions(allocator_segments="fixed"), Assumptions(allocator_segments="expandable")
+    for sharding in ("zero3", "zero2"):
+        plan = Decision(32, 1, 0, "bf16", sharding, "precomputed")
+        for moment in ("optimizer_step", *FORWARD_MOMENTS):
+            assert stream_pool_bytes(spec, plan, cluster, fixed, moment) == 124 * MiB
+            assert stream_pool_bytes(spec, plan, cluster, expandable, moment) == 140 * MiB
+    ddp = Decision(32, 1, 0, "bf16", "ddp", "precomputed")
+    assert stream_pool_bytes(spec, ddp, cluster, expandable, "end_of_forward") == 0
+
+
+def test_the_replayed_fsdp_side_streams_equal_the_planners_stream_pools():
+    """DiT-XL/2 zero3 bf16 on 8 GPUs through `fsdp_like_events`: gathers G = 2 B (one unit in bf16) and the
+    root 2 R on stream 1, the reduce-scatter output shard 2 B / 8 on stream 2. What the replay's side streams
+    hold beyond the default stream's own peak is the planner's `stream_pool_bytes`, in both modes."""
     from planner.hardware import Assumptions
     from planner.memory import Cluster, Decision, stream_pool_bytes
     from planner.spec import model_spec
 
     spec = model_spec("DiT-XL/2", 256)
     b, r = spec.block_params, spec.params_trainable - spec.depth * spec.block_params
-    cluster, a = Cluster(1, 8, 80 * 10**9), Assumptions()
-    zero3 = Decision(32, 1, 0, "bf16", "zero3", "precomputed")
-    assert stream_pool_bytes(spec, zero3, cluster, a, "optimizer_step") == 6 * b + 2 * r
-    assert stream_pool_bytes(spec, zero3, cluster, a, "end_of_backward") == 0
-    assert stream_pool_bytes(spec, zero3, cluster, a, "end_of_forward") == 2 * b
-    assert 0.1 * 2**30 < 6 * b + 2 * r < 0.4 * 2**30  # issue 21's +0.1-0.4 GiB for sharded XL/2 plans
-    assert (
-        stream_pool_bytes(
-            spec, Decision(32, 1, 0, "bf16", "ddp", "precomputed"), cluster, a, "end_of_forward"
+    events = fsdp_like_events(spec.depth, 2 * b, 2 * b // 8, 200 * MiB, root_bytes=2 * r)
+    zero3, cluster = Decision(32, 1, 0, "bf16", "zero3", "precomputed"), Cluster(1, 8, 80 * 10**9)
+    for expandable, segments in ((False, "fixed"), (True, "expandable")):
+        planned = stream_pool_bytes(
+            spec, zero3, cluster, Assumptions(allocator_segments=segments), "optimizer_step"
         )
-        == 0
-    )
-
-
-def test_the_replayed_fsdp_side_streams_against_the_planners_stream_pools():
-    """DiT-XL/2 zero3 bf16 shapes through `fsdp_like_events`: G = R = 2 B (one unit in bf16, 45.6 MiB), the
-    root 2 R' (10.5 MiB). Every side-stream buffer is free at the optimizer step, so the planner's
-    `stream_pool_bytes` there, 2 (2 B + R') + 2 B = 6 B + 2 R' (147.26 MiB), is what the replay's side
-    streams hold beyond the default stream, but for rounding: fixed, each buffer is a segment of its own
-    rounded to 2 MiB: 3 x 46 + 12 = 150 MiB; expandable, each side stream's segment maps 20 MiB pages:
-    stream 1 the root and two units, 101.7 -> 120 MiB, stream 2 one unit, 45.6 -> 60: 180 MiB."""
-    from planner.hardware import Assumptions
-    from planner.memory import Cluster, Decision, stream_pool_bytes
-    from planner.spec import model_spec
-
-    spec = model_spec("DiT-XL/2", 256)
-    b, r = spec.block_params, spec.params_trainable - spec.depth * spec.block_params
-    events = fsdp_like_events(spec.depth, 2 * b, 2 * b, 200 * MiB, root_bytes=2 * r)
-    zero3 = Decision(32, 1, 0, "bf16", "zero3", "precomputed")
-    planned = stream_pool_bytes(spec, zero3, Cluster(1, 8, 80 * 10**9), Assumptions(), "optimizer_step")
-    assert planned == 6 * b + 2 * r
-    assert side_stream_bytes(events, False) == 150 * MiB
-    assert side_stream_bytes(events, True) == 180 * MiB
-    assert 2 * MiB < 150 * MiB - planned < 3 * MiB and 32 * MiB < 180 * MiB - planned < 33 * MiB
+        assert side_stream_bytes(events, expandable) == planned

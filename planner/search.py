@@ -204,27 +204,49 @@ def vae_matmul(matmul: str) -> str:
     return "ieee-fp32" if matmul == "ieee-fp32" else "tf32"
 
 
+def vae_mfu_range(cluster: Cluster) -> tuple[float, float, float]:
+    """(low, point, high) of the VAE encoder's MFU on this GPU: its fp32 convolutions have their own entry
+    (presets/mfu.yaml `vae`, measured as the time online latents add to a step), whatever the DiT's mode."""
+    entry = mfu_entry(cluster.gpu.family if cluster.gpu else None, "vae")
+    return entry.low, entry.point, entry.high
+
+
+def vae_time_s(
+    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions, vae_mode: str, mfu: float
+) -> float:
+    """Seconds the VAE encoder takes per optimizer step on one GPU (0 without online latents): its FLOPs at
+    the peak of its mode (TF32, or IEEE fp32 when TF32 is off) x its own MFU."""
+    images = decision.micro_batch * decision.grad_accum
+    flops = vae_image_flops(spec, decision)
+    return images * flops / (peak_flops(cluster, vae_mode, assumptions) * mfu) if flops else 0.0
+
+
 def estimate_throughput(
-    spec: DiTSpec, decision: Decision, cluster: Cluster, assumptions: Assumptions, matmul: str | None = None
+    spec: DiTSpec,
+    decision: Decision,
+    cluster: Cluster,
+    assumptions: Assumptions,
+    matmul: str | None = None,
+    vae_mode: str | None = None,
 ) -> Throughput:
     """Images per second: per-GPU compute at peak x MFU x small-batch efficiency, the VAE encoder at its own
-    rate, a fixed per-step cost, and exposed communication; low and high at the ends of the MFU range."""
+    rate (`vae_mode`: its convolutions on tf32 or ieee-fp32; by default as the trainer runs them), a fixed
+    per-step cost, and exposed communication; low and high at the ends of the MFU ranges."""
     matmul = matmul or default_matmul(decision.precision)
+    vae_mode = vae_mode or vae_matmul(matmul)
     global_batch = decision.micro_batch * decision.grad_accum * cluster.world_size
     images = decision.micro_batch * decision.grad_accum  # per GPU per optimizer step
     efficiency = small_batch_efficiency(spec, decision.micro_batch, assumptions)
     peak = peak_flops(cluster, matmul, assumptions)
     low, point, high, source = mfu_range(cluster, decision.precision, matmul, assumptions)
     sharded = assumptions.fsdp_efficiency if decision.sharded else 1.0
-    vae_flops = vae_image_flops(spec, decision)
-    vae_peak = peak_flops(cluster, vae_matmul(matmul), assumptions)
-    vae_mfus = mfu_range(cluster, "fp32", vae_matmul(matmul), assumptions)[:3] if vae_flops else (1, 1, 1)
+    vae_mfus = vae_mfu_range(cluster)
     fixed_s = fixed_step_time(spec, decision, cluster, assumptions)
     comm_s = assumptions.comm_exposed_fraction * comm_time_s(spec, decision, cluster, assumptions)
 
     def times(mfu, vae_mfu):
         compute = images * dit_image_flops(spec, decision) / (peak * mfu * efficiency * sharded)
-        return compute, images * vae_flops / (vae_peak * vae_mfu)
+        return compute, vae_time_s(spec, decision, cluster, assumptions, vae_mode, vae_mfu)
 
     compute_s, vae_s = times(point, vae_mfus[1])
     step_s = compute_s + vae_s + fixed_s + comm_s
@@ -257,19 +279,22 @@ def implied_mfu(
     assumptions: Assumptions,
     images_per_s: float,
     matmul: str | None = None,
+    vae_mode: str | None = None,
 ) -> float:
     """The MFU a measured images/s (whole cluster) implies under this model: the step time less the fixed
-    cost and exposed communication, over the FLOPs at the peak x small-batch efficiency. The VAE's FLOPs
-    (online latents) share the unknown MFU when they run in the same mode as the DiT's matmuls (TF32);
-    otherwise their time at the table's figure is taken off first. How presets/mfu.yaml was derived."""
+    cost, the exposed communication and the VAE encoder (online latents, at its own entry; `vae_mode` says
+    whether its convolutions ran on TF32, by default as the trainer runs them), over the DiT's FLOPs at the
+    peak x small-batch efficiency. How presets/mfu.yaml was derived."""
     matmul = matmul or default_matmul(decision.precision)
     global_batch = decision.micro_batch * decision.grad_accum * cluster.world_size
     images = decision.micro_batch * decision.grad_accum
-    step_s = global_batch / images_per_s
     rest = (
-        step_s
+        global_batch / images_per_s
         - fixed_step_time(spec, decision, cluster, assumptions)
         - assumptions.comm_exposed_fraction * comm_time_s(spec, decision, cluster, assumptions)
+        - vae_time_s(
+            spec, decision, cluster, assumptions, vae_mode or vae_matmul(matmul), vae_mfu_range(cluster)[1]
+        )
     )
     sharded = assumptions.fsdp_efficiency if decision.sharded else 1.0
     efficiency = small_batch_efficiency(spec, decision.micro_batch, assumptions)
@@ -278,17 +303,27 @@ def implied_mfu(
         * dit_image_flops(spec, decision)
         / (peak_flops(cluster, matmul, assumptions) * efficiency * sharded)
     )
-    vae_flops = vae_image_flops(spec, decision)
-    if vae_flops:
-        vae_peak = peak_flops(cluster, vae_matmul(matmul), assumptions)
-        if vae_matmul(matmul) == matmul or (matmul == "fp32" and vae_matmul(matmul) == "tf32"):
-            work += images * vae_flops / vae_peak
-        else:
-            vae_mfu = mfu_range(cluster, "fp32", vae_matmul(matmul), assumptions)[1]
-            rest -= images * vae_flops / (vae_peak * vae_mfu)
     if rest <= 0:
         raise PlanError(f"{images_per_s} images/s is faster than the fixed per-step cost alone allows")
     return work / rest
+
+
+def implied_vae_mfu(
+    spec: DiTSpec,
+    decision: Decision,
+    cluster: Cluster,
+    assumptions: Assumptions,
+    online_images_per_s: float,
+    precomputed_images_per_s: float,
+) -> float:
+    """The VAE encoder's MFU (at the TF32 peak) implied by one run measured twice, online and with
+    precomputed latents: everything else being equal, the difference in step time is the encoder's."""
+    global_batch = decision.micro_batch * decision.grad_accum * cluster.world_size
+    added_s = global_batch / online_images_per_s - global_batch / precomputed_images_per_s
+    if added_s <= 0:
+        raise PlanError("online latents measured no slower than precomputed ones: no VAE rate follows")
+    online = dataclasses.replace(decision, latents="online")
+    return vae_time_s(spec, online, cluster, assumptions, "tf32", 1.0) / added_s
 
 
 COMM_WARNING_SHARE = 0.25  # exposed communication above this share of the step time gets a plan warning

@@ -17,7 +17,13 @@ from planner.errors import PlanError
 from planner.hardware import Assumptions, gpu_preset, gpu_presets, mfu_entry, mfu_table
 from planner.memory import Cluster, Decision
 from planner.plan import make_plan
-from planner.search import estimate_throughput, fixed_step_time, implied_mfu, vae_image_flops
+from planner.search import (
+    estimate_throughput,
+    fixed_step_time,
+    implied_mfu,
+    implied_vae_mfu,
+    vae_image_flops,
+)
 from planner.spec import model_spec
 
 GB = 10**9
@@ -44,9 +50,44 @@ def on(gpu: str, gpus: int = 1, nodes: int = 1) -> Cluster:
 # --- the MFU table -------------------------------------------------------------------------------------
 
 
+def figure_decision(f: dict) -> Decision:
+    return decision(
+        micro_batch=f["micro_batch"],
+        grad_accum=f["grad_accum"],
+        checkpointed_blocks=f["checkpointed"],
+        precision=f["precision"],
+        latents=f.get("latents", "precomputed"),
+    )
+
+
+def figure_implied(mode: str, f: dict) -> float:
+    """The MFU a table figure implies: the VAE's from a run measured online and precomputed, the DiT's from
+    one images/s (its VAE time taken off at the vae entry)."""
+    spec = model_spec(f["model"], f["resolution"], f.get("latents", "precomputed"))
+    cluster = on(f["gpu"], f["gpus"])
+    if mode == "vae":
+        return implied_vae_mfu(
+            spec,
+            figure_decision(f),
+            cluster,
+            Assumptions(),
+            f["online_images_per_s"],
+            f["precomputed_images_per_s"],
+        )
+    return implied_mfu(
+        spec,
+        figure_decision(f),
+        cluster,
+        Assumptions(),
+        f["images_per_s"],
+        f.get("matmul"),
+        f.get("vae_matmul"),
+    )
+
+
 def test_every_table_entry_reproduces_its_public_figure():
     """Each entry's point is the MFU its figure implies under the planner's own FLOP count and step model,
-    and its range is the stated 0.8-1.2 band around a single figure (at most 1)."""
+    and its range is the stated 0.8-1.2 band around a single figure (at most 1), widened to any outlier."""
     table = yaml.safe_load(resources.files("planner").joinpath("presets/mfu.yaml").read_text())
     checked = 0
     for family, modes in table.items():
@@ -56,28 +97,23 @@ def test_every_table_entry_reproduces_its_public_figure():
             assert entry["source"] and entry["low"] <= entry["point"] <= entry["high"] <= 1
             implied = []
             for f in entry["figures"]:
-                spec = model_spec(f["model"], f["resolution"], f["latents"])
-                d = decision(
-                    micro_batch=f["micro_batch"],
-                    grad_accum=f["grad_accum"],
-                    checkpointed_blocks=f["checkpointed"],
-                    precision=f["precision"],
-                    latents=f["latents"],
-                )
-                got = implied_mfu(
-                    spec, d, on(f["gpu"], f["gpus"]), Assumptions(), f["images_per_s"], f.get("matmul")
-                )
+                got = figure_implied(mode, f)
                 assert got == pytest.approx(f["implied"], abs=0.001), (family, mode)
                 implied.append(got)
                 checked += 1
+            outliers = [figure_implied(mode, f) for f in entry.get("outliers", [])]
+            for f, got in zip(entry.get("outliers", []), outliers):
+                assert got == pytest.approx(f["implied"], abs=0.001), (family, mode)
+                checked += 1
             if len(implied) == 1:  # one figure: the stated 0.8-1.2 modelling band around it
-                assert entry["point"] == pytest.approx(implied[0], abs=0.001)
-                assert entry["low"] == pytest.approx(0.8 * entry["point"], abs=0.001)
-                assert entry["high"] == pytest.approx(min(1.0, 1.2 * entry["point"]), abs=0.001)
+                low, high = 0.8 * implied[0], min(1.0, 1.2 * implied[0])
             else:  # several: their geometric mean, and the range they span
-                assert entry["point"] == pytest.approx(math.prod(implied) ** (1 / len(implied)), abs=0.001)
-                assert (entry["low"], entry["high"]) == pytest.approx((min(implied), max(implied)), abs=0.001)
-    assert checked == 5
+                low, high = min(implied), max(implied)
+            assert entry["point"] == pytest.approx(math.prod(implied) ** (1 / len(implied)), abs=0.001)
+            assert (entry["low"], entry["high"]) == pytest.approx(
+                (min([low, *outliers]), max([high, *outliers])), abs=0.001
+            )
+    assert checked == 6
 
 
 def test_table_lookups_and_fallbacks():
@@ -87,12 +123,12 @@ def test_table_lookups_and_fallbacks():
     hopper_tf32 = mfu_entry("hopper", "tf32")  # no public figure: ampere's
     assert (
         hopper_tf32.family == "ampere"
-        and hopper_tf32.point == 0.276
+        and hopper_tf32.point == 0.461
         and "no public figure" in hopper_tf32.fallback
     )
     ada = mfu_entry("ada", "mixed")
     assert ada.family == "ampere" and ada.point == 0.337 and ada.fallback
-    assert mfu_entry("volta", "mixed").family == "ampere" and mfu_entry(None, "fp32").point == 0.871
+    assert mfu_entry("volta", "mixed").family == "ampere" and mfu_entry(None, "fp32").point == 0.693
     with pytest.raises(PlanError, match="unknown matmul mode"):
         mfu_entry("ampere", "int8")
     # every preset names a family the table knows (or falls back on purpose) and a memory bandwidth
@@ -141,27 +177,56 @@ def test_fixed_cost_dominates_at_micro_batch_1_and_vanishes_at_256():
 # --- the VAE at its own precision, and tf32 vs bf16 ----------------------------------------------------
 
 
-def test_the_vae_encoder_runs_at_the_fp32_rate_not_the_tensor_core_rate():
+def test_the_vae_encoder_runs_at_its_own_rate_whatever_the_dits_precision():
+    """The encoder's fp32 convolutions have their own entry (fast-DiT's online and precomputed runs): the
+    TF32 peak x the vae MFU for every plan but IEEE fp32 (--no-tf32 turns cuDNN TF32 off too)."""
     cluster, assumptions = on("a100-80g"), Assumptions()
-    online = estimate_throughput(XL, decision(latents="online"), cluster, assumptions)
-    images = 32
-    tf32 = 156e12 * mfu_entry("ampere", "tf32").point
-    assert online.vae_time_s == pytest.approx(images * vae_image_flops(XL, decision(latents="online")) / tf32)
-    # at the bf16 tensor-core rate it would be 312 x 0.337 / (156 x 0.276) = 2.4x shorter
-    assert online.vae_time_s > 2 * images * vae_image_flops(XL, decision(latents="online")) / (312e12 * 0.337)
+    images, flops = 32, vae_image_flops(XL, decision(latents="online"))
+    vae = mfu_entry("ampere", "vae")
+    for precision, matmul in (("bf16", None), ("fp32", "tf32")):
+        online = estimate_throughput(
+            XL, decision(latents="online", precision=precision), cluster, assumptions, matmul
+        )
+        assert online.vae_time_s == pytest.approx(images * flops / (156e12 * vae.point))
     ieee = estimate_throughput(
         XL, decision(latents="online", precision="fp32"), cluster, assumptions, matmul="ieee-fp32"
     )
-    assert ieee.vae_time_s == pytest.approx(
-        images * vae_image_flops(XL, decision(latents="online")) / (19.5e12 * 0.871)
+    assert ieee.vae_time_s == pytest.approx(images * flops / (19.5e12 * vae.point))
+    # the range: the low end of both entries gives the slow end
+    low = estimate_throughput(XL, decision(latents="online"), cluster, Assumptions(mfu_mixed=0.3))
+    assert low.images_per_s_low < low.images_per_s  # the DiT's MFU is fixed, the VAE's range remains
+    hopper = mfu_entry("hopper", "vae")
+    assert hopper.family == "ampere" and hopper.point == vae.point and "no public figure" in hopper.fallback
+
+
+def test_the_public_a100_runs_come_back_from_the_table():
+    """Under each run's own conditions the estimate gives back what was published: fast-DiT's three rows
+    (fp16 precomputed and online, TF32 online; the VAE entry and the TF32 entry rest on them), and the
+    reference script's IEEE row. Its TF32 row is the outlier, estimated 2.4x faster than measured."""
+    a100, eight = on("a100-80g"), on("a100-80g", 8)
+    fast_dit = decision(micro_batch=128, checkpointed_blocks=28, precision="fp16")
+
+    def rate(d, cluster=a100, matmul=None):
+        return estimate_throughput(XL, d, cluster, Assumptions(), matmul).images_per_s
+
+    online = dataclasses.replace(fast_dit, latents="online")
+    assert rate(fast_dit) == pytest.approx(107.52, rel=0.01)
+    assert rate(online) == pytest.approx(71.68, rel=0.01)
+    assert rate(dataclasses.replace(online, precision="fp32"), matmul="tf32") == pytest.approx(
+        55.04, rel=0.01
     )
+    # fp16 over TF32 with the VAE in the loop: 1.30x, as measured (the old one-MFU model said 1.85x)
+    assert 1.25 < rate(online) / rate(dataclasses.replace(online, precision="fp32"), matmul="tf32") < 1.35
+    reference = decision(precision="fp32", latents="online")
+    ieee = estimate_throughput(XL, reference, eight, Assumptions(), "ieee-fp32")
+    # the planner's IEEE plan runs its VAE in IEEE fp32 too (--no-tf32); the published run kept cuDNN TF32
+    assert ieee.images_per_s < 130.56
+    assert 2.2 < rate(reference, eight, "tf32") / 207.36 < 2.6
 
 
 def test_tf32_against_bf16_on_an_a100_follows_the_measured_figures():
-    """The old model put TF32 5.3x slower than bf16. The table's two public TF32 runs (DiT's train.py, and
-    fast-DiT's, which also gives the like-for-like fp16 figure) put it 2.3x with precomputed latents, and
-    IEEE fp32 slower still. Under fast-DiT's own conditions (VAE in the loop, every block checkpointed,
-    batch 128) the estimate is 1.85x where fast-DiT measured 1.30x: see docs/planner.md."""
+    """fast-DiT measured its DiT step (less the VAE) 1.45x slower in TF32 than in fp16: the table's TF32 and
+    mixed entries put the precomputed plan at micro-batch 32 there too, and IEEE fp32 slower still."""
     cluster = on("a100-80g")
     bf16 = estimate_throughput(XL, decision(), cluster, Assumptions()).images_per_s
     tf32 = estimate_throughput(
@@ -170,8 +235,8 @@ def test_tf32_against_bf16_on_an_a100_follows_the_measured_figures():
     ieee = estimate_throughput(
         XL, decision(precision="fp32"), cluster, Assumptions(), matmul="ieee-fp32"
     ).images_per_s
-    assert 2.0 < bf16 / tf32 < 2.7
-    assert ieee < tf32
+    assert 1.35 < bf16 / tf32 < 1.55
+    assert ieee < tf32 / 3
     # through make_plan: --precision tf32 is fp32 storage (plan.json precision fp32) at the TF32 rate
     plan = make_plan(gpu="a100-80g", gpus=8, global_batch=256, precision="tf32")
     assert plan["decision"]["precision"] == "fp32" and plan["decision"]["matmul"] == "tf32"

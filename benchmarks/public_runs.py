@@ -1,0 +1,114 @@
+"""The planner against every published DiT training run docs/planner-accuracy.md lists ("Public
+measurements"): each run's conditions as dit-plan flags, the planner's estimate, the published figure and
+the error (plan / published - 1). Pure planner arithmetic, no GPU; prints the two Markdown tables.
+
+    python benchmarks/public_runs.py
+"""
+
+from __future__ import annotations
+
+from planner.hardware import Assumptions, gpu_preset
+from planner.memory import Cluster, Decision
+from planner.plan import make_plan
+from planner.search import estimate_throughput
+from planner.spec import model_spec
+
+MiB = 1 << 20
+FIXED = {"allocator_segments": "fixed"}
+# fast-DiT README, "Improved Training Performance": one A100-80G, DiT-XL/2 @256, batch 128, every block
+# checkpointed, torch AdamW (foreach), PyTorch's default (fixed-segment) allocator
+FAST_DIT = dict(
+    gpu="a100-80g", gpus=1, global_batch=128, checkpointing="all", adamw="foreach", assumptions=FIXED
+)
+# facebookresearch/DiT issue #22: 8 x A100-80G, global batch 256, the original train.py (no checkpointing,
+# the VAE encoding every batch, DDP in fp32)
+REFERENCE = dict(
+    gpu="a100-80g", gpus=8, global_batch=256, checkpointing="none", latents="online", assumptions=FIXED
+)
+
+# (run, flags, published images/s)
+THROUGHPUT = [
+    ("fast-DiT, fp16, precomputed latents (0.84 steps/s)", dict(FAST_DIT, precision="fp16"), 107.52),
+    ("fast-DiT, fp16, online VAE (0.56 steps/s)", dict(FAST_DIT, precision="fp16", latents="online"), 71.68),
+    ("fast-DiT, TF32, online VAE (0.43 steps/s)", dict(FAST_DIT, precision="tf32", latents="online"), 55.04),
+    ("DiT issue #22, TF32 (0.81 steps/s)", dict(REFERENCE, precision="tf32"), 207.36),
+    ("DiT issue #22, IEEE fp32 matmuls (0.51 steps/s)", dict(REFERENCE, precision="fp32"), 130.56),
+    # hpcaitech/Open-Sora docs/speed.md (2024-03-14): DiT-XL/2 on 8 x H800 (H100 SXM's compute), local batch
+    # 128, 1.3 it/s; its ImageNet config: fp16, gradient checkpointing, ZeRO-2, the VAE encoding online
+    (
+        "Open-Sora, 8 x H800, fp16, all checkpointed, zero2, online VAE (1.3 it/s)",
+        dict(
+            gpu="h100-80g",
+            gpus=8,
+            global_batch=1024,
+            precision="fp16",
+            checkpointing="all",
+            sharding="zero2",
+            latents="online",
+        ),
+        1.3 * 1024,
+    ),
+    # hustvl/LightningDiT docs/log.txt (2024-12-29): 675M parameters, 32 per GPU at global batch 1024 (32
+    # GPUs; the type is not logged, the paper's are H800), bf16, precomputed latents, about 5.2 steps/s
+    (
+        "LightningDiT log, 32 GPUs (4 x 8 H800 assumed), bf16, precomputed (5.2 steps/s)",
+        dict(
+            gpu="h100-80g",
+            gpus=8,
+            nodes=4,
+            global_batch=1024,
+            precision="bf16",
+            checkpointing="none",
+            sharding="ddp",
+        ),
+        5.2 * 1024,
+    ),
+]
+# (run, flags, published MiB as printed; None: did not fit)
+MEMORY = [
+    ("fast-DiT, fp16, precomputed latents", dict(FAST_DIT, precision="fp16"), 27_485),
+    ("fast-DiT, fp16, online VAE", dict(FAST_DIT, precision="fp16", latents="online"), 40_461),
+    ("fast-DiT, TF32, online VAE", dict(FAST_DIT, precision="tf32", latents="online"), 44_045),
+]
+
+
+def reference_ieee_with_tf32_convolutions() -> float:
+    """The IEEE row as that run had it: matmuls in IEEE fp32 but cuDNN TF32 on for the VAE's convolutions
+    (PyTorch's default then); the trainer's --no-tf32 turns both off, which is what dit-plan plans."""
+    plan = make_plan(**dict(REFERENCE, precision="fp32"))
+    decision = Decision(
+        **{
+            k: plan["decision"][k]
+            for k in ("micro_batch", "grad_accum", "checkpointed_blocks", "precision", "sharding", "latents")
+        }
+    )
+    a100 = gpu_preset("a100-80g")
+    cluster = Cluster(1, 8, a100.memory_bytes, gpu=a100)
+    spec = model_spec("DiT-XL/2", 256)
+    return estimate_throughput(
+        spec, decision, cluster, Assumptions(**FIXED), "ieee-fp32", "tf32"
+    ).images_per_s
+
+
+def main() -> None:
+    print("| run | planner img/s | published | error |\n|---|---|---|---|")
+    for name, flags, published in THROUGHPUT:
+        rate = make_plan(**flags)["throughput"]["est_images_per_s"]
+        print(f"| {name} | {rate:.1f} | {published} | {rate / published - 1:+.0%} |")
+    rate = reference_ieee_with_tf32_convolutions()
+    print(
+        f"| DiT issue #22, IEEE fp32, the VAE on cuDNN TF32 as run | {rate:.1f} | 130.56 | {rate / 130.56 - 1:+.0%} |"
+    )
+    print(
+        "\n| run | planner reserved + overhead MiB | micro-batch | published MiB | error |\n|---|---|---|---|---|"
+    )
+    for name, flags, published in MEMORY:
+        plan = make_plan(**flags)
+        total = plan["memory"]["peak_bytes"] / MiB
+        print(
+            f"| {name} | {total:,.0f} | {plan['decision']['micro_batch']} | {published:,} | {total / published - 1:+.0%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -446,14 +446,14 @@ def gathered_bytes(spec: DiTSpec, decision: Decision, moment: str) -> int:
     return element_bytes(decision.precision).compute * units
 
 
-def stream_pool_bytes(spec, decision, cluster, assumptions, moment) -> int:
+def stream_pool_bytes(spec, decision, cluster, assumptions) -> int:
     """FSDP2's side streams keep pools the default stream's requests cannot take (torch 2.13,
     fully_shard/_fsdp_collectives.py): the flat all-gather outputs are allocated on the copy-in stream (up to
     the units in flight with prefetch; each is freed once copied out into the unsharded parameters, which live
     on the default stream and count as weights; zero2 gathers each unit once, zero3 again in backward: two
     units and the root in flight either way), and each reduce-scatter's output shard on the reduce-scatter
     stream (its unsharded input is default-stream memory). Once the first step has run both pools stay
-    cached at every moment, held in the allocator's units (`stream_pool_reserved`). A release under pressure
+    cached at every moment (so none is asked for), held in the allocator's units (`stream_pool_reserved`). A release under pressure
     returns them (whole free segments, free pages)."""
     if not decision.sharded:
         return 0
@@ -732,7 +732,7 @@ def allocator_bytes(
         pressure=pressure,
     )
     if not pressure and assumptions.fragmentation <= 0:  # a measured ratio already holds the stream pools
-        reserved += stream_pool_bytes(spec, decision, cluster, assumptions, moment)
+        reserved += stream_pool_bytes(spec, decision, cluster, assumptions)
     return reserved - allocated
 
 

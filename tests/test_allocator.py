@@ -405,7 +405,7 @@ def test_fsdp_stream_pools_hold_what_the_default_stream_cannot_reuse():
     124 MiB; expandable: 101.7 -> 120 MiB of pages + 20 = 140 MiB; the same at every moment (cached once the
     first step ran) and for zero2 (which gathers every unit once, two in flight too). DDP: none."""
     from planner.hardware import Assumptions
-    from planner.memory import FORWARD_MOMENTS, Cluster, Decision, stream_pool_bytes
+    from planner.memory import Cluster, Decision, stream_pool_bytes
     from planner.spec import model_spec
 
     spec = model_spec("DiT-XL/2", 256)
@@ -413,11 +413,10 @@ def test_fsdp_stream_pools_hold_what_the_default_stream_cannot_reuse():
     fixed, expandable = Assumptions(allocator_segments="fixed"), Assumptions(allocator_segments="expandable")
     for sharding in ("zero3", "zero2"):
         plan = Decision(32, 1, 0, "bf16", sharding, "precomputed")
-        for moment in ("optimizer_step", *FORWARD_MOMENTS):
-            assert stream_pool_bytes(spec, plan, cluster, fixed, moment) == 124 * MiB
-            assert stream_pool_bytes(spec, plan, cluster, expandable, moment) == 140 * MiB
+        assert stream_pool_bytes(spec, plan, cluster, fixed) == 124 * MiB
+        assert stream_pool_bytes(spec, plan, cluster, expandable) == 140 * MiB
     ddp = Decision(32, 1, 0, "bf16", "ddp", "precomputed")
-    assert stream_pool_bytes(spec, ddp, cluster, expandable, "end_of_forward") == 0
+    assert stream_pool_bytes(spec, ddp, cluster, expandable) == 0
 
 
 def test_the_replayed_fsdp_side_streams_equal_the_planners_stream_pools():
@@ -433,7 +432,5 @@ def test_the_replayed_fsdp_side_streams_equal_the_planners_stream_pools():
     events = fsdp_like_events(spec.depth, 2 * b, 2 * b // 8, 200 * MiB, root_bytes=2 * r)
     zero3, cluster = Decision(32, 1, 0, "bf16", "zero3", "precomputed"), Cluster(1, 8, 80 * 10**9)
     for expandable, segments in ((False, "fixed"), (True, "expandable")):
-        planned = stream_pool_bytes(
-            spec, zero3, cluster, Assumptions(allocator_segments=segments), "optimizer_step"
-        )
+        planned = stream_pool_bytes(spec, zero3, cluster, Assumptions(allocator_segments=segments))
         assert side_stream_bytes(events, expandable) == planned

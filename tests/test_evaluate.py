@@ -396,17 +396,28 @@ TINY_PIXEL_MODEL = [
 ]
 
 
+def plan_tiny_pixel(*flags) -> None:
+    """`dit-plan` for the tiny pixel model at global batch 8, with `flags` (--out, --objective)."""
+    from planner.cli import main as dit_plan
+
+    assert dit_plan([*TINY_PIXEL_MODEL, "--global-batch", "8", *flags]) == 0
+
+
+def write_tiny_pixel_workspace(root) -> None:
+    """Demo images (4 classes x 2, 16 px) in root/images and the tiny pixel model's plan in root/plan."""
+    from dit_accel.data.demo import write_demo_data
+
+    write_demo_data(root / "images", classes=4, per_class=2, resolution=16, seed=0)
+    plan_tiny_pixel("--out", str(root / "plan"))
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A 1-block pixel-space DiT at 16 px, trained one step on demo images: a real run folder to sample."""
-    from dit_accel.data.demo import write_demo_data
     from dit_accel.train import main as train
-    from planner.cli import main as dit_plan
 
     root = tmp_path_factory.mktemp("tiny_run")
-    write_demo_data(root / "images", classes=4, per_class=2, resolution=16, seed=0)
-    model = list(TINY_PIXEL_MODEL)
-    assert dit_plan([*model, "--global-batch", "8", "--out", str(root / "plan")]) == 0
+    write_tiny_pixel_workspace(root)
     argv = [
         "--plan",
         root / "plan" / "plan.json",

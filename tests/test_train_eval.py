@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import test_train_e2e as e2e
 import torch
-from test_evaluate import EVAL_PX, TINY_PIXEL_MODEL, _blobs, _fitted_random_inception
+from test_evaluate import (
+    EVAL_PX,
+    _blobs,
+    _fitted_random_inception,
+    plan_tiny_pixel,
+    write_tiny_pixel_workspace,
+)
 from test_sample import fresh_accelerate_state
 
 EVAL = ["--eval-every", 2, "--eval-samples", 8, "--eval-steps", 2, "--eval-input-px", EVAL_PX]
@@ -17,15 +23,9 @@ EVAL = ["--eval-every", 2, "--eval-samples", 8, "--eval-steps", 2, "--eval-input
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from dit_accel.data.demo import write_demo_data
-    from planner.cli import main as dit_plan
-
     root = tmp_path_factory.mktemp("train_eval")
-    write_demo_data(root / "images", classes=4, per_class=2, resolution=16, seed=0)
-    model = list(TINY_PIXEL_MODEL)
-    assert dit_plan([*model, "--global-batch", "8", "--out", str(root / "plan")]) == 0
-    flow = ["--objective", "flow", "--out", str(root / "plan-flow")]
-    assert dit_plan([*model, "--global-batch", "8", *flow]) == 0
+    write_tiny_pixel_workspace(root)
+    plan_tiny_pixel("--objective", "flow", "--out", str(root / "plan-flow"))
     reference = _blobs(12, seed=1)
     torch.save(_fitted_random_inception(reference).state_dict(), root / "inception.pth")
     np.savez(root / "reference.npz", reference)

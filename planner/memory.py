@@ -453,8 +453,8 @@ def stream_pool_bytes(spec, decision, cluster, assumptions) -> int:
     on the default stream and count as weights; zero2 gathers each unit once, zero3 again in backward: two
     units and the root in flight either way), and each reduce-scatter's output shard on the reduce-scatter
     stream (its unsharded input is default-stream memory). Once the first step has run both pools stay
-    cached at every moment (so none is asked for), held in the allocator's units (`stream_pool_reserved`). A release under pressure
-    returns them (whole free segments, free pages)."""
+    cached at every moment (so none is asked for), held in the allocator's units (`stream_pool_reserved`).
+    A release under pressure returns them (whole free segments, free pages)."""
     if not decision.sharded:
         return 0
     compute = _eb(decision, assumptions).compute

@@ -65,6 +65,7 @@ class StorageTracker(TorchDispatchMode):
         self._info: dict[int, list] = {}  # id(storage) -> [nbytes, component, weakref, event key]
         # every storage's allocation (key, nbytes) and free (key, None), in order: the allocator replays them
         self.events: list[tuple[int, int | None]] = []
+        self.event_windows: list[Hashable] = []  # the window each event happened in (benchmarks read it)
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def _storage(self, tensor: torch.Tensor):
@@ -81,6 +82,7 @@ class StorageTracker(TorchDispatchMode):
             event_key = len(self.events)  # unique, where id() is reused once a storage is gone
             self._info[key] = [nbytes, component, ref, event_key]
             self.events.append((event_key, nbytes))
+            self.event_windows.append(self.window)
             self.current[component] += nbytes
             self.total_bytes += nbytes
             self._note_peak()
@@ -97,6 +99,7 @@ class StorageTracker(TorchDispatchMode):
         info = self._info.pop(key, None)
         if info is not None:
             self.events.append((info[3], None))
+            self.event_windows.append(self.window)
             self.current[info[1]] -= info[0]
             self.total_bytes -= info[0]
 

@@ -1,0 +1,68 @@
+"""Where the reserved peak of an online-latents step forms: the verify grid's online points traced (CPU
+autocast, fake tensors, a few seconds each) and replayed through the caching-allocator model, reading the
+reserved and requested bytes at the windows that matter: the VAE encode of the first step (on an empty
+cache), the first optimizer step (AdamW's states are made there), the encode of the second step, and the
+end. docs/planner-accuracy.md ("Online latents: where the reserved peak forms") records the figures.
+
+    python benchmarks/online_reserved_timeline.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from test_memtrace_grid import GRID, make_plan, point_id  # noqa: E402
+
+from dit_accel.memtrace.allocator import CachingAllocator  # noqa: E402
+from dit_accel.memtrace.driver import _trace_once  # noqa: E402
+
+MiB = 2**20
+
+
+def window_marks(tracker, expandable: bool) -> tuple[dict, dict, int]:
+    """Replay the trace: (reserved, requested) as each window opens, each window's requested peak, and the
+    reserved peak."""
+    allocator, handles, marks, requested_peaks, last = CachingAllocator(expandable), {}, {}, {}, None
+    for (key, nbytes, *_), window in zip(tracker.events, tracker.event_windows):
+        if window != last:
+            marks.setdefault(window, (allocator.reserved, allocator.requested))
+            last = window
+        if nbytes is None:
+            handle = handles.pop(key, None)
+            if handle is not None:
+                allocator.free(handle)
+        elif nbytes > 0:
+            handles[key] = allocator.malloc(nbytes)
+        requested_peaks[window] = max(requested_peaks.get(window, 0), allocator.requested)
+    return marks, requested_peaks, allocator.reserved_peak
+
+
+def main() -> None:
+    print(
+        "| point | mode | encoder working set W | step-1 encode: new reserved | first optimizer step: "
+        "reserved, allocated after | step-2 encode: new reserved | reserved peak |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for point in (p for p in GRID if p[7] == "online"):
+        plan = make_plan(*point)
+        tracker, _ = _trace_once(plan, plan.spec(), point[3], point[4], "cpu")
+        for mode in ("expandable", "fixed"):
+            marks, peaks, reserved_peak = window_marks(tracker, mode == "expandable")
+            start0, after0 = marks[("pre", 0, 0)], marks[("fwd", 0, 0, 0)]
+            start1, after1 = marks[("pre", 1, 0)], marks[("fwd", 1, 0, 0)]
+            working = peaks[("pre", 0, 0)] - start0[1]
+            first = (after0[0] - start0[0]) / working
+            second = (after1[0] - start1[0]) / working
+            print(
+                f"| {point_id(point)} | {mode} | {working / MiB:,.0f} MiB | {first:.2f} W | "
+                f"{start1[0] / MiB:,.0f}, {start1[1] / MiB:,.0f} MiB | {second:.2f} W | "
+                f"{reserved_peak / MiB:,.0f} MiB |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

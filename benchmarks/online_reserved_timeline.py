@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from test_memtrace_grid import GRID, make_plan, point_id  # noqa: E402
 
-from dit_accel.memtrace.allocator import CachingAllocator  # noqa: E402
+from dit_accel.memtrace.allocator import CachingAllocator, replay_steps  # noqa: E402
 from dit_accel.memtrace.driver import _trace_once  # noqa: E402
 
 MiB = 2**20
@@ -25,17 +25,11 @@ MiB = 2**20
 def window_marks(tracker, expandable: bool) -> tuple[dict, dict, int]:
     """Replay the trace: (reserved, requested) as each window opens, each window's requested peak, and the
     reserved peak."""
-    allocator, handles, marks, requested_peaks, last = CachingAllocator(expandable), {}, {}, {}, None
-    for (key, nbytes, *_), window in zip(tracker.events, tracker.event_windows):
-        if window != last:
-            marks.setdefault(window, (allocator.reserved, allocator.requested))
-            last = window
-        if nbytes is None:
-            handle = handles.pop(key, None)
-            if handle is not None:
-                allocator.free(handle)
-        elif nbytes > 0:
-            handles[key] = allocator.malloc(nbytes)
+    allocator = CachingAllocator(expandable)
+    marks, requested_peaks, before = {}, {}, (0, 0)
+    for _, window in zip(replay_steps(allocator, tracker.events), tracker.event_windows):
+        marks.setdefault(window, before)  # as the window opens: the state before its first event
+        before = (allocator.reserved, allocator.requested)
         requested_peaks[window] = max(requested_peaks.get(window, 0), allocator.requested)
     return marks, requested_peaks, allocator.reserved_peak
 

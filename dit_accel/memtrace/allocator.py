@@ -358,6 +358,14 @@ def replay(events, expandable_segments: bool = False, limit_bytes: int | None = 
     storage that existed before the trace) is ignored. Under `limit_bytes` a request that cannot fit after
     a release raises `OutOfMemory`."""
     allocator = CachingAllocator(expandable_segments, limit_bytes)
+    for _ in replay_steps(allocator, events):
+        pass
+    return allocator.peaks()
+
+
+def replay_steps(allocator: CachingAllocator, events):
+    """Apply `events` (as `replay` takes them) to `allocator` one by one, yielding it after each: what reads
+    the allocator's state along the step (benchmarks/online_reserved_timeline.py) and `replay` share it."""
     handles: dict = {}
     for key, nbytes, *stream in events:
         if nbytes is None:
@@ -366,7 +374,7 @@ def replay(events, expandable_segments: bool = False, limit_bytes: int | None = 
                 allocator.free(handle)
         elif nbytes > 0:
             handles[key] = allocator.malloc(nbytes, *stream)
-    return allocator.peaks()
+        yield allocator
 
 
 def least_reserved(events, expandable_segments: bool = False, resolution_bytes: int = 2 << 20) -> int:

@@ -2,7 +2,9 @@
 autocast, fake tensors, a few seconds each) and replayed through the caching-allocator model, reading the
 reserved and requested bytes at the windows that matter: the VAE encode of the first step (on an empty
 cache), the first optimizer step (AdamW's states are made there), the encode of the second step, and the
-end. docs/planner-accuracy.md ("Online latents: where the reserved peak forms") records the figures.
+end, beside the planner's reserved peak. Beyond the grid, three online points whose DiT transient is large
+(no checkpointing) test the planner's rule where the cache is ample. docs/planner-accuracy.md ("Online
+latents: where the reserved peak forms") records the figures.
 
     python benchmarks/online_reserved_timeline.py
 """
@@ -17,9 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_memtrace_grid import GRID, make_plan, point_id  # noqa: E402
 
 from dit_accel.memtrace.allocator import CachingAllocator, replay_steps  # noqa: E402
+from dit_accel.memtrace.comparison import planner_reserved_peak  # noqa: E402
 from dit_accel.memtrace.driver import _trace_once  # noqa: E402
 
 MiB = 2**20
+BEYOND_GRID = [
+    ("DiT-S/2", 256, "fp32", 0, 32, 1, True, "online"),
+    ("DiT-B/2", 256, "bf16", 0, 16, 1, True, "online"),
+    ("DiT-XL/2", 256, "fp32", 0, 8, 1, True, "online"),
+]
 
 
 def window_marks(tracker, expandable: bool) -> tuple[dict, dict, int]:
@@ -37,10 +45,10 @@ def window_marks(tracker, expandable: bool) -> tuple[dict, dict, int]:
 def main() -> None:
     print(
         "| point | mode | encoder working set W | step-1 encode: new reserved | first optimizer step: "
-        "reserved, allocated after | step-2 encode: new reserved | reserved peak |"
+        "reserved, allocated after | step-2 encode: new reserved | reserved peak | planner | error |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for point in (p for p in GRID if p[7] == "online"):
+    print("|---|---|---|---|---|---|---|---|---|")
+    for point in [p for p in GRID if p[7] == "online"] + BEYOND_GRID:
         plan = make_plan(*point)
         tracker, _ = _trace_once(plan, plan.spec(), point[3], point[4], "cpu")
         for mode in ("expandable", "fixed"):
@@ -50,10 +58,11 @@ def main() -> None:
             working = peaks[("pre", 0, 0)] - start0[1]
             first = (after0[0] - start0[0]) / working
             second = (after1[0] - start1[0]) / working
+            planned = planner_reserved_peak(plan, "cpu", mode)
             print(
                 f"| {point_id(point)} | {mode} | {working / MiB:,.0f} MiB | {first:.2f} W | "
                 f"{start1[0] / MiB:,.0f}, {start1[1] / MiB:,.0f} MiB | {second:.2f} W | "
-                f"{reserved_peak / MiB:,.0f} MiB |",
+                f"{reserved_peak / MiB:,.0f} MiB | {planned / MiB:,.0f} MiB | {planned / reserved_peak - 1:+.1%} |",
                 flush=True,
             )
 

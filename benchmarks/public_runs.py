@@ -100,13 +100,17 @@ def main() -> None:
         f"| DiT issue #22, IEEE fp32, the VAE on cuDNN TF32 as run | {rate:.1f} | {published} | {rate / published - 1:+.0%} |"
     )
     print(
-        "\n| run | planner reserved + overhead MiB | micro-batch | published MiB | error |\n|---|---|---|---|---|"
+        "\n| run | micro-batch | planner allocated MiB | reserved | reserved + overhead | published MiB | error |"
+        "\n|---|---|---|---|---|---|---|"
     )
     for name, flags, published in MEMORY:
         plan = make_plan(**flags)
-        total = plan["memory"]["peak_bytes"] / MiB
+        memory = plan["memory"]
+        allocated, reserved = memory["allocated_peak_bytes"] / MiB, memory["reserved_peak_bytes"] / MiB
+        total = memory["peak_bytes"] / MiB
         print(
-            f"| {name} | {total:,.0f} | {plan['decision']['micro_batch']} | {published:,} | {total / published - 1:+.0%} |"
+            f"| {name} | {plan['decision']['micro_batch']} | {allocated:,.0f} | {reserved:,.0f} | {total:,.0f} | "
+            f"{published:,} | {total / published - 1:+.0%} |"
         )
 
 

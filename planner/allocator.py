@@ -14,9 +14,12 @@ transient      what the step allocates and frees again (activations, autocast's 
                calibrated against the verify grid's traced steps replayed through a model of the allocator
                (dit_accel/memtrace/allocator.py; benchmarks/reserved_replay.py; docs/planner-accuracy.md).
 page rounding  expandable segments map 20 MiB pages (large pool) and 2 MiB pages (small pool).
-earlier working set  online latents: the VAE encoder's maps are freed before the DiT forward, and the
-               DiT's tensors fit the blocks they leave only in part: a share of the smaller of the two stays
-               reserved beside the DiT's own peak.
+
+Online latents follow the allocator's order of events instead (`online_reserved_bytes`): the reserved peak
+forms at the second step's VAE encode, after the first optimizer step made AdamW's states out of the cache
+the first encode left, so the second encode finds only what that step left over and maps the rest anew.
+Reserved memory never falls unless the allocator releases its cache, so every moment after it holds at least
+that (`reserved_floor_bytes`).
 
 Under memory pressure the allocator, before it reports out of memory, releases what it caches unused (free
 whole segments; with expandable segments, free pages) and retries. `reserved_bytes(..., pressure=True)` is
@@ -48,9 +51,10 @@ SEGMENT_MODES = ("expandable", "fixed")
 # reserved beyond allocated per transient byte, calibrated on the replayed verify grid (the largest seen there,
 # rounded up; docs/planner-accuracy.md, "The reserved model")
 TRANSIENT_FRAGMENTATION = {"fixed": 0.06, "expandable": 0.03}
-# online latents: of the VAE encoder's working set (freed before the DiT forward), the share the DiT's own
-# transient tensors cannot reuse (they fit its cached blocks badly), calibrated the same way
-VAE_REUSE_MISS = {"fixed": 1.3, "expandable": 0.7}
+# online latents: the new reserved memory the VAE encoder's maps take on a cache with nothing to reuse, per
+# byte of its working set; measured alike at DiT-S/2, XL/2 and L/2 (docs/planner-accuracy.md, "Online
+# latents: where the reserved peak forms"): fixed segments round its multi-GiB maps into their own segments
+ENCODER_FOOTPRINT = {"fixed": 1.2, "expandable": 1.0}
 # under pressure (the cache released and the request retried): what stays reserved beyond allocated per
 # transient byte, and of the encoder's working set; the largest the replayed points need, rounded up
 # (docs/planner-accuracy.md, "Memory pressure"). Expandable segments unmap nearly all of the encoder's
@@ -155,6 +159,7 @@ def reserved_bytes(
     persistent_copies: int = 4,
     bucket_bytes: int = 0,
     earlier_working_bytes: int = 0,
+    reserved_floor_bytes: int = 0,
     measured_fragmentation: float = 0.0,
     pressure: bool = False,
 ) -> int:
@@ -162,24 +167,49 @@ def reserved_bytes(
     `persistent_bytes` live for the whole run (weights, AdamW states, EMA, VAE weights, DDP buckets).
     `persistent_copies`: parameter-shaped fp32 tensors among them (weights, two AdamW states, the EMA: 4; 3
     without EMA), sharded `shards` ways; `bucket_bytes`: DDP's gradient buckets among them;
-    `earlier_working_bytes`: a working set freed earlier in the step (the VAE encoder's). A
-    `measured_fragmentation` above 0 (reserved / allocated - 1, from a calibration) replaces the model.
-    `pressure`: the least the step runs in when the allocator releases its cache to fit (never more than
-    the reserved peak with memory to spare)."""
+    `earlier_working_bytes`: a working set freed earlier in the step (the VAE encoder's), part of which a
+    release cannot return; `reserved_floor_bytes`: what the step reserved before this moment, which stays
+    reserved unless the cache is released. A `measured_fragmentation` above 0 (reserved / allocated - 1, from
+    a calibration) replaces the model. `pressure`: the least the step runs in when the allocator releases its
+    cache to fit (never more than the reserved figure with memory to spare)."""
     if measured_fragmentation > 0:
         return int(allocated_bytes * (1 + measured_fragmentation))
     transient = max(0, allocated_bytes - persistent_bytes)
     rounding = persistent_copies * parameter_rounding_bytes(spec, 4, shards, segments)
     rounding += bucket_rounding_bytes(bucket_bytes, segments)
     pages = LARGE_PAGE_BYTES + SMALL_PAGE_BYTES if segments == "expandable" else 0
-
-    def fragmentation(per_transient: dict, per_earlier: dict) -> float:
-        return per_transient[segments] * transient + per_earlier[segments] * min(
-            earlier_working_bytes, transient
-        )
-
-    spare = allocated_bytes + rounding + pages + fragmentation(TRANSIENT_FRAGMENTATION, VAE_REUSE_MISS)
+    held = allocated_bytes + rounding + pages
+    spare = max(held + TRANSIENT_FRAGMENTATION[segments] * transient, reserved_floor_bytes)
     if not pressure:
         return int(spare)
-    tight = allocated_bytes + rounding + pages + fragmentation(PRESSURE_FRAGMENTATION, PRESSURE_VAE_MISS)
+    encoder_kept = PRESSURE_VAE_MISS[segments] * min(earlier_working_bytes, transient)
+    tight = held + PRESSURE_FRAGMENTATION[segments] * transient + encoder_kept
     return int(min(spare, tight))
+
+
+def online_reserved_bytes(
+    *,
+    encode_reserved: int,
+    dit_reserved: int,
+    optimizer_allocated: int,
+    optimizer_reserved: int,
+    states_held_bytes: int,
+    working_bytes: int,
+    segments: str,
+) -> int:
+    """Online latents: the reserved bytes at the second step's VAE encode, the reserved peak of every online
+    point the verify grid replays (docs/planner-accuracy.md). From the planner's steady-state moments, each
+    reserved on its own: `encode_reserved` and `dit_reserved` (the DiT's largest moment), both of which
+    count AdamW's states (`states_held_bytes`, with their block rounding) that the first step has not made
+    yet, and the optimizer step's tensors and reserved figure; `working_bytes`: the encoder's working set.
+
+    The first encode maps its footprint on top of the persistent tensors; the first step's DiT reuses that
+    cache and may grow it; the first optimizer step makes AdamW's states out of it, so the second encode
+    reuses only the cache that step leaves over and maps the rest of its footprint anew."""
+    footprint = ENCODER_FOOTPRINT[segments] * working_bytes
+    before_encode = (
+        encode_reserved - states_held_bytes - (1 + TRANSIENT_FRAGMENTATION[segments]) * working_bytes
+    )
+    first_step = max(before_encode + footprint, dit_reserved - states_held_bytes)
+    left_over = min(max(first_step - optimizer_allocated, 0), footprint)
+    return int(max(first_step, optimizer_reserved) + footprint - left_over)

@@ -28,7 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner import repa, vae
-from planner.allocator import reserved_bytes, stream_pool_reserved
+from planner.allocator import (
+    online_reserved_bytes,
+    parameter_rounding_bytes,
+    reserved_bytes,
+    stream_pool_reserved,
+)
 from planner.errors import PlanError
 from planner.hardware import Assumptions, GPUPreset
 from planner.repa import DEFAULT_PROJECTOR_DIM
@@ -700,11 +705,19 @@ def overhead_bytes(cluster: Cluster, assumptions: Assumptions) -> int:
 
 
 def allocator_bytes(
-    spec, decision, cluster, assumptions, parts: dict[str, int], moment: str = "", pressure: bool = False
+    spec,
+    decision,
+    cluster,
+    assumptions,
+    parts: dict[str, int],
+    moment: str = "",
+    pressure: bool = False,
+    floor_bytes: int = 0,
 ) -> int:
     """What the caching allocator reserves beyond the tensors `parts` at one moment (planner/allocator.py):
-    the persistent tensors' block rounding and the fragmentation the transient ones leave; with `pressure`,
-    what stays reserved after it released its cache to fit."""
+    the persistent tensors' block rounding and the fragmentation the transient ones leave, and at least
+    `floor_bytes` reserved in all (what the step reserved earlier); with `pressure`, what stays reserved
+    after it released its cache to fit."""
     shards = _shards(decision, cluster)
     buckets = FP32_BYTES * spec.params_trainable if cluster.world_size > 1 and not decision.sharded else 0
     persistent = (
@@ -728,12 +741,43 @@ def allocator_bytes(
         persistent_copies=4 if decision.ema else 3,
         bucket_bytes=buckets,
         earlier_working_bytes=encoder_working if moment != "vae_encode" else 0,
+        reserved_floor_bytes=floor_bytes if pressure else 0,  # below, with the stream pools
         measured_fragmentation=assumptions.fragmentation,
         pressure=pressure,
     )
-    if not pressure and assumptions.fragmentation <= 0:  # a measured ratio already holds the stream pools
+    if pressure:
+        return reserved - allocated
+    if assumptions.fragmentation <= 0:  # a measured ratio already holds the stream pools
         reserved += stream_pool_bytes(spec, decision, cluster, assumptions)
-    return reserved - allocated
+    return max(reserved, floor_bytes) - allocated
+
+
+def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str, dict[str, int]]) -> int:
+    """Online latents: the reserved bytes of the second step's VAE encode (planner/allocator.py
+    `online_reserved_bytes`), from the moments `by_moment` reserved on their own; every later moment holds
+    at least that. 0 without online latents, or when a measured fragmentation replaces the model."""
+    if decision.latents != "online" or assumptions.fragmentation > 0:
+        return 0
+    segments = assumptions.allocator_segments
+
+    def allocated(moment: str) -> int:
+        return sum(by_moment[moment][name] for name in ALLOCATED)
+
+    def reserved(moment: str) -> int:
+        return allocated(moment) + by_moment[moment]["allocator"]
+
+    states = optimizer_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+    states_rounding = 2 * parameter_rounding_bytes(spec, FP32_BYTES, _shards(decision, cluster), segments)
+    vae_weights = vae_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+    return online_reserved_bytes(
+        encode_reserved=reserved("vae_encode"),
+        dit_reserved=max(reserved(m) for m in by_moment if m != "vae_encode"),
+        optimizer_allocated=allocated("optimizer_step"),
+        optimizer_reserved=reserved("optimizer_step"),
+        states_held_bytes=states + states_rounding,
+        working_bytes=vae_bytes(spec, decision, cluster, assumptions, "vae_encode") - vae_weights,
+        segments=segments,
+    )
 
 
 _COMPONENT_FUNCTIONS = {
@@ -780,9 +824,16 @@ def step_memory(
         )
     chosen = moments(spec, decision)
     by_moment = {m: phase_components(spec, decision, cluster, assumptions, m) for m in chosen}
+    floor = online_floor_bytes(spec, decision, cluster, assumptions, by_moment)
+    for m in chosen if floor else ():
+        by_moment[m]["allocator"] = allocator_bytes(
+            spec, decision, cluster, assumptions, by_moment[m], m, floor_bytes=floor
+        )
     reclaimable = {
         m: by_moment[m]["allocator"]
-        - allocator_bytes(spec, decision, cluster, assumptions, by_moment[m], m, pressure=True)
+        - allocator_bytes(
+            spec, decision, cluster, assumptions, by_moment[m], m, pressure=True, floor_bytes=floor
+        )
         for m in chosen
     }
     peak = max(chosen, key=lambda m: sum(by_moment[m].values()))

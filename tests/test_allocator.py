@@ -365,23 +365,52 @@ def test_the_search_fits_the_reserved_peak_and_the_overhead():
 
 def test_the_planners_pressure_figure_leaves_out_what_a_release_returns():
     """Expandable segments, online latents: T = 10 GiB transient, E = 4 GiB encoder working set freed before
-    the DiT. With memory to spare the model adds 0.03 T + 0.7 E; under pressure 0.01 T + 0.10 E (the
-    encoder's pages are unmapped): 0.02 x 10 + 0.6 x 4 = 2.6 GiB less."""
+    the DiT, whose pages (1.0 E) the step reserved earlier: with memory to spare that stays reserved (the
+    floor, held + 0.03 T + E); under pressure 0.01 T + 0.10 E stays (the encoder's pages are unmapped):
+    0.02 x 10 + 0.9 x 4 = 3.8 GiB less."""
     from planner import allocator
     from planner.spec import model_spec
 
     GiB = 1 << 30
     spec = model_spec("DiT-XL/2", 256)
     persistent = 11 * GiB
-    kwargs = dict(segments="expandable", earlier_working_bytes=4 * GiB)
+    held = allocator.reserved_bytes(spec, persistent + 10 * GiB, persistent, segments="expandable")
+    held -= 0.03 * 10 * GiB  # tensors, rounding and pages: no fragmentation
+    kwargs = dict(segments="expandable", earlier_working_bytes=4 * GiB, reserved_floor_bytes=held + 4.3 * GiB)
     spare = allocator.reserved_bytes(spec, persistent + 10 * GiB, persistent, **kwargs)
     tight = allocator.reserved_bytes(spec, persistent + 10 * GiB, persistent, pressure=True, **kwargs)
-    assert spare - tight == pytest.approx(2.6 * GiB, abs=2)
+    assert spare == pytest.approx(held + 4.3 * GiB, abs=2)
+    assert spare - tight == pytest.approx(3.8 * GiB, abs=2)
     # precomputed latents, fixed segments: 0.06 T spare, 0.03 T under pressure: 0.3 GiB less
     fixed = dict(segments="fixed")
     spare = allocator.reserved_bytes(spec, persistent + 10 * GiB, persistent, **fixed)
     tight = allocator.reserved_bytes(spec, persistent + 10 * GiB, persistent, pressure=True, **fixed)
     assert spare - tight == pytest.approx(0.3 * GiB, abs=2)
+
+
+def test_online_latents_peak_at_the_second_steps_encode():
+    """Fixed segments, W = 4 GiB encoder working set (footprint 1.2 W = 4.8 GiB on an empty cache), AdamW's
+    states with their rounding 8 GiB. Steady-state moments: encode 30 GiB reserved, the DiT's largest 28, the
+    optimizer step 27 reserved over 24 allocated. Before the first encode: 30 - 8 - 1.06 x 4 = 17.76; the
+    first encode takes it to 22.56, the first DiT (20 without states) stays inside; the optimizer step needs
+    24 allocated, more than that cache: it grows to 27 and leaves nothing, so the second encode maps all of
+    its 4.8 anew: 31.8 GiB. With the optimizer step at 20 allocated, 2.56 is left over: 29.24 GiB."""
+    from planner.allocator import online_reserved_bytes
+
+    GiB = 1 << 30
+    moments = dict(encode_reserved=30 * GiB, dit_reserved=28 * GiB, optimizer_reserved=27 * GiB)
+    held = dict(states_held_bytes=8 * GiB, working_bytes=4 * GiB, segments="fixed")
+    assert online_reserved_bytes(**moments, **held, optimizer_allocated=24 * GiB) == pytest.approx(
+        31.8 * GiB, abs=2
+    )
+    assert online_reserved_bytes(**moments, **held, optimizer_allocated=20 * GiB) == pytest.approx(
+        29.24 * GiB, abs=2
+    )
+    # expandable segments: the footprint is W itself, 4 GiB; 17.8 + 4 = 21.8 cached, nothing left at 24
+    expandable = {**held, "segments": "expandable"}
+    assert online_reserved_bytes(**moments, **expandable, optimizer_allocated=24 * GiB) == pytest.approx(
+        (27 + 4) * GiB, abs=2
+    )
 
 
 def test_the_memory_table_says_when_a_plan_fits_only_after_a_release():

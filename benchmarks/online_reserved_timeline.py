@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from test_memtrace_grid import GRID, make_plan, point_id  # noqa: E402
 
+from dit_accel.memtrace import trace_events  # noqa: E402
 from dit_accel.memtrace.allocator import CachingAllocator, replay_steps  # noqa: E402
 from dit_accel.memtrace.comparison import planner_reserved_peak  # noqa: E402
-from dit_accel.memtrace.driver import _trace_once  # noqa: E402
 
 MiB = 2**20
 BEYOND_GRID = [
@@ -50,7 +50,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for point in [p for p in GRID if p[7] == "online"] + BEYOND_GRID:
         plan = make_plan(*point)
-        tracker, _ = _trace_once(plan, plan.spec(), point[3], point[4], "cpu")
+        tracker = trace_events(plan)
         for mode in ("expandable", "fixed"):
             marks, peaks, reserved_peak = window_marks(tracker, mode == "expandable")
             start0, after0 = marks[("pre", 0, 0)], marks[("fwd", 0, 0, 0)]

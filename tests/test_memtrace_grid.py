@@ -149,14 +149,14 @@ def test_online_reserved_peak_forms_at_the_second_encode_as_the_planner_says(seg
     reserved grows after the first step nearly only while the second step encodes (the first optimizer step
     left a cache that encode cannot wholly reuse), and the planner's rule for it (planner/allocator.py
     `online_reserved_bytes`) is within 5% (-4.8% expandable, -2.1% fixed when written)."""
+    from dit_accel.memtrace import trace_events
     from dit_accel.memtrace.allocator import CachingAllocator, replay_steps
     from dit_accel.memtrace.comparison import planner_reserved_peak
-    from dit_accel.memtrace.driver import _trace_once
 
     point = GRID[22]
     assert point[7] == "online" and point[0] == "DiT-S/2"
     plan = make_plan(*point)
-    tracker, _ = _trace_once(plan, plan.spec(), point[3], point[4], "cpu")
+    tracker = trace_events(plan)
     allocator = CachingAllocator(segments == "expandable")
     reserved_by_window: dict = {}
     for _, window in zip(replay_steps(allocator, tracker.events), tracker.event_windows):

@@ -29,6 +29,7 @@ _HOMES = {
     "StepParts": "driver",
     "build_step_parts": "driver",
     "run_traced": "driver",
+    "trace_events": "driver",
     "trace_training_step": "driver",
     "format_report": "report",
     "format_sharded_report": "report",

@@ -382,6 +382,14 @@ def _trace_once(
     return tracker, parts.checkpointed
 
 
+def trace_events(plan: Plan, autocast_device: str = "cpu") -> StorageTracker:
+    """The plan's step traced once at its full depth, kept for a replay event by event: the tracker's
+    `events` (every allocation and free, in order) and `event_windows` (the window of each), which
+    `memtrace.allocator.replay_steps` walks (benchmarks/online_reserved_timeline.py)."""
+    d = plan.decision
+    return _trace_once(plan, plan.spec(), d.checkpointed_blocks, d.micro_batch, autocast_device)[0]
+
+
 def _runs_kinds(checkpointed: list) -> list[bool]:
     return [kind for _, _, kind in _segments(checkpointed)]
 

@@ -17,9 +17,10 @@ if TYPE_CHECKING:  # annotations only: the comparison itself needs no torch
 # "allocator" (reserved beyond allocated) is checked against the trace's replay through the allocator model.
 COMPARED = ALLOCATED  # the planner's tensor components
 # the planner's reserved peak against the replayed one, by allocator mode: the fragmentation terms are
-# calibrated on the verify grid's replays (docs/planner-accuracy.md); expandable segments (the trainer's
-# default on CUDA) are modelled closely, fixed segments only roughly
-RESERVED_TOLERANCE = {"expandable": 0.03, "fixed": 0.20}
+# calibrated on the verify grid's replays (docs/planner-accuracy.md), where expandable segments (the trainer's
+# default on CUDA) are within -0.9..+1.6% precomputed, fixed ones within -3.8..+4.5% (online latents: the
+# allocator's order of events, -4.8..+6.0% and -3.3..+0.1%)
+RESERVED_TOLERANCE = {"expandable": 0.03, "fixed": 0.05}
 SEGMENT_MODES = ("expandable", "fixed")
 # the traceable peak and each component, as tests/test_memtrace_grid.py holds them (issue 5): a component
 # under SMALL_COMPONENT of the peak is held to its tolerance of that share of the peak

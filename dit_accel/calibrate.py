@@ -170,7 +170,7 @@ def fit_calibration(
         "reserved_per_sample_bytes": int(round(reserved_per_sample)),
         "fit_residual_max_bytes": int(round(residual)),
         "fragmentation": ratio,  # reserved / allocated at the largest measured micro-batch
-        "outside_allocator_bytes": int(max(outside)) if outside else None,  # CUDA context, cuBLAS, NCCL
+        "outside_allocator_bytes": int(max(outside)) if outside else None,  # CUDA context, NCCL
         "images_per_s": images_per_s,
         "mfu": mfu,
         "half_efficiency_tokens": half_tokens,
@@ -204,9 +204,8 @@ def planner_assumptions(fitted: dict, precision: str) -> dict:
     # the planner's fragmentation is reserved beyond allocated, a fraction it requires to be below 1
     out = {"fragmentation": min(0.99, max(0.0, fitted["fragmentation"] - 1.0))}
     if fitted["outside_allocator_bytes"] is not None:
-        # cudaMemGetInfo cannot split the context from cuBLAS workspaces: all of it is the context here
+        # device used less reserved: the context (cuBLAS workspaces are reserved memory, the planner's too)
         out["cuda_context_bytes"] = fitted["outside_allocator_bytes"]
-        out["cublas_workspace_bytes"] = 0
     if fitted.get("planner_mfu"):
         out["mfu_fp32" if precision == "fp32" else "mfu_mixed"] = fitted["planner_mfu"]
     if fitted["half_efficiency_tokens"] is not None:

@@ -132,8 +132,9 @@ class StepLog:
     """Every `log_every` steps: the mean loss since the last line, images/s, and the GPU's measured peak memory
     beside the plan's, to the terminal, the rank logs, metrics.jsonl (main process) and the trackers.
 
-    `torch.cuda.max_memory_allocated` sees tensors only, so it is held to the plan's peak less the overheads the
-    plan adds for the CUDA context, cuBLAS, NCCL and fragmentation (which max_memory_reserved partly shows).
+    `torch.cuda.max_memory_allocated` sees tensors (and cuBLAS's 64 MiB of workspaces), so it is held to the
+    plan's peak less what the plan adds for the CUDA context, NCCL and the caching allocator's share
+    (rounding, fragmentation, those workspaces: what max_memory_reserved shows beyond it).
     """
 
     def __init__(

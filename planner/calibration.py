@@ -14,8 +14,9 @@ mismatch between the file and the plan being made means, and what is done about 
                                                           mixed (bf16/fp16) or both fp32: warning
   GPU memory far from --vram (over 10%)                   used, with a warning (a MIG slice or a mistake?)
 
-Memory figures are the CUDA context (with cuBLAS workspaces), NCCL buffers and the caching allocator's
-fragmentation: properties of the GPU, driver and allocator, close enough across models to beat a guess.
+Memory figures are the CUDA context (device used less reserved: cuBLAS's workspaces are reserved memory),
+NCCL buffers and the caching allocator's fragmentation: properties of the GPU, driver and allocator, close
+enough across models to beat a guess.
 """
 
 from __future__ import annotations

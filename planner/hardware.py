@@ -199,6 +199,7 @@ class Assumptions:
     cuda_context_bytes: int = (
         512 * MiB
     )  # CUDA context + kernels, lazy module loading: 0.3-1 GB by GPU and CUDA version
+    # held inside the caching allocator: PyTorch allocates cuBLAS/cuBLASLt workspaces through it
     cublas_workspace_bytes: int = (
         64 * MiB
     )  # PyTorch's default CUBLAS_WORKSPACE_CONFIG :4096:8 (32 MiB) + cuBLASLt

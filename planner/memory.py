@@ -19,8 +19,9 @@ CPU-autocast variant of these moments to that trace (docs/planner-accuracy.md).
 
 Everything a tensor trace cannot see (DDP buckets, FSDP gather buffers, CUDA context, NCCL) is added from its
 own formula. `allocator` is what PyTorch's caching allocator reserves beyond the tensors' bytes (rounding and
-fragmentation, planner/allocator.py): the reserved peak is the allocated bytes plus it, and `overhead` (CUDA
-context, cuBLAS, NCCL) is memory outside that allocator. The budget is held to reserved + overhead.
+fragmentation, planner/allocator.py, and the cuBLAS/cuBLASLt workspaces it holds for the libraries): the
+reserved peak is the allocated bytes plus it, and `overhead` (CUDA context, NCCL) is memory outside that
+allocator. The budget is held to reserved + overhead.
 """
 
 from __future__ import annotations
@@ -696,9 +697,8 @@ def temporaries_bytes(spec, decision, cluster, assumptions, moment) -> int:
 
 
 def overhead_bytes(cluster: Cluster, assumptions: Assumptions) -> int:
-    """Memory outside PyTorch's caching allocator: CUDA context, cuBLAS workspaces, NCCL buffers (multi-GPU
-    only)."""
-    fixed = assumptions.cuda_context_bytes + assumptions.cublas_workspace_bytes
+    """Memory outside PyTorch's caching allocator: CUDA context, NCCL buffers (multi-GPU only)."""
+    fixed = assumptions.cuda_context_bytes
     if cluster.world_size > 1:
         fixed += assumptions.nccl_buffer_bytes
     return int(fixed)
@@ -715,7 +715,8 @@ def allocator_bytes(
     floor_bytes: int = 0,
 ) -> int:
     """What the caching allocator reserves beyond the tensors `parts` at one moment (planner/allocator.py):
-    the persistent tensors' block rounding and the fragmentation the transient ones leave, and at least
+    the persistent tensors' block rounding, the fragmentation the transient ones leave and the cuBLAS
+    workspaces (PyTorch allocates them through it and keeps them; a release does not return them), and at least
     `floor_bytes` reserved in all (what the step reserved earlier); with `pressure`, what stays reserved
     after it released its cache to fit."""
     shards = _shards(decision, cluster)
@@ -745,6 +746,7 @@ def allocator_bytes(
         measured_fragmentation=assumptions.fragmentation,
         pressure=pressure,
     )
+    reserved += assumptions.cublas_workspace_bytes
     if pressure:
         return reserved - allocated
     if assumptions.fragmentation <= 0:  # a measured ratio already holds the stream pools
@@ -772,7 +774,8 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
     return online_reserved_bytes(
         encode_reserved=reserved("vae_encode"),
         dit_reserved=max(reserved(m) for m in by_moment if m != "vae_encode"),
-        optimizer_allocated=allocated("optimizer_step"),
+        # cuBLAS's workspaces are held too, not cache the encode can reuse
+        optimizer_allocated=allocated("optimizer_step") + assumptions.cublas_workspace_bytes,
         optimizer_reserved=reserved("optimizer_step"),
         states_held_bytes=states + states_rounding,
         working_bytes=vae_bytes(spec, decision, cluster, assumptions, "vae_encode") - vae_weights,

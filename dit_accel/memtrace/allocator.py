@@ -36,7 +36,8 @@ roundup_power2_divisions, no garbage collection threshold):
 
 Not modelled: record_stream and frees from another stream (a block used on a second stream goes back to
 the pool only once that stream's events complete: here a free returns it at once), CUDA graphs' private
-pools, allocations outside PyTorch (CUDA context, cuBLAS, NCCL), a release's order of segments (all are
+pools, cuBLAS's workspaces (allocated through the allocator, but by no traced tensor) and allocations
+outside PyTorch (CUDA context, NCCL), a release's order of segments (all are
 released at once). The tracker records one stream, so a traced step replays on the default stream alone.
 """
 

@@ -13,7 +13,7 @@ from planner.planfile import Plan
 if TYPE_CHECKING:  # annotations only: the comparison itself needs no torch
     from dit_accel.memtrace.tracker import TraceResult
 
-# Planner components a tensor trace can check; "overhead" (CUDA context, cuBLAS, NCCL) it cannot, and
+# Planner components a tensor trace can check; "overhead" (CUDA context, NCCL) it cannot, and
 # "allocator" (reserved beyond allocated) is checked against the trace's replay through the allocator model.
 COMPARED = ALLOCATED  # the planner's tensor components
 # the planner's reserved peak against the replayed one, by allocator mode: the fragmentation terms are
@@ -62,7 +62,10 @@ def planner_step_memory(
     )
     assumptions = Assumptions()
     recorded = {key: value for key, value in plan.assumptions.items() if hasattr(assumptions, key)}
-    assumptions = assumptions.replace(**recorded).replace(autocast_device=autocast_device)
+    # a trace sees no cuBLAS workspace (memtrace.tracker.UNSEEN), so its replay holds none either
+    assumptions = assumptions.replace(**recorded).replace(
+        autocast_device=autocast_device, cublas_workspace_bytes=0
+    )
     if segments is not None:
         assumptions = assumptions.replace(allocator_segments=segments, fragmentation=0.0)
     cluster = Cluster(nodes=1, gpus_per_node=world_size, vram_bytes=plan.cluster.vram_bytes or 2**50)

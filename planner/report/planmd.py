@@ -122,10 +122,15 @@ def plan_markdown(plan: dict, provenance: dict | None = None, chart: str | None 
         + f". Backward has {format_bytes(a['backward_temporary_bytes'])} of gradients in flight inside a block.",
         f"- activations at the {PHASE_NAMES[m['peak_phase']]}: {ACTIVATIONS_AT[m['peak_phase']]} = "
         f"{format_bytes(m['activations'])}.",
-        f"- overhead = CUDA context {format_bytes(plan['assumptions']['cuda_context_bytes'])} + cuBLAS "
-        f"{format_bytes(plan['assumptions']['cublas_workspace_bytes'])}"
+        f"- overhead = CUDA context {format_bytes(plan['assumptions']['cuda_context_bytes'])}"
         + (f" + NCCL {format_bytes(plan['assumptions']['nccl_buffer_bytes'])}" if c["world_size"] > 1 else "")
-        + f" + {plan['assumptions']['fragmentation']:.0%} fragmentation of the allocated bytes.",
+        + "; the caching allocator's share holds the rounding, "
+        + (
+            f"the measured fragmentation ({plan['assumptions']['fragmentation']:.1%} of the allocated bytes)"
+            if plan["assumptions"]["fragmentation"]
+            else "the modelled fragmentation"
+        )
+        + f" and cuBLAS's workspaces ({format_bytes(plan['assumptions']['cublas_workspace_bytes'])}).",
         f"- peak = the largest moment, {PHASE_NAMES[m['peak_phase']]}: {format_bytes(m['peak_bytes'])} of a "
         f"{format_bytes(m['budget_bytes'])} budget ({share_cell(m['peak_bytes'], m['vram_bytes'])} of VRAM).",
         "",

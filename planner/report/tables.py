@@ -57,7 +57,7 @@ DESCRIBE = {
     "vae": "VAE weights (+ encoder working set)",
     "repa": "REPA encoder weights, projector + grads + AdamW (+ encoder working set)",
     "temporaries": "short-lived buffers",
-    "overhead": "CUDA context, cuBLAS, NCCL (outside the caching allocator)",
+    "overhead": "CUDA context, NCCL (outside the caching allocator)",
 }
 PHASE_NAMES = {
     "vae_encode": "VAE encode",
@@ -222,7 +222,7 @@ def describe(plan: dict, component: str) -> str:
         }.get(m["peak_phase"], text)
     elif component == "overhead":
         nccl = ", NCCL" if plan["cluster"]["world_size"] > 1 else ""
-        text = f"CUDA context, cuBLAS{nccl}"
+        text = f"CUDA context{nccl}"
     return text
 
 
@@ -275,7 +275,7 @@ def memory_rows(plan: dict) -> tuple[list, list]:
     vram = m["vram_bytes"]
     segments = m.get("allocator_segments", "expandable")
     allocator_text = (
-        f"caching allocator: reserved beyond allocated ({segments} segments: rounding, fragmentation)"
+        f"caching allocator: reserved beyond allocated ({segments} segments: rounding, fragmentation, cuBLAS)"
         if not plan["assumptions"].get("fragmentation")
         else f"caching allocator: measured fragmentation {plan['assumptions']['fragmentation']:.1%}"
     )
@@ -286,7 +286,7 @@ def memory_rows(plan: dict) -> tuple[list, list]:
             share_cell(m[name], vram),
             allocator_text
             if name == "allocator"
-            else "CUDA context, cuBLAS" + (", NCCL" if plan["cluster"]["world_size"] > 1 else "")
+            else "CUDA context" + (", NCCL" if plan["cluster"]["world_size"] > 1 else "")
             if name == "overhead"
             else describe(plan, name),
         ]

@@ -335,6 +335,37 @@ def test_segment_packing_of_1_to_10_mib_tensors_worked_by_hand():
     assert replayed.reserved_peak_bytes == 40 * MiB  # the allocator model agrees
 
 
+def test_an_online_step_holds_what_its_second_encode_reserved_at_every_later_moment():
+    """planner.memory.step_memory with online latents: the second encode's reserved bytes (the floor) are
+    the encode moment's reserved figure, and no moment reserves less (reserved does not fall without a
+    release); under pressure each moment may need less. A measured fragmentation (a calibration) replaces
+    the allocator model, floor included: its share is the measured ratio plus cuBLAS's workspaces."""
+    from planner.hardware import Assumptions
+    from planner.memory import ALLOCATED, Cluster, Decision, online_floor_bytes, phase_components, step_memory
+    from planner.spec import model_spec
+
+    spec, cluster = model_spec("DiT-XL/2", 256), Cluster(1, 1, 80 * 10**9)
+    online = Decision(16, 1, 28, "bf16", "ddp", "online")
+    for segments in ("expandable", "fixed"):
+        a = Assumptions(allocator_segments=segments)
+        estimate = step_memory(spec, online, cluster, a)
+        own = {m: phase_components(spec, online, cluster, a, m) for m in estimate.phases}
+        floor = online_floor_bytes(spec, online, cluster, a, own)
+
+        def reserved(parts):
+            return sum(parts[name] for name in ALLOCATED) + parts["allocator"]
+
+        assert reserved(own["vae_encode"]) < floor  # the first-step figure of the encode alone is less
+        assert reserved(estimate.phases["vae_encode"]) == floor == estimate.reserved_peak_bytes
+        assert all(reserved(parts) == max(floor, reserved(own[m])) for m, parts in estimate.phases.items())
+        assert all(0 <= released for released in estimate.reclaimable.values())
+    measured = Assumptions(fragmentation=0.1)
+    estimate = step_memory(spec, online, cluster, measured)
+    for parts in estimate.phases.values():
+        allocated = sum(parts[name] for name in ALLOCATED)
+        assert parts["allocator"] == int(allocated * 1.1) - allocated + measured.cublas_workspace_bytes
+
+
 def test_the_search_fits_the_reserved_peak_and_the_overhead():
     from planner.hardware import Assumptions
     from planner.memory import ALLOCATED, Cluster, Decision, step_memory

@@ -731,8 +731,7 @@ def allocator_bytes(
         + buckets
     )
     allocated = sum(parts[name] for name in ALLOCATED)
-    vae_weights = vae_bytes(spec, decision, cluster, assumptions, "optimizer_step")
-    encoder_working = vae_bytes(spec, decision, cluster, assumptions, "vae_encode") - vae_weights
+    encoder_working = encoder_working_bytes(spec, decision, cluster, assumptions)
     reserved = reserved_bytes(
         spec,
         allocated,
@@ -754,6 +753,12 @@ def allocator_bytes(
     return max(reserved, floor_bytes) - allocated
 
 
+def encoder_working_bytes(spec, decision, cluster, assumptions) -> int:
+    """The online VAE encoder's working set: its bytes at the encode less its weights (0 without it)."""
+    weights = vae_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+    return vae_bytes(spec, decision, cluster, assumptions, "vae_encode") - weights
+
+
 def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str, dict[str, int]]) -> int:
     """Online latents: the reserved bytes of the second step's VAE encode (planner/allocator.py
     `online_reserved_bytes`), from the moments `by_moment` reserved on their own; every later moment holds
@@ -770,7 +775,6 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
 
     states = optimizer_bytes(spec, decision, cluster, assumptions, "optimizer_step")
     states_rounding = 2 * parameter_rounding_bytes(spec, FP32_BYTES, _shards(decision, cluster), segments)
-    vae_weights = vae_bytes(spec, decision, cluster, assumptions, "optimizer_step")
     return online_reserved_bytes(
         encode_reserved=reserved("vae_encode"),
         dit_reserved=max(reserved(m) for m in by_moment if m != "vae_encode"),
@@ -778,7 +782,7 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
         optimizer_allocated=allocated("optimizer_step") + assumptions.cublas_workspace_bytes,
         optimizer_reserved=reserved("optimizer_step"),
         states_held_bytes=states + states_rounding,
-        working_bytes=vae_bytes(spec, decision, cluster, assumptions, "vae_encode") - vae_weights,
+        working_bytes=encoder_working_bytes(spec, decision, cluster, assumptions),
         segments=segments,
     )
 

@@ -15,6 +15,7 @@ import torch
 from accelerate.state import PartialState
 from diffusers import AutoencoderKL
 from PIL import Image
+from ports import launch_port
 from safetensors import safe_open
 
 from dit_accel.data.demo import write_demo_data
@@ -334,7 +335,7 @@ def test_two_processes_under_accelerate_launch_write_their_own_shards(assets, tm
         "--num_processes",
         "2",
         "--main_process_port",
-        "0",
+        launch_port(),
         "-m",
         "dit_accel.data.latents",
         "--data-path",

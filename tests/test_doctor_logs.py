@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from ports import launch_port
 
 from dit_accel.doctor import run
 from dit_accel.doctor.checks import Status
@@ -342,7 +343,7 @@ def test_a_real_accelerate_launch_killed_by_sigkill(tmp_path, capsys):
             "--config_file",
             str(tmp_path / "plan" / "accelerate_config.yaml"),
             "--main_process_port",
-            "0",
+            launch_port(),
             str(tmp_path / "die.py"),
         ],
         capture_output=True,

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from ports import launch_port
 from test_sample import fresh_accelerate_state
 
 from dit_accel.evaluate import metrics
@@ -365,7 +366,7 @@ def test_two_launched_processes_give_the_numbers_of_one(evaluation, alike_scores
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--main_process_port", "0", "-m", "dit_accel.evaluate.command"]
+    command += ["--main_process_port", launch_port(), "-m", "dit_accel.evaluate.command"]
     command += ["--samples", str(evaluation / "alike.npz"), "--reference", str(evaluation / "reference.npz")]
     command += [
         "--inception-weights",

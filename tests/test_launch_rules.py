@@ -29,6 +29,7 @@ from accelerate.utils.launch import (
     prepare_multi_gpu_env,
     prepare_simple_launcher_cmd_env,
 )
+from ports import launch_port
 from torch.distributed.fsdp import OffloadPolicy
 
 from dit_accel.distributed import check_launch, fsdp_plugin_for
@@ -93,7 +94,7 @@ def launch_argv(config_path: Path, script: str = "dit_accel.train") -> list[str]
         "--config_file",
         str(config_path),
         "--main_process_port",
-        "0",
+        launch_port(),
         "-m",
         script,
         "--plan",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import test_train_e2e as e2e
+from ports import launch_port
 from test_train_e2e import QUIET, _env, assert_same_rng, assert_same_state, make_workspace
 
 from dit_accel import checkpoint as ckpt
@@ -40,7 +41,7 @@ def _trainer_args(workspace, out: Path, *args, plan=None, data=None) -> list[str
 
 def _wrapper(workspace, out: Path, *args, env=None, **kwargs) -> subprocess.Popen:
     """`dit-accel train ...` (the wrapper around accelerate launch), running."""
-    command = [sys.executable, "-m", "dit_accel.cli", "train", "--main-process-port", "0"]
+    command = [sys.executable, "-m", "dit_accel.cli", "train", "--main-process-port", launch_port()]
     return subprocess.Popen(
         command + _trainer_args(workspace, out, *args, **kwargs),
         env=_env(**(env or {})),
@@ -59,7 +60,7 @@ def _accelerate_launch(workspace, out: Path, *args, env=None) -> subprocess.Pope
         "--config_file",
         str(plan.parent / "accelerate_config.yaml"),
         "--main_process_port",
-        "0",
+        launch_port(),
         "-m",
         "dit_accel.train",
     ]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from ports import launch_port
 
 from dit_accel import sample
 from dit_accel.images import make_grid
@@ -372,7 +373,7 @@ def test_two_processes_make_the_same_array_as_one(run, reference_npz, tmp_path):
         "--num_processes",
         "2",
         "--main_process_port",
-        "0",
+        launch_port(),
         "-m",
         "dit_accel.sample",
         "--checkpoint",

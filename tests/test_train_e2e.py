@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from equivalence import has_true_gradient
+from ports import launch_port
 from safetensors.torch import load_file
 
 from dit_accel import checkpoint as ckpt
@@ -149,7 +150,7 @@ def launch_command(workspace, out: Path, *args, processes=2) -> list[str]:
     return [
         *launcher,
         "--main_process_port",
-        "0",
+        launch_port(),
         *trainer,
         "--output-dir",
         str(out),

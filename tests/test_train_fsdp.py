@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from equivalence import has_true_gradient, layout_atol
+from ports import launch_port
 from safetensors.torch import load_file
 
 from dit_accel import checkpoint as ckpt
@@ -159,7 +160,7 @@ def _start(
         "--num_processes",
         str(processes),
         "--main_process_port",
-        "0",
+        launch_port(),
         *program,
         "--plan",
         str(plan_dir / "plan.json"),

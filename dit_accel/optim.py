@@ -44,6 +44,30 @@ def build_optimizer(
     )
 
 
+def create_states(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's state for every trainable parameter, made now as its first step would make it (zero moments,
+    step 0), so that a fresh run's first step computes what a lazily made state gives, bit for bit.
+
+    Why: a resumed run loads its state before the first step, a fresh one makes it inside its first optimizer
+    step, out of whatever the allocator cached then (with online latents: the VAE encoder's freed maps, which
+    the states then pin, so the second encode maps new memory). Made here, among the persistent tensors, a
+    fresh run has a resumed run's memory layout and the plan's reserved peak holds for both. Through the
+    public `load_state_dict`, which places `step` as fused and capturable AdamW want it."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    if optimizer.state:
+        return
+    saved = optimizer.state_dict()
+    zero_state = {}
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for param, index in zip(group["params"], saved_group["params"]):
+            state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param)}
+            state["exp_avg_sq"] = torch.zeros_like(param)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param)
+            zero_state[index] = state
+    optimizer.load_state_dict({"state": zero_state, "param_groups": saved["param_groups"]})
+
+
 class WarmupConstant:
     """lr multiplier: (step + 1) / warmup_steps during warmup, then 1. A class, not a lambda, so that
     LambdaLR's state_dict records it and a resumed run checks the same schedule."""

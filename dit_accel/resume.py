@@ -221,7 +221,10 @@ def restore(start: Start, accelerator, components, dataset_size: int, seed: int)
     if start.checkpoint is None:
         from accelerate.utils import set_seed
 
+        from dit_accel.optim import create_states
+
         set_seed(seed + accelerator.process_index)  # anything not keyed per sample
+        create_states(components.optimizer)  # now, as a resumed run loads it: the same memory layout
         return state
     state.update(ckpt.load_checkpoint(accelerator, start.checkpoint, ema=components.ema))
     if components.ema is not None:

@@ -12,7 +12,7 @@ from torch import nn
 from dit_accel.data.order import KeyedSamples, SampleNoise, SampleOrder, seeded_global_rngs
 from dit_accel.ema import EMA
 from dit_accel.errors import UserError
-from dit_accel.optim import build_optimizer, build_scheduler, effective_lr
+from dit_accel.optim import build_optimizer, build_scheduler, create_states, effective_lr
 from dit_accel.train_config import TrainConfig, parse_config
 
 ONE_BLOCK_PLAN = {  # a 1-block fp32 DDP plan on one process, for step-level tests
@@ -207,6 +207,46 @@ def test_lr_warmup_and_scaling_count_applied_steps():
     restored = build_scheduler(build_optimizer(model, lr=1e-3), warmup_steps=4)
     restored.load_state_dict(scheduler.state_dict())
     assert restored.get_last_lr() == scheduler.get_last_lr()
+
+
+@pytest.mark.parametrize(
+    "kind", [{}, {"foreach": True}, {"fused": True}, {"foreach": False, "amsgrad": True}]
+)
+def test_adamw_state_made_before_the_first_step_trains_bit_for_bit_as_a_lazy_one(kind):
+    """A fresh run makes AdamW's state up front (a resumed run's memory layout); every step after it equals
+    the lazily initialised optimizer's exactly, weight decay and bias correction included."""
+    torch.manual_seed(0)
+    lazy = [nn.Parameter(torch.randn(6, 5)), nn.Parameter(torch.randn(5))]
+    eager = [nn.Parameter(p.detach().clone()) for p in lazy]
+    settings = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, **kind)
+    lazy_opt, eager_opt = torch.optim.AdamW(lazy, **settings), torch.optim.AdamW(eager, **settings)
+    create_states(eager_opt)
+    assert set(eager_opt.state) == set(eager)
+    for param in eager:
+        state = eager_opt.state[param]
+        assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+        assert ("max_exp_avg_sq" in state) == bool(kind.get("amsgrad"))
+    for _ in range(5):
+        for a, b in zip(lazy, eager):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        lazy_opt.step()
+        eager_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(lazy, eager))
+    for a, b in zip(lazy, eager):
+        for key, value in lazy_opt.state[a].items():
+            made = eager_opt.state[b][key]
+            assert made.dtype == value.dtype and made.device == value.device and torch.equal(made, value)
+
+
+def test_adamw_state_already_there_is_left_alone():
+    param = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.ones(3)
+    optimizer.step()
+    before = {key: value.clone() for key, value in optimizer.state[param].items()}
+    create_states(optimizer)  # a resumed run's loaded state is never reset
+    assert all(torch.equal(optimizer.state[param][key], value) for key, value in before.items())
 
 
 def test_ema_is_fp32_and_follows_the_decay():

@@ -3,7 +3,8 @@
 The trainer's own step (model construction, autocast, checkpointed blocks, AdamW, EMA, accumulation) runs
 under torch's FakeTensorMode, so no byte is allocated, while a dispatch-level tracker counts every live
 tensor storage by component (weights, grads, optimizer, ema, activations, autocast_cache, vae, temporaries,
-batch) and records the peak. Two optimizer steps run so the optimizer's state exists at the second one.
+batch) and records the peak. AdamW's state is made before the first step, as the trainer makes it; two
+optimizer steps run so the second finds the cache the first left, as every later step does.
 
 Full-depth DiT-XL/2 would cost tens of thousands of Python dispatches, so by default the step is traced
 at shallow depths and extrapolated per block: exact, not a fit, because every block of one kind adds the

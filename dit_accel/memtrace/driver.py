@@ -47,6 +47,8 @@ class StepParts:
     optimizer_step: Callable[[], None]
     grad_accum: int
     ema_tensors: list = field(default_factory=list)
+    # the trainer's AdamW, its state made before the first step as a fresh run makes it (optim.create_states)
+    optimizer: torch.optim.Optimizer | None = None
     vae: torch.nn.Module | None = None
     batch_tensors: list = field(default_factory=list)
     # REPA: the frozen encoder and the network's projector, whose storages are the planner's "repa"
@@ -64,8 +66,9 @@ def run_traced(
 
     Only the last step runs its whole accumulation cycle, and that up to `max_micro_steps` micro-steps:
     from the second micro-step on, each one starts with the same live storages (the accumulated grads) and
-    does the same work. Earlier steps run one micro-step: they exist to create AdamW's state, and every
-    moment of theirs is matched by the same moment of the last step, which also holds that state.
+    does the same work. Earlier steps run one micro-step: they bring the allocator's cache to the state
+    later steps find (the first encode's and the first step's freed blocks), and every moment of theirs is
+    matched by the same moment of the last step. AdamW's state exists before them, as in the trainer.
     """
     projector = (
         {id(p) for p in parts.repa_projector.parameters()} if parts.repa_projector is not None else set()
@@ -82,6 +85,15 @@ def run_traced(
     if parts.vae is not None:
         for tensor in list(parts.vae.parameters()) + list(parts.vae.buffers()):
             tracker.tag(tensor, "vae")
+
+    def tag_states(optimizer, *_):
+        for param, state in optimizer.state.items():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    tracker.tag(value, "repa" if id(param) in projector else "optimizer")
+
+    if parts.optimizer is not None:
+        tag_states(parts.optimizer)
     for tensor in parts.batch_tensors:
         tracker.tag(tensor, "batch")
 
@@ -149,13 +161,7 @@ def run_traced(
             handles.append(module.register_forward_pre_hook(repa_enter))
             handles.append(module.register_forward_hook(repa_leave))
 
-    def optimizer_post(optimizer, args, kwargs):
-        for param, state in optimizer.state.items():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    tracker.tag(value, "repa" if id(param) in projector else "optimizer")
-
-    handles.append(register_optimizer_step_post_hook(optimizer_post))
+    handles.append(register_optimizer_step_post_hook(tag_states))  # a state made lazily, if any
     try:
         with tracker:
             for step in range(optimizer_steps):
@@ -245,6 +251,7 @@ def build_step_parts(
     `sharded_world_size` > 0: one rank's compute of a sharded plan instead (`make_sharded`).
     """
     from dit_accel import step
+    from dit_accel.optim import create_states
     from dit_accel.train_config import TrainConfig
 
     online = plan.decision.latents == "online"
@@ -295,6 +302,8 @@ def build_step_parts(
         del check, loss_sum
         losses.clear()
 
+    if not sharded_world_size:  # a sharded trace adds the state's shards itself (`compare_sharded`)
+        create_states(components.optimizer)  # as the trainer's fresh run does (dit_accel.resume.restore)
     model = components.raw_model
     parts = StepParts(
         model=model,
@@ -304,6 +313,7 @@ def build_step_parts(
         optimizer_step=optimizer_step,
         grad_accum=components.grad_accum,
         ema_tensors=list(components.ema.shadow.values()) if components.ema is not None else [],
+        optimizer=components.optimizer,
         vae=components.vae,
         batch_tensors=list(batch.values()),
         repa_encoder=components.repa.encoder if components.repa is not None else None,

@@ -1,9 +1,11 @@
 """Where the reserved peak of an online-latents step forms: the verify grid's online points traced (CPU
 autocast, fake tensors, a few seconds each) and replayed through the caching-allocator model, reading the
 reserved and requested bytes at the windows that matter: the VAE encode of the first step (on an empty
-cache), the first optimizer step (AdamW's states are made there), the encode of the second step, and the
-end, beside the planner's reserved peak. Beyond the grid, three online points whose DiT transient is large
-(no checkpointing) test the planner's rule where the cache is ample. docs/planner-accuracy.md ("Online
+cache), the first optimizer step, the encode of the second step, and the end, beside the planner's reserved
+peak. Each point twice: AdamW's state made before the first step as dit-accel's trainer makes it ("eager"),
+and made inside the first optimizer step as torch's AdamW does by default ("lazy": other codebases,
+`--assume adamw_state=lazy`). Beyond the grid, three online points whose DiT transient is large (no
+checkpointing) test the planner's rules where the cache is ample. docs/planner-accuracy.md ("Online
 latents: where the reserved peak forms") records the figures.
 
     python benchmarks/online_reserved_timeline.py
@@ -11,6 +13,8 @@ latents: where the reserved peak forms") records the figures.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from dit_accel.memtrace.allocator import CachingAllocator, replay_steps  # noqa:
 from dit_accel.memtrace.comparison import planner_reserved_peak  # noqa: E402
 
 MiB = 2**20
+STATES = ("eager", "lazy")
 BEYOND_GRID = [
     ("DiT-S/2", 256, "fp32", 0, 32, 1, True, "online"),
     ("DiT-B/2", 256, "bf16", 0, 16, 1, True, "online"),
@@ -44,12 +49,12 @@ def window_marks(tracker, expandable: bool) -> tuple[dict, dict, int]:
 
 def main() -> None:
     print(
-        "| point | mode | encoder working set W | step-1 encode: new reserved | first optimizer step: "
+        "| point | AdamW state | mode | encoder working set W | step-1 encode: new reserved | first optimizer step: "
         "reserved, allocated after | step-2 encode: new reserved | reserved peak | planner | error |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for point in [p for p in GRID if p[7] == "online"] + BEYOND_GRID:
-        plan = make_plan(*point)
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for point, state in itertools.product([p for p in GRID if p[7] == "online"] + BEYOND_GRID, STATES):
+        plan = dataclasses.replace(make_plan(*point), assumptions={"adamw_state": state})
         tracker = trace_events(plan)
         for mode in ("expandable", "fixed"):
             marks, peaks, reserved_peak = window_marks(tracker, mode == "expandable")
@@ -60,7 +65,7 @@ def main() -> None:
             second = (after1[0] - start1[0]) / working
             planned = planner_reserved_peak(plan, "cpu", mode)
             print(
-                f"| {point_id(point)} | {mode} | {working / MiB:,.0f} MiB | {first:.2f} W | "
+                f"| {point_id(point)} | {state} | {mode} | {working / MiB:,.0f} MiB | {first:.2f} W | "
                 f"{start1[0] / MiB:,.0f}, {start1[1] / MiB:,.0f} MiB | {second:.2f} W | "
                 f"{reserved_peak / MiB:,.0f} MiB | {planned / MiB:,.0f} MiB | {planned / reserved_peak - 1:+.1%} |",
                 flush=True,

@@ -14,16 +14,22 @@ from planner.search import estimate_throughput
 from planner.spec import model_spec
 
 MiB = 1 << 20
-FIXED = {"allocator_segments": "fixed"}
+# what those codebases ran on, PyTorch's defaults: fixed segments, AdamW's state made in its first step
+TORCH_DEFAULTS = {"allocator_segments": "fixed", "adamw_state": "lazy"}
 # fast-DiT README, "Improved Training Performance": one A100-80G, DiT-XL/2 @256, batch 128, every block
 # checkpointed, torch AdamW (foreach), PyTorch's default (fixed-segment) allocator
 FAST_DIT = dict(
-    gpu="a100-80g", gpus=1, global_batch=128, checkpointing="all", adamw="foreach", assumptions=FIXED
+    gpu="a100-80g", gpus=1, global_batch=128, checkpointing="all", adamw="foreach", assumptions=TORCH_DEFAULTS
 )
 # facebookresearch/DiT issue #22: 8 x A100-80G, global batch 256, the original train.py (no checkpointing,
 # the VAE encoding every batch, DDP in fp32)
 REFERENCE = dict(
-    gpu="a100-80g", gpus=8, global_batch=256, checkpointing="none", latents="online", assumptions=FIXED
+    gpu="a100-80g",
+    gpus=8,
+    global_batch=256,
+    checkpointing="none",
+    latents="online",
+    assumptions=TORCH_DEFAULTS,
 )
 
 REFERENCE_IEEE_IMAGES_PER_S = 130.56  # issue #22's IEEE run, 0.51 steps/s x 256
@@ -86,7 +92,7 @@ def reference_ieee_with_tf32_convolutions() -> float:
     cluster = Cluster(1, 8, a100.memory_bytes, gpu=a100)
     spec = model_spec("DiT-XL/2", 256)
     return estimate_throughput(
-        spec, decision, cluster, Assumptions(**FIXED), "ieee-fp32", "tf32"
+        spec, decision, cluster, Assumptions(**TORCH_DEFAULTS), "ieee-fp32", "tf32"
     ).images_per_s
 
 

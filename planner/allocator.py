@@ -15,11 +15,12 @@ transient      what the step allocates and frees again (activations, autocast's 
                (dit_accel/memtrace/allocator.py; benchmarks/reserved_replay.py; docs/planner-accuracy.md).
 page rounding  expandable segments map 20 MiB pages (large pool) and 2 MiB pages (small pool).
 
-Online latents follow the allocator's order of events instead (`online_reserved_bytes`): the reserved peak
-forms at the second step's VAE encode, after the first optimizer step made AdamW's states out of the cache
-the first encode left, so the second encode finds only what that step left over and maps the rest anew.
-Reserved memory never falls unless the allocator releases its cache, so every moment after it holds at least
-that (`reserved_floor_bytes`).
+Online latents follow the allocator's order of events instead (`online_reserved_bytes`): the first VAE
+encode maps the encoder's footprint on top of the persistent tensors (AdamW's states already among them: the
+trainer makes them before the first step), and everything after it reuses that cache. Reserved memory never
+falls unless the allocator releases its cache, so every later moment holds at least that
+(`reserved_floor_bytes`). A codebase whose AdamW makes its states in the first optimizer step
+(`Assumptions.adamw_state="lazy"`) makes them out of the encoder's cache, and its second encode maps anew.
 
 Under memory pressure the allocator, before it reports out of memory, releases what it caches unused (free
 whole segments; with expandable segments, free pages) and retries. `reserved_bytes(..., pressure=True)` is
@@ -188,28 +189,27 @@ def reserved_bytes(
 
 
 def online_reserved_bytes(
-    *,
-    encode_reserved: int,
-    dit_reserved: int,
-    optimizer_allocated: int,
-    optimizer_reserved: int,
-    states_held_bytes: int,
-    working_bytes: int,
-    segments: str,
+    *, encode_reserved: int, working_bytes: int, segments: str, lazy_states: dict | None = None
 ) -> int:
-    """Online latents: the reserved bytes at the second step's VAE encode, the reserved peak of every online
-    point the verify grid replays (docs/planner-accuracy.md). From the planner's steady-state moments, each
-    reserved on its own: `encode_reserved` and `dit_reserved` (the DiT's largest moment), both of which
-    count AdamW's states (`states_held_bytes`, with their block rounding) that the first step has not made
-    yet, and the optimizer step's tensors and reserved figure; `working_bytes`: the encoder's working set.
+    """Online latents: the reserved bytes once the VAE encoder has run, and so at least those of every moment
+    after it. `encode_reserved`: the encode moment reserved as `reserved_bytes` gives it, with the encoder's
+    working set `working_bytes` among its transient bytes.
 
-    The first encode maps its footprint on top of the persistent tensors; the first step's DiT reuses that
-    cache and may grow it; the first optimizer step makes AdamW's states out of it, so the second encode
-    reuses only the cache that step leaves over and maps the rest of its footprint anew."""
+    The first encode maps its footprint (ENCODER_FOOTPRINT x its working set, measured on empty caches) on top
+    of the persistent tensors. With AdamW's state among them (the trainer makes it before the first step:
+    dit_accel.optim.create_states; a resumed run loads it there) everything after reuses that cache, growing
+    it only where its own figure is larger.
+
+    `lazy_states` (another codebase: the state made inside the first optimizer step) holds that step's
+    figures: `dit_reserved` (the DiT's largest moment), `optimizer_allocated`, `optimizer_reserved`, and
+    `states_held_bytes` (the state with its block rounding, which the steady-state figures count). The
+    first step's optimizer then makes the states out of the encoder's cache, and the second encode reuses
+    only what that step left over and maps the rest of its footprint anew."""
     footprint = ENCODER_FOOTPRINT[segments] * working_bytes
-    before_encode = (
-        encode_reserved - states_held_bytes - (1 + TRANSIENT_FRAGMENTATION[segments]) * working_bytes
-    )
-    first_step = max(before_encode + footprint, dit_reserved - states_held_bytes)
-    left_over = min(max(first_step - optimizer_allocated, 0), footprint)
-    return int(max(first_step, optimizer_reserved) + footprint - left_over)
+    first_encode = encode_reserved - (1 + TRANSIENT_FRAGMENTATION[segments]) * working_bytes + footprint
+    if lazy_states is None:
+        return int(first_encode)
+    states = lazy_states["states_held_bytes"]
+    first_step = max(first_encode - states, lazy_states["dit_reserved"] - states)
+    left_over = min(max(first_step - lazy_states["optimizer_allocated"], 0), footprint)
+    return int(max(first_step, lazy_states["optimizer_reserved"]) + footprint - left_over)

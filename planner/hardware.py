@@ -211,6 +211,10 @@ class Assumptions:
     fragmentation: float = (
         0.0  # 0 = the allocator model; > 0: measured reserved / allocated - 1 (calibration)
     )
+    # "eager": AdamW's state made before the first step (dit-accel's trainer, and any resumed run); "lazy":
+    # made inside the first optimizer step, torch's default (other codebases: DiT, fast-DiT), which with
+    # online latents costs a re-map at the second encode (planner/allocator.py `online_reserved_bytes`)
+    adamw_state: str = "eager"
     # --- how the trainer runs the step (the plan records these, the trainer follows them) ------------
     autocast_device: str = "cuda"  # "cuda" | "cpu": whose autocast op lists decide the saved dtypes
     attention: str = (
@@ -300,6 +304,8 @@ class Assumptions:
             raise PlanError(
                 f"--assume allocator_segments must be expandable or fixed, got {self.allocator_segments!r}"
             )
+        if self.adamw_state not in ("eager", "lazy"):
+            raise PlanError(f"--assume adamw_state must be eager or lazy, got {self.adamw_state!r}")
         if self.attention not in ("fused", "math"):
             raise PlanError(f"--assume attention must be fused or math, got {self.attention!r}")
 

@@ -741,7 +741,8 @@ def allocator_bytes(
         persistent_copies=4 if decision.ema else 3,
         bucket_bytes=buckets,
         earlier_working_bytes=encoder_working if moment != "vae_encode" else 0,
-        reserved_floor_bytes=floor_bytes if pressure else 0,  # below, with the stream pools
+        # the floor counts cuBLAS's workspaces, added below (and with memory to spare, the stream pools)
+        reserved_floor_bytes=max(floor_bytes - assumptions.cublas_workspace_bytes, 0) if pressure else 0,
         measured_fragmentation=assumptions.fragmentation,
         pressure=pressure,
     )
@@ -760,7 +761,7 @@ def encoder_working_bytes(spec, decision, cluster, assumptions) -> int:
 
 
 def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str, dict[str, int]]) -> int:
-    """Online latents: the reserved bytes of the second step's VAE encode (planner/allocator.py
+    """Online latents: the reserved bytes once the VAE encodes have run (planner/allocator.py
     `online_reserved_bytes`), from the moments `by_moment` reserved on their own; every later moment holds
     at least that. 0 without online latents, or when a measured fragmentation replaces the model."""
     if decision.latents != "online" or assumptions.fragmentation > 0:
@@ -773,17 +774,22 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
     def reserved(moment: str) -> int:
         return allocated(moment) + by_moment[moment]["allocator"]
 
-    states = optimizer_bytes(spec, decision, cluster, assumptions, "optimizer_step")
-    states_rounding = 2 * parameter_rounding_bytes(spec, FP32_BYTES, _shards(decision, cluster), segments)
+    lazy_states = None
+    if assumptions.adamw_state == "lazy":
+        states = optimizer_bytes(spec, decision, cluster, assumptions, "optimizer_step")
+        states_rounding = 2 * parameter_rounding_bytes(spec, FP32_BYTES, _shards(decision, cluster), segments)
+        lazy_states = {
+            "dit_reserved": max(reserved(m) for m in by_moment if m != "vae_encode"),
+            # cuBLAS's workspaces are held too, not cache the encode can reuse
+            "optimizer_allocated": allocated("optimizer_step") + assumptions.cublas_workspace_bytes,
+            "optimizer_reserved": reserved("optimizer_step"),
+            "states_held_bytes": states + states_rounding,
+        }
     return online_reserved_bytes(
         encode_reserved=reserved("vae_encode"),
-        dit_reserved=max(reserved(m) for m in by_moment if m != "vae_encode"),
-        # cuBLAS's workspaces are held too, not cache the encode can reuse
-        optimizer_allocated=allocated("optimizer_step") + assumptions.cublas_workspace_bytes,
-        optimizer_reserved=reserved("optimizer_step"),
-        states_held_bytes=states + states_rounding,
         working_bytes=encoder_working_bytes(spec, decision, cluster, assumptions),
         segments=segments,
+        lazy_states=lazy_states,
     )
 
 

@@ -349,7 +349,7 @@ def test_the_traced_step_is_the_trainers_own(monkeypatch):
 
         monkeypatch.setattr(train, name, counted)
     trace_training_step(tiny_plan(depth=2, grad_accum=4), depth_extrapolate="off", autocast_device="cpu")
-    # two optimizer steps: the first with one micro-step (it creates AdamW's state), the last with two
+    # two optimizer steps: the first with one micro-step (it leaves the cache later steps find), the last with two
     assert calls == {"build_components": 1, "train_micro_step": 3, "check_step": 2, "apply_step": 2}
 
 

@@ -302,8 +302,10 @@ def build_step_parts(
         del check, loss_sum
         losses.clear()
 
-    if not sharded_world_size:  # a sharded trace adds the state's shards itself (`compare_sharded`)
-        create_states(components.optimizer)  # as the trainer's fresh run does (dit_accel.resume.restore)
+    # as the trainer's fresh run does (dit_accel.resume.restore), unless the plan models a codebase whose AdamW
+    # makes it in the first step (--assume adamw_state=lazy); a sharded trace adds the state's shards itself
+    if not sharded_world_size and plan.assumptions.get("adamw_state", "eager") == "eager":
+        create_states(components.optimizer)
     model = components.raw_model
     parts = StepParts(
         model=model,

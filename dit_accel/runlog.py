@@ -128,13 +128,37 @@ def _logged_step(line: str) -> float:
         return math.inf  # an unreadable line belongs to no timeline
 
 
+def memory_over_plan(plan: Plan, allocated_bytes: int, reserved_bytes: int) -> str | None:
+    """What the measured peaks exceed of the plan's, in words, or None. `max_memory_allocated` counts cuBLAS's
+    workspaces (PyTorch allocates them through its caching allocator), which the plan counts in its allocator
+    share, not among its tensors: the allocated peak is held to the tensors plus them."""
+    from planner.hardware import Assumptions
+
+    memory = plan.memory
+    if memory is None:
+        return None
+    workspaces = int(plan.assumptions.get("cublas_workspace_bytes", Assumptions().cublas_workspace_bytes))
+    allowed = memory.tensor_bytes + workspaces
+    if allocated_bytes > allowed:
+        return (
+            f"measured peak {gib(allocated_bytes)} allocated exceeds the plan's {gib(memory.tensor_bytes)} of "
+            f"tensors and {gib(workspaces)} of cuBLAS workspaces (its {gib(memory.peak_bytes)} peak less "
+            f"overheads)"
+        )
+    if memory.reserved_peak_bytes and reserved_bytes > memory.reserved_peak_bytes:
+        return (
+            f"measured peak {gib(reserved_bytes)} reserved exceeds the plan's {gib(memory.reserved_peak_bytes)} "
+            f"(the caching allocator holds more than planned; {gib(memory.peak_bytes)} with the overhead)"
+        )
+    return None
+
+
 class StepLog:
     """Every `log_every` steps: the mean loss since the last line, images/s, and the GPU's measured peak memory
     beside the plan's, to the terminal, the rank logs, metrics.jsonl (main process) and the trackers.
 
-    `torch.cuda.max_memory_allocated` sees tensors (and cuBLAS's 64 MiB of workspaces), so it is held to the
-    plan's peak less what the plan adds for the CUDA context, NCCL and the caching allocator's share
-    (rounding, fragmentation, those workspaces: what max_memory_reserved shows beyond it).
+    The measured peaks are held to the plan's (`memory_over_plan`): max_memory_allocated to its tensors and
+    cuBLAS's workspaces, max_memory_reserved to its reserved peak; one warning, the first time either is over.
     """
 
     def __init__(
@@ -210,13 +234,10 @@ class StepLog:
             allocated, reserved = (int(v) for v in peak_tensor.tolist())
             metrics.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved)
             text = f"peak GPU memory {gib(allocated)} allocated, {gib(reserved)} reserved"
-            if plan_tensors and allocated > plan_tensors and not self.warned_memory:
+            over = memory_over_plan(self.plan, allocated, reserved)
+            if over and not self.warned_memory:
                 self.warned_memory = True
-                log.warning(
-                    f"measured peak {gib(allocated)} allocated exceeds the plan's {gib(plan_tensors)} of "
-                    f"tensors (its {gib(plan_peak)} peak less overheads): report it with `dit-accel verify`; "
-                    f"the run goes on"
-                )
+                log.warning(f"{over}: report it with `dit-accel verify`; the run goes on")
         if plan_peak:
             text += (
                 f" (plan: {gib(plan_peak)})"

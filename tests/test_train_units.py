@@ -421,3 +421,19 @@ def test_cuda_runs_use_expandable_segments_unless_the_user_chose_an_allocator_co
     assert use_expandable_segments(mine) is False and mine == {ALLOCATOR_ENV: "max_split_size_mb:512"}
     empty = {ALLOCATOR_ENV: ""}  # set but empty: nothing chosen
     assert use_expandable_segments(empty) is True and empty[ALLOCATOR_ENV] == EXPANDABLE_SEGMENTS
+
+
+def test_the_measured_peaks_are_held_to_the_plans_tensors_with_cublas_workspaces_and_its_reserved_peak():
+    """max_memory_allocated counts cuBLAS's workspaces, which the plan puts in its allocator share: an exact
+    plan must not warn for them; a byte over either figure does."""
+    from dit_accel.runlog import memory_over_plan
+    from planner.hardware import Assumptions
+    from planner.plan import make_plan
+    from planner.planfile import parse_plan
+
+    plan = parse_plan(make_plan(gpus=1, vram="80G", global_batch=32))
+    tensors, reserved = plan.memory.tensor_bytes, plan.memory.reserved_peak_bytes
+    workspaces = Assumptions().cublas_workspace_bytes
+    assert memory_over_plan(plan, tensors + workspaces, reserved) is None
+    assert "allocated exceeds" in memory_over_plan(plan, tensors + workspaces + 1, reserved)
+    assert "reserved exceeds" in memory_over_plan(plan, tensors, reserved + 1)

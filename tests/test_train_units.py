@@ -437,3 +437,21 @@ def test_the_measured_peaks_are_held_to_the_plans_tensors_with_cublas_workspaces
     assert memory_over_plan(plan, tensors + workspaces, reserved) is None
     assert "allocated exceeds" in memory_over_plan(plan, tensors + workspaces + 1, reserved)
     assert "reserved exceeds" in memory_over_plan(plan, tensors, reserved + 1)
+
+
+def test_a_fresh_run_has_adamw_state_before_its_first_step():
+    """dit_accel.resume.restore, the trainer's start: a fresh run makes AdamW's state (zero moments, step 0)
+    before any step, where a resumed run loads it, so both run in the same memory layout."""
+    from types import SimpleNamespace
+
+    from dit_accel.resume import Start, restore
+
+    model = nn.Linear(4, 3)
+    components = SimpleNamespace(optimizer=build_optimizer(model, lr=1e-4))
+    state = restore(Start(), SimpleNamespace(process_index=0), components, dataset_size=8, seed=0)
+    assert state["step"] == 0
+    made = components.optimizer.state
+    assert set(made) == set(model.parameters())
+    assert all(
+        float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in made.values()
+    )

@@ -232,7 +232,7 @@ def cuda_measure(plan: Plan, spec, steps: int) -> Callable[[int], Measurement]:
             torch.cuda.reset_peak_memory_stats()
             parts = build_step_parts(plan, spec, plan.decision.checkpointed_blocks, micro_batch, "cuda")
             durations, device_used = [], 0
-            for step in range(steps + 1):  # the first step creates the optimizer state and warms kernels up
+            for step in range(steps + 1):  # the first step warms kernels and the cache up
                 torch.cuda.synchronize()
                 started = time.perf_counter()
                 for _ in range(parts.grad_accum):

@@ -49,8 +49,9 @@ LARGE_PAGE_BYTES = 20 * MiB  # expandable segments: the large pool's page
 SMALL_PAGE_BYTES = 2 * MiB  # and the small pool's
 DDP_BUCKET_BYTES = 25 * MiB  # torch DDP's bucket_cap_mb default
 SEGMENT_MODES = ("expandable", "fixed")
-# reserved beyond allocated per transient byte, calibrated on the replayed verify grid (the largest seen there,
-# rounded up; docs/planner-accuracy.md, "The reserved model")
+# reserved beyond allocated per transient byte, calibrated on the replayed verify grid (expandable: the largest
+# the precomputed points need, rounded up; fixed: their needs spread -0.06..+0.43, which no one constant fits,
+# so a few points with many 1-10 MiB activations are planned short; docs/planner-accuracy.md)
 TRANSIENT_FRAGMENTATION = {"fixed": 0.06, "expandable": 0.03}
 # online latents: the new reserved memory the VAE encoder's maps take on a cache with nothing to reuse, per
 # byte of its working set; measured alike at DiT-S/2, XL/2 and L/2 (docs/planner-accuracy.md, "Online

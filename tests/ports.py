@@ -15,7 +15,7 @@ import os
 import socket
 from pathlib import Path
 
-_LOWEST_PORT = 20000
+_LOWEST_PORT = 10000  # below Linux's default ephemeral range (32768-60999) by far
 
 
 def _ephemeral_low() -> int:

@@ -284,11 +284,7 @@ def memory_rows(plan: dict) -> tuple[list, list]:
             name,
             gib_cell(m[name]),
             share_cell(m[name], vram),
-            allocator_text
-            if name == "allocator"
-            else "CUDA context" + (", NCCL" if plan["cluster"]["world_size"] > 1 else "")
-            if name == "overhead"
-            else describe(plan, name),
+            allocator_text if name == "allocator" else describe(plan, name),
         ]
         for name in COMPONENTS
         if m.get(name)

@@ -22,6 +22,13 @@ falls unless the allocator releases its cache, so every later moment holds at le
 (`reserved_floor_bytes`). A codebase whose AdamW makes its states in the first optimizer step
 (`Assumptions.adamw_state="lazy"`) makes them out of the encoder's cache, and its second encode maps anew.
 
+Fixed segments never merge, and in the first backward every gradient is new memory: a gradient whose block
+is larger than a 20 MiB segment and than every transient tensor's (the freed blocks it could split) finds
+nothing cached to take, and maps a segment of its own on top of what the forward mapped
+(`new_gradient_segment_bytes`). DiT-L's 24 MiB adaLN gradients beside 16 MiB MLP activations, DiT-XL's 30
+and 20 MiB ones beside 18 MiB activations (patch 8, or micro-batch 8 at 512 px): every step after the
+first reuses those segments, so the reserved peak holds the forward's reserve plus them.
+
 Under memory pressure the allocator, before it reports out of memory, releases what it caches unused (free
 whole segments; with expandable segments, free pages) and retries. `reserved_bytes(..., pressure=True)` is
 the least reserved memory the step runs in that way, the figure a GPU's budget is held to: what a release
@@ -50,19 +57,23 @@ SMALL_PAGE_BYTES = 2 * MiB  # and the small pool's
 DDP_BUCKET_BYTES = 25 * MiB  # torch DDP's bucket_cap_mb default
 SEGMENT_MODES = ("expandable", "fixed")
 # reserved beyond allocated per transient byte, calibrated on the replayed verify grid (expandable: the largest
-# the precomputed points need, rounded up; fixed: their needs spread -0.06..+0.43, which no one constant fits,
-# so a few points with many 1-10 MiB activations are planned short; docs/planner-accuracy.md)
-TRANSIENT_FRAGMENTATION = {"fixed": 0.06, "expandable": 0.03}
+# the precomputed points need, rounded up; fixed: beside the gradients' own segments, which
+# `new_gradient_segment_bytes` counts, the value that holds every point within 3%; docs/planner-accuracy.md)
+TRANSIENT_FRAGMENTATION = {"fixed": 0.02, "expandable": 0.03}
 # online latents: the new reserved memory the VAE encoder's maps take on a cache with nothing to reuse, per
 # byte of its working set; measured alike at DiT-S/2, XL/2 and L/2 (docs/planner-accuracy.md, "Online
 # latents: where the reserved peak forms"): fixed segments round its multi-GiB maps into their own segments
 ENCODER_FOOTPRINT = {"fixed": 1.2, "expandable": 1.0}
 # under pressure (the cache released and the request retried): what stays reserved beyond allocated per
-# transient byte, and of the encoder's working set; the largest the replayed points need, rounded up
-# (docs/planner-accuracy.md, "Memory pressure"). Expandable segments unmap nearly all of the encoder's
-# pages; fixed ones cannot release its segments, which the DiT's tensors have split (partly live)
-PRESSURE_FRAGMENTATION = {"fixed": 0.03, "expandable": 0.01}
+# transient byte, and of the encoder's working set; the largest the replayed points need, rounded up, and
+# never more than with memory to spare (docs/planner-accuracy.md, "Memory pressure"). Expandable segments
+# unmap nearly all of the encoder's pages; fixed ones cannot release its segments, which the DiT's tensors
+# have split (partly live)
+PRESSURE_FRAGMENTATION = {"fixed": 0.02, "expandable": 0.01}
 PRESSURE_VAE_MISS = {"fixed": 0.9, "expandable": 0.10}
+# fixed segments: the largest transient tensors each block's backward frees (the MLP's hidden activation, GELU's
+# output), blocks its gradients can split (`new_gradient_segment_bytes`)
+FREED_LARGEST_PER_BLOCK = 2
 
 
 def _round_up(nbytes: int, multiple: int) -> int:
@@ -97,10 +108,54 @@ def block_bytes(nbytes: int, segments: str) -> int:
     return size
 
 
+def new_gradient_segment_bytes(
+    block_gradients: list[int], blocks: int, other_gradients: list[int], largest_transient_bytes: int
+) -> int:
+    """Fixed segments: the segments the first backward maps for gradients no freed block holds. Every
+    gradient is new memory then (bytes: `block_gradients` of each of `blocks` blocks, in the order backward
+    makes them, and `other_gradients`), and a freed block is never merged with another segment. One that fits
+    a 20 MiB segment takes a shared one; a larger one whose block exceeds that of the largest tensor the step
+    allocates and frees (`largest_transient_bytes`, the MLP's hidden activation) maps its own. The others
+    split the freed activation blocks of that size: a block's backward frees FREED_LARGEST_PER_BLOCK of them
+    (its MLP's input to GELU and GELU's output) and its gradients share them best-fit; one that finds no rest
+    to take maps its own segment. DiT-XL's adaLN, fc1 and fc2 gradients (30, 20, 20 MiB) take one 72 MiB block
+    but need three of 36 MiB, one more than the block frees."""
+    fits = block_bytes(largest_transient_bytes, "fixed")
+    new = sum(size for size in map(_gradient_block, other_gradients) if size > max(fits, LARGE_PAGE_BYTES))
+    per_block, rests, hosts = 0, [], 0
+    for size in map(_gradient_block, block_gradients):
+        if size <= LARGE_PAGE_BYTES:
+            continue
+        fitting = [rest for rest in rests if rest >= size] if size <= fits else []
+        if fitting:
+            rests.remove(min(fitting))
+            rest = min(fitting) - size
+        elif size <= fits and hosts < FREED_LARGEST_PER_BLOCK:
+            hosts += 1
+            rest = fits - size
+        else:
+            per_block += size
+            continue
+        if rest > SMALL_REQUEST_BYTES:
+            rests.append(rest)
+    return new + blocks * per_block
+
+
+def _gradient_block(nbytes: int) -> int:
+    return block_bytes(nbytes, "fixed")
+
+
+def block_parameter_elements(spec: DiTSpec) -> list[int]:
+    """The element count of one transformer block's parameter tensors, in the order the block uses them
+    (adaLN, q, k, v, out, fc1, fc2 with their biases): backward makes their gradients in reverse."""
+    d, h = spec.hidden, spec.mlp_hidden
+    return [6 * d * d, 6 * d] + [d * d, d] * 4 + [h * d, h, d * h, d]
+
+
 def parameter_elements(spec: DiTSpec) -> list[int]:
     """The element count of every trainable parameter tensor of the tied-embedder DiT (they sum to
     `spec.params_trainable`)."""
-    d, p, h = spec.hidden, spec.patch, spec.mlp_hidden
+    d, p = spec.hidden, spec.patch
     outer = [
         spec.in_channels * p * p * d,
         d,  # patch conv
@@ -114,8 +169,7 @@ def parameter_elements(spec: DiTSpec) -> list[int]:
         d * p * p * spec.out_channels,
         p * p * spec.out_channels,  # final layer
     ]
-    block = [6 * d * d, 6 * d] + [d * d, d] * 4 + [h * d, h, d * h, d]
-    return outer + spec.depth * block
+    return outer + spec.depth * block_parameter_elements(spec)
 
 
 @functools.lru_cache(maxsize=256)  # the search asks it for every candidate and phase of one model

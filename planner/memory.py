@@ -26,11 +26,14 @@ allocator. The budget is held to reserved + overhead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner import repa, vae
 from planner.allocator import (
+    block_parameter_elements,
+    new_gradient_segment_bytes,
     online_reserved_bytes,
+    parameter_elements,
     parameter_rounding_bytes,
     reserved_bytes,
     stream_pool_reserved,
@@ -793,6 +796,42 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
     )
 
 
+def largest_transient_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) -> int:
+    """The largest tensor the step allocates and frees: the MLP's hidden activation (and its gradient, the same
+    size), the attention probabilities when attention is not fused, autocast's copy of the adaLN matrix."""
+    eb = _eb(decision, assumptions)
+    tokens = decision.micro_batch * spec.tokens
+    largest = tokens * spec.mlp_hidden * eb.compute
+    if assumptions.attention == "math":
+        largest = max(largest, decision.micro_batch * spec.heads * spec.tokens**2 * eb.compute)
+    if casts_weights(decision):
+        largest = max(largest, eb.compute * 6 * spec.hidden**2)
+    return largest
+
+
+def gradient_segment_floor_bytes(spec, decision, cluster, assumptions) -> int:
+    """Fixed segments: the reserved bytes once the first backward has mapped segments for the gradients no
+    freed block holds (planner/allocator.py `new_gradient_segment_bytes`), on top of what the first
+    micro-step's forward reserved; every later moment holds at least that. 0 with expandable segments, under
+    FSDP (its gradients are reduce-scattered shards) or when a measured fragmentation replaces the model."""
+    if assumptions.allocator_segments != "fixed" or decision.sharded or assumptions.fragmentation > 0:
+        return 0
+    block = [FP32_BYTES * n for n in reversed(block_parameter_elements(spec))]  # backward's order
+    every = parameter_elements(spec)
+    outer = [FP32_BYTES * n for n in every[: len(every) - spec.depth * len(block)]]
+    largest = largest_transient_bytes(spec, decision, assumptions)
+    new = new_gradient_segment_bytes(block, spec.depth, outer, largest)
+    if not new:
+        return 0
+    first = replace(decision, grad_accum=1)  # before any gradient exists
+    forward = (m for m in moments(spec, first) if m in FORWARD_MOMENTS)
+    reserved = []
+    for moment in forward:
+        parts = phase_components(spec, first, cluster, assumptions, moment)
+        reserved.append(sum(parts[name] for name in ALLOCATED) + parts["allocator"])
+    return max(reserved) + new
+
+
 _COMPONENT_FUNCTIONS = {
     "weights": weights_bytes,
     "grads": grads_bytes,
@@ -838,9 +877,11 @@ def step_memory(
     chosen = moments(spec, decision)
     by_moment = {m: phase_components(spec, decision, cluster, assumptions, m) for m in chosen}
     floor = online_floor_bytes(spec, decision, cluster, assumptions, by_moment)
-    for m in chosen if floor else ():
+    # a release under pressure returns the gradients' extra segments (whole free ones), not the encoder's
+    spare_floor = max(floor, gradient_segment_floor_bytes(spec, decision, cluster, assumptions))
+    for m in chosen if spare_floor else ():
         by_moment[m]["allocator"] = allocator_bytes(
-            spec, decision, cluster, assumptions, by_moment[m], m, floor_bytes=floor
+            spec, decision, cluster, assumptions, by_moment[m], m, floor_bytes=spare_floor
         )
     reclaimable = {
         m: by_moment[m]["allocator"]

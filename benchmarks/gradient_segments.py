@@ -19,9 +19,8 @@ from test_memtrace_grid import GRID, make_plan, point_id  # noqa: E402
 from dit_accel.memtrace import trace_events  # noqa: E402
 from dit_accel.memtrace.allocator import CachingAllocator, replay_steps  # noqa: E402
 from dit_accel.memtrace.comparison import planner_reserved_peak  # noqa: E402
-from planner.allocator import block_parameter_elements, new_gradient_segment_bytes, parameter_elements  # noqa: E402
 from planner.hardware import Assumptions  # noqa: E402
-from planner.memory import FP32_BYTES, largest_transient_bytes  # noqa: E402
+from planner.memory import Cluster, gradient_segment_bytes, largest_transient_bytes  # noqa: E402
 
 MiB = 2**20
 
@@ -38,15 +37,6 @@ def first_step_mapped(tracker) -> tuple[int, int, int]:
     return mapped["fwd"], mapped["bwd"], allocator.reserved_peak
 
 
-def planner_gradient_segments(plan) -> int:
-    spec, decision = plan.spec(), plan.decision
-    block = [FP32_BYTES * n for n in reversed(block_parameter_elements(spec))]
-    every = parameter_elements(spec)
-    outer = [FP32_BYTES * n for n in every[: len(every) - spec.depth * len(block)]]
-    largest = largest_transient_bytes(spec, decision, Assumptions(allocator_segments="fixed"))
-    return new_gradient_segment_bytes(block, spec.depth, outer, largest)
-
-
 def main() -> None:
     print(
         "| point | largest transient MiB | forward maps MiB | first backward maps MiB | planner gradient "
@@ -56,11 +46,13 @@ def main() -> None:
     for point in (p for p in GRID if p[7] == "precomputed"):
         plan = make_plan(*point)
         forward, backward, peak = first_step_mapped(trace_events(plan))
-        largest = largest_transient_bytes(plan.spec(), plan.decision, Assumptions())
+        spec, decision, fixed = plan.spec(), plan.decision, Assumptions(allocator_segments="fixed")
+        largest = largest_transient_bytes(spec, decision, fixed)
+        gradients = gradient_segment_bytes(spec, decision, Cluster(1, 1, 80 * 10**9), fixed)
         planned = planner_reserved_peak(plan, "cpu", "fixed")
         print(
             f"| {point_id(point)} | {largest / MiB:,.1f} | {forward / MiB:,.0f} | {backward / MiB:,.0f} | "
-            f"{planner_gradient_segments(plan) / MiB:,.0f} | {peak / MiB:,.0f} | {planned / MiB:,.0f} | "
+            f"{gradients / MiB:,.0f} | {peak / MiB:,.0f} | {planned / MiB:,.0f} | "
             f"{planned / peak - 1:+.1%} |",
             flush=True,
         )

@@ -26,8 +26,8 @@ Fixed segments never merge, and in the first backward every gradient is new memo
 is larger than a 20 MiB segment and than every transient tensor's (the freed blocks it could split) finds
 nothing cached to take, and maps a segment of its own on top of what the forward mapped
 (`new_gradient_segment_bytes`). DiT-L's 24 MiB adaLN gradients beside 16 MiB MLP activations, DiT-XL's 30
-and 20 MiB ones beside 18 MiB activations (patch 8, or micro-batch 8 at 512 px): every step after the
-first reuses those segments, so the reserved peak holds the forward's reserve plus them.
+and 20 MiB ones beside 18 MiB activations (DiT-XL/8 at micro-batch 128): every step after the first
+reuses those segments, so the reserved peak holds the forward's reserve plus them.
 
 Under memory pressure the allocator, before it reports out of memory, releases what it caches unused (free
 whole segments; with expandable segments, free pages) and retries. `reserved_bytes(..., pressure=True)` is
@@ -65,8 +65,9 @@ TRANSIENT_FRAGMENTATION = {"fixed": 0.02, "expandable": 0.03}
 # latents: where the reserved peak forms"): fixed segments round its multi-GiB maps into their own segments
 ENCODER_FOOTPRINT = {"fixed": 1.2, "expandable": 1.0}
 # under pressure (the cache released and the request retried): what stays reserved beyond allocated per
-# transient byte, and of the encoder's working set; the largest the replayed points need, rounded up, and
-# never more than with memory to spare (docs/planner-accuracy.md, "Memory pressure"). Expandable segments
+# transient byte, and of the encoder's working set: expandable, the largest the replayed points need, rounded
+# up; fixed, no more than with memory to spare (a release returns few whole segments of the transient
+# tensors; the points need -0.12..+0.07; docs/planner-accuracy.md, "Memory pressure"). Expandable segments
 # unmap nearly all of the encoder's pages; fixed ones cannot release its segments, which the DiT's tensors
 # have split (partly live)
 PRESSURE_FRAGMENTATION = {"fixed": 0.02, "expandable": 0.01}
@@ -114,19 +115,20 @@ def new_gradient_segment_bytes(
     """Fixed segments: the segments the first backward maps for gradients no freed block holds. Every
     gradient is new memory then (bytes: `block_gradients` of each of `blocks` blocks, in the order backward
     makes them, and `other_gradients`), and a freed block is never merged with another segment. One that fits
-    a 20 MiB segment takes a shared one; a larger one whose block exceeds that of the largest tensor the step
-    allocates and frees (`largest_transient_bytes`, the MLP's hidden activation) maps its own. The others
-    split the freed activation blocks of that size: a block's backward frees FREED_LARGEST_PER_BLOCK of them
-    (its MLP's input to GELU and GELU's output) and its gradients share them best-fit; one that finds no rest
-    to take maps its own segment. DiT-XL's adaLN, fc1 and fc2 gradients (30, 20, 20 MiB) take one 72 MiB block
-    but need three of 36 MiB, one more than the block frees."""
-    fits = block_bytes(largest_transient_bytes, "fixed")
-    new = sum(size for size in map(_gradient_block, other_gradients) if size > max(fits, LARGE_PAGE_BYTES))
+    a 20 MiB segment takes a shared one; a larger one that exceeds the largest tensor the step allocates and
+    frees (`largest_transient_bytes`, the MLP's hidden activation) maps its own, rounded to 2 MiB. The others
+    split the freed blocks of that size: a block's backward frees FREED_LARGEST_PER_BLOCK of them (its MLP's
+    input to GELU and GELU's output) and its gradients share them best-fit; one that finds no rest to take
+    maps its own segment. DiT-XL's fc2, fc1 and adaLN gradients (20.25, 20.25, 30.4 MiB) share one 72 MiB
+    block but need three of 36 MiB, one more than the block frees."""
+    fits = _round_up(largest_transient_bytes, MIN_BLOCK_BYTES)
+    requests = [_round_up(size, MIN_BLOCK_BYTES) for size in other_gradients]
+    new = sum(block_bytes(size, "fixed") for size in requests if size > max(fits, LARGE_PAGE_BYTES))
     per_block, rests, hosts = 0, [], 0
-    for size in map(_gradient_block, block_gradients):
+    for size in (_round_up(size, MIN_BLOCK_BYTES) for size in block_gradients):
         if size <= LARGE_PAGE_BYTES:
             continue
-        fitting = [rest for rest in rests if rest >= size] if size <= fits else []
+        fitting = [rest for rest in rests if rest >= size]
         if fitting:
             rests.remove(min(fitting))
             rest = min(fitting) - size
@@ -134,15 +136,11 @@ def new_gradient_segment_bytes(
             hosts += 1
             rest = fits - size
         else:
-            per_block += size
+            per_block += block_bytes(size, "fixed")
             continue
         if rest > SMALL_REQUEST_BYTES:
             rests.append(rest)
     return new + blocks * per_block
-
-
-def _gradient_block(nbytes: int) -> int:
-    return block_bytes(nbytes, "fixed")
 
 
 def block_parameter_elements(spec: DiTSpec) -> list[int]:

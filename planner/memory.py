@@ -798,7 +798,9 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
 
 def largest_transient_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) -> int:
     """The largest tensor the step allocates and frees: the MLP's hidden activation (and its gradient, the same
-    size), the attention probabilities when attention is not fused, autocast's copy of the adaLN matrix."""
+    size), the attention probabilities when attention is not fused, autocast's copy of the adaLN matrix. Not
+    the online VAE encoder's maps: the DiT's forward splits them, and the replay of DiT-XL/2 fp32 at micro-batch
+    8 online still maps the gradients' own segments in its first backward."""
     eb = _eb(decision, assumptions)
     tokens = decision.micro_batch * spec.tokens
     largest = tokens * spec.mlp_hidden * eb.compute
@@ -809,19 +811,27 @@ def largest_transient_bytes(spec: DiTSpec, decision: Decision, assumptions: Assu
     return largest
 
 
-def gradient_segment_floor_bytes(spec, decision, cluster, assumptions) -> int:
-    """Fixed segments: the reserved bytes once the first backward has mapped segments for the gradients no
-    freed block holds (planner/allocator.py `new_gradient_segment_bytes`), on top of what the first
-    micro-step's forward reserved; every later moment holds at least that. 0 with expandable segments, under
-    FSDP (its gradients are reduce-scattered shards) or when a measured fragmentation replaces the model."""
-    if assumptions.allocator_segments != "fixed" or decision.sharded or assumptions.fragmentation > 0:
+def gradient_segment_bytes(spec, decision, cluster, assumptions) -> int:
+    """Fixed segments: the segments the first backward maps for the fp32 gradients no freed block holds
+    (planner/allocator.py `new_gradient_segment_bytes`). None under FSDP (its gradients are reduce-scattered
+    shards) or under DDP with gradient_as_bucket_view (each gradient autograd makes is copied into its
+    bucket, allocated at the start, and freed at once)."""
+    bucket_view = cluster.world_size > 1 and decision.gradient_as_bucket_view
+    if assumptions.allocator_segments != "fixed" or decision.sharded or bucket_view:
         return 0
     block = [FP32_BYTES * n for n in reversed(block_parameter_elements(spec))]  # backward's order
     every = parameter_elements(spec)
     outer = [FP32_BYTES * n for n in every[: len(every) - spec.depth * len(block)]]
     largest = largest_transient_bytes(spec, decision, assumptions)
-    new = new_gradient_segment_bytes(block, spec.depth, outer, largest)
-    if not new:
+    return new_gradient_segment_bytes(block, spec.depth, outer, largest)
+
+
+def gradient_segment_floor_bytes(spec, decision, cluster, assumptions) -> int:
+    """Fixed segments: the reserved bytes once the first backward has mapped the gradients' own segments
+    (`gradient_segment_bytes`) on top of what the first micro-step's forward reserved; every later moment
+    holds at least that. 0 when there are none or a measured fragmentation replaces the model."""
+    new = gradient_segment_bytes(spec, decision, cluster, assumptions)
+    if not new or assumptions.fragmentation > 0:
         return 0
     first = replace(decision, grad_accum=1)  # before any gradient exists
     forward = (m for m in moments(spec, first) if m in FORWARD_MOMENTS)

@@ -356,7 +356,7 @@ def test_an_online_step_holds_what_its_first_encode_reserved_at_every_later_mome
         def reserved(parts):
             return sum(parts[name] for name in ALLOCATED) + parts["allocator"]
 
-        # the footprint (1.2 W fixed, 1.0 W expandable) in place of the encode's 1.06 / 1.03 W
+        # the footprint (1.2 W fixed, 1.0 W expandable) in place of the encode's 1.02 / 1.03 W
         assert (reserved(own["vae_encode"]) < floor) == (segments == "fixed")
         assert all(reserved(parts) == max(floor, reserved(own[m])) for m, parts in estimate.phases.items())
         assert estimate.reserved_peak_bytes == max(reserved(parts) for parts in estimate.phases.values())
@@ -607,6 +607,12 @@ def test_fixed_segments_hold_the_forward_and_the_gradients_own_segments():
     assert estimate.needed_bytes < estimate.peak_bytes  # a release returns them
     expandable = Assumptions(allocator_segments="expandable")
     assert gradient_segment_floor_bytes(spec, decision, cluster, expandable) == 0
+    # none where the gradients are copied into DDP's buckets at once (gradient_as_bucket_view, several GPUs);
+    # without the view they are kept
+    eight = Cluster(1, 8, 80 * 10**9)
+    assert gradient_segment_floor_bytes(spec, decision, eight, fixed) == 0
+    kept = Decision(8, 1, 0, "bf16", "ddp", "precomputed", gradient_as_bucket_view=False)
+    assert gradient_segment_floor_bytes(spec, kept, eight, fixed) > 24 * 24 * MiB
     # checkpointing every block: the gradients' segments are among the backward's own figures, no floor binds
     checkpointed = Decision(8, 1, 24, "bf16", "ddp", "precomputed")
     every = step_memory(spec, checkpointed, cluster, fixed)

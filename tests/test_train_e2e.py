@@ -709,3 +709,21 @@ def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
         capsys, ["--plan", workspace["plan1"], "--output-dir", tmp_path / "x", *base, "--resume", run]
     )
     assert "--init-from" in err and "--resume" in err
+
+
+def test_a_plan_for_a_lazily_made_adamw_state_says_this_trainer_makes_it_first(workspace, tmp_path):
+    """A plan made with --assume adamw_state=lazy (another codebase's order) trains the same, and the log says
+    that this trainer makes the state before the first step, whose memory the plan then overstates."""
+    plan = json.loads(workspace["plan1"].read_text())
+    plan["assumptions"]["adamw_state"] = "lazy"
+    lazy_plan = tmp_path / "plan.json"
+    lazy_plan.write_text(json.dumps(plan))
+    run = tmp_path / "run"
+    argv = ["--plan", lazy_plan, "--latents", workspace["latents"], "--output-dir", run, *QUIET]
+    assert run_in_process([*argv, "--no-tensorboard", "--max-steps", 1]) == 0
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "adamw_state=lazy" in log and "makes it before the first step" in log
+    eager = tmp_path / "eager"
+    argv = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", eager, *QUIET]
+    assert run_in_process([*argv, "--no-tensorboard", "--max-steps", 1]) == 0
+    assert "adamw_state=lazy" not in (eager / "logs" / "rank0.log").read_text()

@@ -17,9 +17,15 @@ MiB = 1 << 20
 # what those codebases ran on, PyTorch's defaults: fixed segments, AdamW's state made in its first step
 TORCH_DEFAULTS = {"allocator_segments": "fixed", "adamw_state": "lazy"}
 # fast-DiT README, "Improved Training Performance": one A100-80G, DiT-XL/2 @256, batch 128, every block
-# checkpointed, torch AdamW (foreach), PyTorch's default (fixed-segment) allocator
+# checkpointed, torch AdamW (foreach, torch 2.0 in May 2023: two parameter-sized intermediates), PyTorch's
+# default (fixed-segment) allocator
 FAST_DIT = dict(
-    gpu="a100-80g", gpus=1, global_batch=128, checkpointing="all", adamw="foreach", assumptions=TORCH_DEFAULTS
+    gpu="a100-80g",
+    gpus=1,
+    global_batch=128,
+    checkpointing="all",
+    adamw="foreach",
+    assumptions={**TORCH_DEFAULTS, "foreach_adamw_lists": 2},
 )
 # facebookresearch/DiT issue #22: 8 x A100-80G, global batch 256, the original train.py (no checkpointing,
 # the VAE encoding every batch, DDP in fp32)

@@ -215,6 +215,10 @@ class Assumptions:
     # made inside the first optimizer step, torch's default (other codebases: DiT, fast-DiT), which with
     # online latents costs a re-map at the second encode (planner/allocator.py `online_reserved_bytes`)
     adamw_state: str = "eager"
+    # parameter-sized fp32 intermediates torch's foreach AdamW holds at its update: 1 since torch 2.1
+    # (pytorch/pytorch#104780 divides and shifts sqrt(v) in place); 2 in torch 2.0 and before, whose
+    # denominator was a second list beside sqrt(v) (pytorch/pytorch#97712): the 2023 codebases fast-DiT ran on
+    foreach_adamw_lists: int = 1
     # --- how the trainer runs the step (the plan records these, the trainer follows them) ------------
     autocast_device: str = "cuda"  # "cuda" | "cpu": whose autocast op lists decide the saved dtypes
     attention: str = (
@@ -306,6 +310,11 @@ class Assumptions:
             )
         if self.adamw_state not in ("eager", "lazy"):
             raise PlanError(f"--assume adamw_state must be eager or lazy, got {self.adamw_state!r}")
+        if self.foreach_adamw_lists not in (1, 2):
+            raise PlanError(
+                "--assume foreach_adamw_lists must be 1 (torch >= 2.1) or 2 (torch 2.0), "
+                f"got {self.foreach_adamw_lists!r}"
+            )
         if self.attention not in ("fused", "math"):
             raise PlanError(f"--assume attention must be fused or math, got {self.attention!r}")
 

@@ -682,8 +682,9 @@ def temporaries_bytes(spec, decision, cluster, assumptions, moment) -> int:
 
     Backward moments: activation and weight gradients in flight and the shared embedder's buffered gradients
     (`backward_temporary_bytes`) and, under FSDP, one unit's unsharded gradient before its reduce-scatter.
-    Optimizer step: foreach AdamW's sqrt(exp_avg_sq) of every parameter (4 B/param); the per-tensor loop's
-    denominators of two parameters; fused AdamW none.
+    Optimizer step: foreach AdamW's sqrt(exp_avg_sq) of every parameter (4 B/param; torch 2.0's made the
+    denominator beside it: `foreach_adamw_lists`); the per-tensor loop's denominators of two parameters; fused
+    AdamW none.
     """
     eb = _eb(decision, assumptions)
     if moment in BACKWARD_MOMENTS:
@@ -693,7 +694,8 @@ def temporaries_bytes(spec, decision, cluster, assumptions, moment) -> int:
         return working
     if moment == "optimizer_step":
         if decision.adamw == "foreach":
-            return FP32_BYTES * spec.params_trainable // _shards(decision, cluster)
+            lists = assumptions.foreach_adamw_lists
+            return lists * FP32_BYTES * spec.params_trainable // _shards(decision, cluster)
         if decision.adamw == "single":
             return FP32_BYTES * largest_step_temporary_params(spec)
     return 0

@@ -181,6 +181,19 @@ def test_ddp_states_hand_checked():
     assert parts["activations"] == parts["autocast_cache"] == 0
 
 
+def test_torch_2_0s_foreach_adamw_holds_a_second_intermediate():
+    """torch 2.0's foreach AdamW made the denominator out of place beside sqrt(v) (pytorch/pytorch#97712, fixed
+    in 2.1 by #104780): --assume foreach_adamw_lists=2 counts 8 B/param at the update, and only there."""
+    old = memory(assumptions=Assumptions(foreach_adamw_lists=2)).phases
+    new = memory().phases
+    assert old["optimizer_step"]["temporaries"] == 8 * P
+    assert all(old[m]["temporaries"] == new[m]["temporaries"] for m in new if m != "optimizer_step")
+    fused = memory(decision(adamw="fused"), assumptions=Assumptions(foreach_adamw_lists=2))
+    assert fused.phases["optimizer_step"]["temporaries"] == 0
+    with pytest.raises(PlanError, match="foreach_adamw_lists must be 1"):
+        Assumptions(foreach_adamw_lists=3).validate()
+
+
 def test_single_gpu_has_no_buckets_nor_nccl():
     one = memory(cluster=Cluster(1, 1, 80 * 10**9)).phases["optimizer_step"]
     eight = memory().phases["optimizer_step"]

@@ -16,6 +16,7 @@ from dit_accel import runlock
 from dit_accel.consensus import main_decides
 from dit_accel.errors import UserError
 from dit_accel.optim import effective_lr
+from dit_accel.runlog import plan_notes
 from dit_accel.train_config import TrainConfig, inherited_notes
 from planner.planfile import Plan, read_plan
 from planner.units import count
@@ -214,6 +215,8 @@ def choose_start(
 def restore(start: Start, accelerator, components, dataset_size: int, seed: int) -> dict:
     """The run's state counters after the components exist: a checkpoint's (weights, AdamW, EMA, scheduler, RNG
     streams restored with them), or step 0 with each rank's global RNG seeded (seed + rank)."""
+    for note in plan_notes(components.plan):  # AdamW's state is in place before step 1 on either path
+        log.info(note)
     state = dict(start.state)
     if start.init is not None:
         start.init.parameters.clear()  # the host copy (4 bytes per parameter on every rank) is on the device now

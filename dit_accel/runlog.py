@@ -153,6 +153,18 @@ def memory_over_plan(plan: Plan, allocated_bytes: int, reserved_bytes: int) -> s
     return None
 
 
+def plan_notes(plan: Plan) -> list[str]:
+    """What the run should know about its plan before the first step: a plan made for another codebase's order
+    of AdamW's state (--assume adamw_state=lazy) overstates this trainer's memory, which makes it first."""
+    if plan.assumptions.get("adamw_state") != "lazy":
+        return []
+    return [
+        "the plan assumed AdamW's state made inside the first optimizer step (--assume adamw_state=lazy, "
+        "another codebase's order); this trainer makes it before the first step, so it reserves at most the "
+        "plan's figure (less with online latents): plan without that assumption for this run's own"
+    ]
+
+
 class StepLog:
     """Every `log_every` steps: the mean loss since the last line, images/s, and the GPU's measured peak memory
     beside the plan's, to the terminal, the rank logs, metrics.jsonl (main process) and the trackers.

@@ -152,12 +152,6 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
             f"initialized from {state['init_from']}, timestep shift {start.init.timestep_freq_shift}: step 0 "
             f"with a fresh optimizer, lr schedule and data order; the EMA starts at these weights"
         )
-    if plan.assumptions.get("adamw_state") == "lazy":
-        log.info(
-            "the plan assumed AdamW's state made inside the first optimizer step (--assume adamw_state=lazy, "
-            "another codebase's order); this trainer makes it before the first step, so it reserves at most "
-            "the plan's figure (less with online latents): plan without that assumption for this run's own"
-        )
     if state["step"] >= config.max_steps:
         log.info(f"already at step {state['step']} >= --max-steps {config.max_steps}: nothing to do")
         accelerator.end_training()

@@ -439,16 +439,20 @@ def test_the_measured_peaks_are_held_to_the_plans_tensors_with_cublas_workspaces
     assert "reserved exceeds" in memory_over_plan(plan, tensors, reserved + 1)
 
 
-def test_a_fresh_run_has_adamw_state_before_its_first_step():
+def test_a_fresh_run_has_adamw_state_before_its_first_step(caplog):
     """dit_accel.resume.restore, the trainer's start: a fresh run makes AdamW's state (zero moments, step 0)
-    before any step, where a resumed run loads it, so both run in the same memory layout."""
+    before any step, where a resumed run loads it, so both run in the same memory layout; a plan made for a
+    lazily made state (another codebase's order) is told so."""
     from types import SimpleNamespace
 
     from dit_accel.resume import Start, restore
 
     model = nn.Linear(4, 3)
-    components = SimpleNamespace(optimizer=build_optimizer(model, lr=1e-4))
-    state = restore(Start(), SimpleNamespace(process_index=0), components, dataset_size=8, seed=0)
+    plan = SimpleNamespace(assumptions={"adamw_state": "lazy"})
+    components = SimpleNamespace(optimizer=build_optimizer(model, lr=1e-4), plan=plan)
+    with caplog.at_level("INFO", logger="dit_accel.train"):
+        state = restore(Start(), SimpleNamespace(process_index=0), components, dataset_size=8, seed=0)
+    assert "adamw_state=lazy" in caplog.text and "makes it before the first step" in caplog.text
     assert state["step"] == 0
     made = components.optimizer.state
     assert set(made) == set(model.parameters())

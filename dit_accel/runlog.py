@@ -246,8 +246,8 @@ class StepLog:
             allocated, reserved = (int(v) for v in peak_tensor.tolist())
             metrics.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved)
             text = f"peak GPU memory {gib(allocated)} allocated, {gib(reserved)} reserved"
-            over = memory_over_plan(self.plan, allocated, reserved)
-            if over and not self.warned_memory:
+            over = None if self.warned_memory else memory_over_plan(self.plan, allocated, reserved)
+            if over:
                 self.warned_memory = True
                 log.warning(f"{over}: report it with `dit-accel verify`; the run goes on")
         if plan_peak:

@@ -150,11 +150,11 @@ def block_parameter_elements(spec: DiTSpec) -> list[int]:
     return [6 * d * d, 6 * d] + [d * d, d] * 4 + [h * d, h, d * h, d]
 
 
-def parameter_elements(spec: DiTSpec) -> list[int]:
-    """The element count of every trainable parameter tensor of the tied-embedder DiT (they sum to
-    `spec.params_trainable`)."""
+def outer_parameter_elements(spec: DiTSpec) -> list[int]:
+    """The element count of the parameter tensors outside the blocks: the patch conv, the shared timestep and
+    class embedder, the final layer."""
     d, p = spec.hidden, spec.patch
-    outer = [
+    return [
         spec.in_channels * p * p * d,
         d,  # patch conv
         TIMESTEP_FREQ_DIM * d,
@@ -167,7 +167,12 @@ def parameter_elements(spec: DiTSpec) -> list[int]:
         d * p * p * spec.out_channels,
         p * p * spec.out_channels,  # final layer
     ]
-    return outer + spec.depth * block_parameter_elements(spec)
+
+
+def parameter_elements(spec: DiTSpec) -> list[int]:
+    """The element count of every trainable parameter tensor of the tied-embedder DiT (they sum to
+    `spec.params_trainable`)."""
+    return outer_parameter_elements(spec) + spec.depth * block_parameter_elements(spec)
 
 
 @functools.lru_cache(maxsize=256)  # the search asks it for every candidate and phase of one model

@@ -33,7 +33,7 @@ from planner.allocator import (
     block_parameter_elements,
     new_gradient_segment_bytes,
     online_reserved_bytes,
-    parameter_elements,
+    outer_parameter_elements,
     parameter_rounding_bytes,
     reserved_bytes,
     stream_pool_reserved,
@@ -822,24 +822,24 @@ def gradient_segment_bytes(spec, decision, cluster, assumptions) -> int:
     if assumptions.allocator_segments != "fixed" or decision.sharded or bucket_view:
         return 0
     block = [FP32_BYTES * n for n in reversed(block_parameter_elements(spec))]  # backward's order
-    every = parameter_elements(spec)
-    outer = [FP32_BYTES * n for n in every[: len(every) - spec.depth * len(block)]]
+    outer = [FP32_BYTES * n for n in outer_parameter_elements(spec)]
     largest = largest_transient_bytes(spec, decision, assumptions)
     return new_gradient_segment_bytes(block, spec.depth, outer, largest)
 
 
-def gradient_segment_floor_bytes(spec, decision, cluster, assumptions) -> int:
+def gradient_segment_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict | None = None) -> int:
     """Fixed segments: the reserved bytes once the first backward has mapped the gradients' own segments
     (`gradient_segment_bytes`) on top of what the first micro-step's forward reserved; every later moment
-    holds at least that. 0 when there are none or a measured fragmentation replaces the model."""
+    holds at least that. 0 when there are none or a measured fragmentation replaces the model. `by_moment`:
+    the step's moments, already computed (`step_memory`); without accumulation its forward is the first's."""
     new = gradient_segment_bytes(spec, decision, cluster, assumptions)
     if not new or assumptions.fragmentation > 0:
         return 0
+    known = by_moment if by_moment is not None and decision.grad_accum == 1 else {}
     first = replace(decision, grad_accum=1)  # before any gradient exists
-    forward = (m for m in moments(spec, first) if m in FORWARD_MOMENTS)
     reserved = []
-    for moment in forward:
-        parts = phase_components(spec, first, cluster, assumptions, moment)
+    for moment in (m for m in moments(spec, first) if m in FORWARD_MOMENTS):
+        parts = known.get(moment) or phase_components(spec, first, cluster, assumptions, moment)
         reserved.append(sum(parts[name] for name in ALLOCATED) + parts["allocator"])
     return max(reserved) + new
 
@@ -890,7 +890,7 @@ def step_memory(
     by_moment = {m: phase_components(spec, decision, cluster, assumptions, m) for m in chosen}
     floor = online_floor_bytes(spec, decision, cluster, assumptions, by_moment)
     # a release under pressure returns the gradients' extra segments (whole free ones), not the encoder's
-    spare_floor = max(floor, gradient_segment_floor_bytes(spec, decision, cluster, assumptions))
+    spare_floor = max(floor, gradient_segment_floor_bytes(spec, decision, cluster, assumptions, by_moment))
     for m in chosen if spare_floor else ():
         by_moment[m]["allocator"] = allocator_bytes(
             spec, decision, cluster, assumptions, by_moment[m], m, floor_bytes=spare_floor

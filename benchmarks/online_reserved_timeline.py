@@ -5,8 +5,11 @@ cache), the first optimizer step, the encode of the second step, and the end, be
 peak. Each point twice: AdamW's state made before the first step as dit-accel's trainer makes it ("eager"),
 and made inside the first optimizer step as torch's AdamW does by default ("lazy": other codebases,
 `--assume adamw_state=lazy`). Beyond the grid, three online points whose DiT transient is large (no
-checkpointing) test the planner's rules where the cache is ample. docs/planner-accuracy.md ("Online
-latents: where the reserved peak forms") records the figures.
+checkpointing) test the planner's rules where the cache is ample. A second table replays online points with
+two micro-steps: what the second micro-step's encode maps beside the first one's gradients, against
+planner/allocator.py `accumulating_encode_bytes`, and the reserved peak and the least reserved (release and
+retry) against the planner's. docs/planner-accuracy.md ("Online latents: where the reserved peak forms")
+records the figures.
 
     python benchmarks/online_reserved_timeline.py
 """
@@ -23,8 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_memtrace_grid import GRID, make_plan, point_id  # noqa: E402
 
 from dit_accel.memtrace import trace_events  # noqa: E402
-from dit_accel.memtrace.allocator import CachingAllocator, replay_steps  # noqa: E402
-from dit_accel.memtrace.comparison import planner_reserved_peak  # noqa: E402
+from dit_accel.memtrace.allocator import CachingAllocator, least_reserved, replay_steps  # noqa: E402
+from dit_accel.memtrace.comparison import planner_least_reserved, planner_reserved_peak  # noqa: E402
+from planner import vae  # noqa: E402
+from planner.allocator import accumulating_encode_bytes  # noqa: E402
+from planner.hardware import Assumptions  # noqa: E402
+from planner.spec import model_spec  # noqa: E402
 
 MiB = 2**20
 STATES = ("eager", "lazy")
@@ -32,6 +39,13 @@ BEYOND_GRID = [
     ("DiT-S/2", 256, "fp32", 0, 32, 1, True, "online"),
     ("DiT-B/2", 256, "bf16", 0, 16, 1, True, "online"),
     ("DiT-XL/2", 256, "fp32", 0, 8, 1, True, "online"),
+]
+ACCUMULATING = [
+    ("DiT-S/2", 256, "bf16", 0, 8, 2, True, "online"),
+    ("DiT-B/4", 256, "fp32", 6, 8, 2, True, "online"),  # the grid's
+    ("DiT-B/4", 256, "bf16", 6, 8, 2, True, "online"),
+    ("DiT-XL/2", 256, "bf16", 28, 16, 2, True, "online"),
+    ("DiT-L/2", 512, "bf16", 12, 4, 2, False, "online"),
 ]
 
 
@@ -72,5 +86,36 @@ def main() -> None:
             )
 
 
+def accumulating_table() -> None:
+    print()
+    print(
+        "| point | mode | gradients G | largest map | micro-step 2 encode: new reserved | rule | reserved peak | "
+        "planner | error | least reserved | planner | error |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for point in ACCUMULATING:
+        plan = make_plan(*point)
+        tracker = trace_events(plan)
+        model, resolution, _, _, micro_batch, *_ = point
+        gradients = 4 * model_spec(model, resolution).params_trainable
+        largest_map = vae.encoder_activation_bytes(resolution, micro_batch, 1)
+        working = int(Assumptions().vae_activation_maps * largest_map)
+        for mode in ("expandable", "fixed"):
+            marks, _, reserved_peak = window_marks(tracker, mode == "expandable")
+            mapped = marks[("fwd", 1, 1, 0)][0] - marks[("pre", 1, 1)][0]
+            rule = accumulating_encode_bytes(gradients, largest_map, working, mode)
+            planned = planner_reserved_peak(plan, "cpu", mode)
+            least = least_reserved(tracker.events, mode == "expandable")
+            planned_least = planner_least_reserved(plan, "cpu", mode)
+            print(
+                f"| {point_id(point)} | {mode} | {gradients / MiB:,.0f} MiB | {largest_map / MiB:,.0f} MiB | "
+                f"{mapped / MiB:,.0f} MiB | {rule / MiB:,.0f} MiB | {reserved_peak / MiB:,.0f} MiB | "
+                f"{planned / MiB:,.0f} MiB | {planned / reserved_peak - 1:+.1%} | {least / MiB:,.0f} MiB | "
+                f"{planned_least / MiB:,.0f} MiB | {planned_least / least - 1:+.1%} |",
+                flush=True,
+            )
+
+
 if __name__ == "__main__":
     main()
+    accumulating_table()

@@ -21,6 +21,8 @@ trainer makes them before the first step), and everything after it reuses that c
 falls unless the allocator releases its cache, so every later moment holds at least that
 (`reserved_floor_bytes`). A codebase whose AdamW makes its states in the first optimizer step
 (`Assumptions.adamw_state="lazy"`) makes them out of the encoder's cache, and its second encode maps anew.
+Under gradient accumulation the first micro-step's backward makes the gradients out of that cache, and
+every later micro-step's encode maps the room they spoiled anew (`accumulating_encode_bytes`).
 
 Fixed segments never merge, and in the first backward every gradient is new memory: a gradient whose block
 is larger than a 20 MiB segment and than every transient tensor's (the freed blocks it could split) finds
@@ -221,6 +223,7 @@ def reserved_bytes(
     reserved_floor_bytes: int = 0,
     measured_fragmentation: float = 0.0,
     pressure: bool = False,
+    pinned: bool = False,
 ) -> int:
     """Reserved bytes of the caching allocator when the step's tensors hold `allocated_bytes`, of which
     `persistent_bytes` live for the whole run (weights, AdamW states, EMA, VAE weights, DDP buckets).
@@ -230,7 +233,9 @@ def reserved_bytes(
     release cannot return; `reserved_floor_bytes`: what the step reserved before this moment, which stays
     reserved unless the cache is released. A `measured_fragmentation` above 0 (reserved / allocated - 1, from
     a calibration) replaces the model. `pressure`: the least the step runs in when the allocator releases its
-    cache to fit (never more than the reserved figure with memory to spare)."""
+    cache to fit (never more than the reserved figure with memory to spare). `pinned`: a release cannot bring
+    this moment below `reserved_floor_bytes` (a later micro-step's encode under fixed segments: the
+    accumulated gradients hold the segments it spoiled, its own maps the rest)."""
     if measured_fragmentation > 0:
         return int(allocated_bytes * (1 + measured_fragmentation))
     transient = max(0, allocated_bytes - persistent_bytes)
@@ -243,11 +248,35 @@ def reserved_bytes(
         return int(spare)
     encoder_kept = PRESSURE_VAE_MISS[segments] * min(earlier_working_bytes, transient)
     tight = held + PRESSURE_FRAGMENTATION[segments] * transient + encoder_kept
-    return int(min(spare, tight))
+    return int(max(min(spare, tight), reserved_floor_bytes if pinned else 0))
+
+
+def accumulating_encode_bytes(gradient_bytes: int, map_bytes: int, working_bytes: int, segments: str) -> int:
+    """Online latents under gradient accumulation: the memory the encode of every micro-step after the first
+    maps anew, once the accumulated gradients (`gradient_bytes`) live in the cache the first encode left.
+
+    The first micro-step's backward makes the gradients out of that cache (it is all the cache there is), so
+    the next encode finds its maps' room taken. Its largest maps are full-resolution 128-channel ones
+    (`map_bytes`, a working set of `working_bytes`): with fixed segments each has a segment of its own, and
+    one a gradient entered no longer holds a map; in an expandable segment the gradients leave holes among
+    the encoder's pages smaller than a map. Packed tightly the gradients spoil ceil(G / map) maps' room, and
+    the whole footprint at most; never less than the gradients themselves (more than the cache holds, they
+    mapped the rest). Replayed beside traced steps of DiT-S/2, B/4, XL/2 and L/2 at 512 px the spread is
+    wider in some (docs/planner-accuracy.md, "Online latents: where the reserved peak forms")."""
+    if gradient_bytes <= 0 or working_bytes <= 0:
+        return 0
+    spoiled = -(-gradient_bytes // map_bytes) * map_bytes
+    return max(gradient_bytes, min(spoiled, int(ENCODER_FOOTPRINT[segments] * working_bytes)))
 
 
 def online_reserved_bytes(
-    *, encode_reserved: int, working_bytes: int, segments: str, lazy_states: dict | None = None
+    *,
+    encode_reserved: int,
+    working_bytes: int,
+    segments: str,
+    lazy_states: dict | None = None,
+    accumulated_bytes: int = 0,
+    later_encode_bytes: int = 0,
 ) -> int:
     """Online latents: the reserved bytes once the VAE encoder has run, and so at least those of every moment
     after it. `encode_reserved`: the encode moment reserved as `reserved_bytes` gives it, with the encoder's
@@ -262,9 +291,14 @@ def online_reserved_bytes(
     figures: `dit_reserved` (the DiT's largest moment), `optimizer_allocated`, `optimizer_reserved`, and
     `states_held_bytes` (the state with its block rounding, which the steady-state figures count). The
     first step's optimizer then makes the states out of the encoder's cache, and the second encode reuses
-    only what that step left over and maps the rest of its footprint anew."""
+    only what that step left over and maps the rest of its footprint anew.
+
+    Under gradient accumulation `encode_reserved` counts the accumulated gradients (`accumulated_bytes`), which
+    the first micro-step's encode did not have; every later one maps `later_encode_bytes`
+    (`accumulating_encode_bytes`) on top of what the first one left."""
     footprint = ENCODER_FOOTPRINT[segments] * working_bytes
     first_encode = encode_reserved - (1 + TRANSIENT_FRAGMENTATION[segments]) * working_bytes + footprint
+    first_encode += max(0, later_encode_bytes - (1 + TRANSIENT_FRAGMENTATION[segments]) * accumulated_bytes)
     if lazy_states is None:
         return int(first_encode)
     states = lazy_states["states_held_bytes"]

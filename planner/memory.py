@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from planner import repa, vae
 from planner.allocator import (
+    accumulating_encode_bytes,
     block_parameter_elements,
     new_gradient_segment_bytes,
     online_reserved_bytes,
@@ -750,6 +751,9 @@ def allocator_bytes(
         reserved_floor_bytes=max(floor_bytes - assumptions.cublas_workspace_bytes, 0) if pressure else 0,
         measured_fragmentation=assumptions.fragmentation,
         pressure=pressure,
+        pinned=moment == "vae_encode"
+        and assumptions.allocator_segments == "fixed"
+        and accumulated_gradient_bytes(spec, decision, cluster) > 0,
     )
     reserved += assumptions.cublas_workspace_bytes
     if pressure:
@@ -790,12 +794,28 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
             "optimizer_reserved": reserved("optimizer_step"),
             "states_held_bytes": states + states_rounding,
         }
+    working = encoder_working_bytes(spec, decision, cluster, assumptions)
+    accumulated = accumulated_gradient_bytes(spec, decision, cluster)
+    largest_map = vae.encoder_activation_bytes(
+        spec.resolution, decision.micro_batch, 1, assumptions.vae_bytes_per_param
+    )
     return online_reserved_bytes(
         encode_reserved=reserved("vae_encode"),
-        working_bytes=encoder_working_bytes(spec, decision, cluster, assumptions),
+        working_bytes=working,
         segments=segments,
         lazy_states=lazy_states,
+        accumulated_bytes=accumulated,
+        later_encode_bytes=accumulating_encode_bytes(accumulated, largest_map, working, segments),
     )
+
+
+def accumulated_gradient_bytes(spec, decision, cluster) -> int:
+    """The gradients the earlier micro-steps leave alive through a later one's encode, made by the first
+    micro-step's backward (0 without accumulation, or with DDP's gradient_as_bucket_view: they live in the
+    buckets, allocated at the start)."""
+    if decision.grad_accum == 1 or (cluster.world_size > 1 and decision.gradient_as_bucket_view):
+        return 0
+    return FP32_BYTES * spec.params_trainable // _shards(decision, cluster)
 
 
 def largest_transient_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) -> int:

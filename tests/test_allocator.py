@@ -617,3 +617,79 @@ def test_fixed_segments_hold_the_forward_and_the_gradients_own_segments():
     checkpointed = Decision(8, 1, 24, "bf16", "ddp", "precomputed")
     every = step_memory(spec, checkpointed, cluster, fixed)
     assert every.reserved_peak_bytes > gradient_segment_floor_bytes(spec, checkpointed, cluster, fixed)
+
+
+def test_a_later_micro_steps_encode_maps_the_room_the_gradients_spoiled_worked_by_hand():
+    """Online latents, gradient accumulation: the encoder's largest maps of 256 MiB (DiT at 256 px, micro-batch
+    8, fp32 VAE), a working set of five. DiT-S/2's 125 MiB of gradients spoil one map's room: 256 MiB mapped
+    anew; DiT-B/4's 497 MiB two: 512. DiT-XL/2's 2,575 MiB at micro-batch 16 (512 MiB maps, 2,560 MiB working
+    set) would spoil six, more than fixed segments' footprint of 1.2 W (3,072 MiB: all of it) and more than
+    expandable segments' W, which the gradients themselves pass. No gradients, nothing."""
+    from planner.allocator import accumulating_encode_bytes
+
+    for segments in ("fixed", "expandable"):
+        assert accumulating_encode_bytes(125 * MiB, 256 * MiB, 1280 * MiB, segments) == 256 * MiB
+        assert accumulating_encode_bytes(497 * MiB, 256 * MiB, 1280 * MiB, segments) == 512 * MiB
+        assert accumulating_encode_bytes(0, 256 * MiB, 1280 * MiB, segments) == 0
+    assert accumulating_encode_bytes(2575 * MiB, 512 * MiB, 2560 * MiB, "fixed") == 3072 * MiB
+    assert accumulating_encode_bytes(2575 * MiB, 512 * MiB, 2560 * MiB, "expandable") == 2575 * MiB
+
+
+def test_the_later_encode_rule_is_what_the_allocator_model_replays():
+    """Fixed segments: an encode of five 256 MiB maps (each its own segment), freed; the first micro-step's
+    backward makes gradients of 62 MiB (4 to a map's segment, packed tightly by best fit); the next encode
+    finds a map's room in every segment no gradient entered and maps the rest: the rule's ceil(G / 256 MiB)
+    segments, for one, two and three segments' worth of gradients."""
+    from planner.allocator import accumulating_encode_bytes
+
+    maps = [(("map", i), 256 * MiB) for i in range(5)]
+    freed = [(("map", i), None) for i in range(5)]
+    for count in (2, 8, 10):
+        gradients = [(("grad", i), 62 * MiB) for i in range(count)]
+        first = maps + freed + gradients
+        second = first + [(("again", i), 256 * MiB) for i in range(5)]
+        mapped = replay(second).reserved_peak_bytes - replay(first).reserved_peak_bytes
+        rule = accumulating_encode_bytes(count * 62 * MiB, 256 * MiB, 5 * 256 * MiB, "fixed")
+        assert mapped == rule == -(-count // 4) * 256 * MiB, count
+
+
+def test_an_accumulating_online_plan_reserves_the_later_encodes_maps_and_keeps_them_under_pressure():
+    """DiT-B/4 fp32 online at micro-batch 8, two micro-steps: the second encode runs beside the first one's
+    497 MiB of gradients, which spoil two of its 256 MiB maps' room: the floor is the first encode's
+    footprint plus 512 MiB, where the encode moment had counted the gradients (1.02 G fixed, 1.03 G
+    expandable: the larger of the two figures is kept). With fixed
+    segments a release cannot return that (the gradients live in the spoiled segments, the encode fills the
+    rest): the least the step runs in is the floor; expandable segments release as before. One micro-step:
+    no term."""
+    from planner.allocator import ENCODER_FOOTPRINT, TRANSIENT_FRAGMENTATION
+    from planner.hardware import Assumptions
+    from planner.memory import ALLOCATED, Cluster, Decision, online_floor_bytes, phase_components, step_memory
+    from planner.spec import model_spec
+
+    spec, cluster = model_spec("DiT-B/4", 256), Cluster(1, 1, 80 * 10**9)
+    accumulating = Decision(8, 2, 6, "fp32", "ddp", "online")
+    gradients = 4 * spec.params_trainable
+    for segments in ("fixed", "expandable"):
+        a = Assumptions(allocator_segments=segments)
+        own = {
+            m: phase_components(spec, accumulating, cluster, a, m) for m in ("vae_encode", "end_of_forward")
+        }
+        encode = own["vae_encode"]
+        encode_reserved = sum(encode[name] for name in ALLOCATED) + encode["allocator"]
+        working = encode["vae"] - phase_components(spec, accumulating, cluster, a, "optimizer_step")["vae"]
+        f = TRANSIENT_FRAGMENTATION[segments]
+        first = encode_reserved - (1 + f) * working + ENCODER_FOOTPRINT[segments] * working
+        floor = online_floor_bytes(spec, accumulating, cluster, a, own)
+        assert floor == int(first + max(0, 512 * MiB - (1 + f) * gradients))
+        estimate = step_memory(spec, accumulating, cluster, a)
+        assert estimate.reserved_peak_bytes >= floor
+        assert (estimate.needed_bytes == estimate.peak_bytes) == (segments == "fixed")
+        single = Decision(8, 1, 6, "fp32", "ddp", "online")
+        own_single = {
+            m: phase_components(spec, single, cluster, a, m) for m in ("vae_encode", "end_of_forward")
+        }
+        encode = own_single["vae_encode"]
+        plain = sum(encode[name] for name in ALLOCATED) + encode["allocator"]
+        assert online_floor_bytes(spec, single, cluster, a, own_single) == int(
+            plain - (1 + f) * working + ENCODER_FOOTPRINT[segments] * working
+        )

@@ -1,6 +1,7 @@
 """The planner against every published DiT training run docs/planner-accuracy.md lists ("Public
 measurements"): each run's conditions as dit-plan flags, the planner's estimate, the published figure and
-the error (plan / published - 1). Pure planner arithmetic, no GPU; prints the two Markdown tables.
+the error (plan / published - 1), and the runs that ran out of memory against the planner's verdict. Pure
+planner arithmetic, no GPU; prints the three Markdown tables.
 
     python benchmarks/public_runs.py
 """
@@ -8,7 +9,7 @@ the error (plan / published - 1). Pure planner arithmetic, no GPU; prints the tw
 from __future__ import annotations
 
 from planner.hardware import Assumptions, gpu_preset
-from planner.memory import Cluster, Decision
+from planner.memory import Cluster, Decision, step_memory
 from planner.plan import make_plan
 from planner.search import estimate_throughput
 from planner.spec import model_spec
@@ -89,6 +90,39 @@ MEMORY = [
 ]
 
 
+# (run, model spec, the run's step, its GPUs, the assumptions): published runs that ran out of memory, at the
+# micro-batch they ran (the search would pick a smaller one); the planner must say "does not fit"
+OUT_OF_MEMORY = [
+    (
+        "fast-DiT README, first row: 1 x A100-80G, batch 128, fp32, no checkpointing, online VAE",
+        Decision(128, 1, 0, "fp32", "ddp", "online", adamw="foreach"),
+        Cluster(1, 1, gpu_preset("a100-80g").memory_bytes, gpu=gpu_preset("a100-80g")),
+        Assumptions(**FAST_DIT["assumptions"]),
+    ),
+    (
+        "DiT issue #22: 8 x RTX 3090 (24 GB), 32 per GPU, fp32, no checkpointing, online VAE, DDP",
+        Decision(32, 1, 0, "fp32", "ddp", "online", adamw="foreach", gradient_as_bucket_view=False),
+        Cluster(1, 8, 24 * 10**9),
+        Assumptions(**TORCH_DEFAULTS),
+    ),
+]
+
+
+def out_of_memory_rows() -> None:
+    print(
+        "\n| run | planner allocated MiB | reserved | least it runs in + overhead | budget | verdict |"
+        "\n|---|---|---|---|---|---|"
+    )
+    spec = model_spec("DiT-XL/2", 256)
+    for name, decision, cluster, assumptions in OUT_OF_MEMORY:
+        estimate = step_memory(spec, decision, cluster, assumptions)
+        print(
+            f"| {name} | {estimate.allocated_peak_bytes / MiB:,.0f} | {estimate.reserved_peak_bytes / MiB:,.0f} | "
+            f"{estimate.needed_bytes / MiB:,.0f} | {estimate.budget_bytes / MiB:,.0f} | "
+            f"{'fits (disagrees)' if estimate.fits else 'does not fit (agrees)'} |"
+        )
+
+
 def reference_ieee_with_tf32_convolutions() -> float:
     """The IEEE row as that run had it: matmuls in IEEE fp32 but cuDNN TF32 on for the VAE's convolutions
     (PyTorch's default then); the trainer's --no-tf32 turns both off, which is what dit-plan plans. The
@@ -124,6 +158,7 @@ def main() -> None:
             f"| {name} | {plan['decision']['micro_batch']} | {allocated:,.0f} | {reserved:,.0f} | {total:,.0f} | "
             f"{published:,} | {total / published - 1:+.0%} |"
         )
+    out_of_memory_rows()
 
 
 if __name__ == "__main__":

@@ -375,3 +375,35 @@ def test_online_latents_add_the_vae():
     eight = memory(decision(latents="online", micro_batch=8), spec=model_spec("DiT-XL/2", 256, "online"))
     assert eight.phases["vae_encode"]["vae"] == 1_676_792_732
     assert "vae_encode" not in memory().phases
+
+
+def test_published_runs_that_fit_their_gpus_fit_and_those_that_ran_out_of_memory_do_not():
+    """The public record of docs/planner-accuracy.md (benchmarks/public_runs.py holds each run's conditions):
+    every run that trained fits its GPUs in the planner at the batch it ran, and the two that ran out of
+    memory (fast-DiT's first row, DiT issue #22 on RTX 3090s) do not fit at theirs."""
+    import importlib.util
+    from pathlib import Path
+
+    from planner.memory import step_memory
+    from planner.plan import make_plan
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "public_runs.py"
+    module_spec = importlib.util.spec_from_file_location("public_runs", path)
+    runs = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(runs)
+    for _, flags, _ in runs.THROUGHPUT + runs.MEMORY:
+        plan = make_plan(**flags)
+        assert plan["memory"]["needed_bytes"] <= plan["memory"]["budget_bytes"]
+        assert (
+            plan["decision"]["micro_batch"]
+            * plan["decision"]["grad_accum"]
+            * flags["gpus"]
+            * flags.get("nodes", 1)
+            == flags["global_batch"]
+        )
+    for _, flags, _ in runs.MEMORY:  # the memory rows ran one micro-step of the whole batch
+        assert make_plan(**flags)["decision"]["micro_batch"] == flags["global_batch"]
+    spec = model_spec("DiT-XL/2", 256)
+    assert len(runs.OUT_OF_MEMORY) == 2
+    for _, decision, cluster, assumptions in runs.OUT_OF_MEMORY:
+        assert not step_memory(spec, decision, cluster, assumptions).fits

@@ -251,22 +251,29 @@ def reserved_bytes(
     return int(max(min(spare, tight), reserved_floor_bytes if pinned else 0))
 
 
+def spoiled_map_bytes(live_bytes: int, map_bytes: int, footprint_bytes: int) -> int:
+    """Online latents: the room for the next encode's largest maps (full-resolution 128-channel ones,
+    `map_bytes`) that `live_bytes` of tensors made out of the encoder's freed cache take from it. With fixed
+    segments each such map has a segment of its own, and one a tensor entered no longer holds a map; in an
+    expandable segment the tensors leave holes among the encoder's pages smaller than a map. Packed tightly
+    they spoil ceil(live / map) maps' room, and the whole footprint (`footprint_bytes`) at most: a floor of what
+    the replays show, whose tensors spread wider (docs/planner-accuracy.md, "Online latents: where the reserved
+    peak forms")."""
+    if live_bytes <= 0 or map_bytes <= 0:
+        return 0
+    return int(min(-(-live_bytes // map_bytes) * map_bytes, footprint_bytes))
+
+
 def accumulating_encode_bytes(gradient_bytes: int, map_bytes: int, working_bytes: int, segments: str) -> int:
     """Online latents under gradient accumulation: the memory the encode of every micro-step after the first
-    maps anew, once the accumulated gradients (`gradient_bytes`) live in the cache the first encode left.
-
-    The first micro-step's backward makes the gradients out of that cache (it is all the cache there is), so
-    the next encode finds its maps' room taken. Its largest maps are full-resolution 128-channel ones
-    (`map_bytes`, a working set of `working_bytes`): with fixed segments each has a segment of its own, and
-    one a gradient entered no longer holds a map; in an expandable segment the gradients leave holes among
-    the encoder's pages smaller than a map. Packed tightly the gradients spoil ceil(G / map) maps' room, and
-    the whole footprint at most; never less than the gradients themselves (more than the cache holds, they
-    mapped the rest). Replayed beside traced steps of DiT-S/2, B/4, XL/2 and L/2 at 512 px the spread is
-    wider in some (docs/planner-accuracy.md, "Online latents: where the reserved peak forms")."""
+    maps anew. The first micro-step's backward makes the gradients (`gradient_bytes`) out of the cache the
+    first encode left (it is all the cache there is), and they live on through the next encode, which maps
+    the room they spoiled (`spoiled_map_bytes`; the encoder's working set `working_bytes`), and never less
+    than the gradients themselves (more than the cache holds, they mapped the rest)."""
     if gradient_bytes <= 0 or working_bytes <= 0:
         return 0
-    spoiled = -(-gradient_bytes // map_bytes) * map_bytes
-    return max(gradient_bytes, min(spoiled, int(ENCODER_FOOTPRINT[segments] * working_bytes)))
+    footprint = int(ENCODER_FOOTPRINT[segments] * working_bytes)
+    return max(gradient_bytes, spoiled_map_bytes(gradient_bytes, map_bytes, footprint))
 
 
 def online_reserved_bytes(
@@ -289,9 +296,10 @@ def online_reserved_bytes(
 
     `lazy_states` (another codebase: the state made inside the first optimizer step) holds that step's
     figures: `dit_reserved` (the DiT's largest moment), `optimizer_allocated`, `optimizer_reserved`, and
-    `states_held_bytes` (the state with its block rounding, which the steady-state figures count). The
-    first step's optimizer then makes the states out of the encoder's cache, and the second encode reuses
-    only what that step left over and maps the rest of its footprint anew.
+    `states_held_bytes` (the state with its block rounding, which the steady-state figures count),
+    `states_bytes` (without it) and `map_bytes` (the encoder's largest map). The first step's optimizer then
+    makes the states out of the encoder's cache, and the second encode reuses only what that step left over,
+    less the room the states spoiled (`spoiled_map_bytes`), and maps the rest of its footprint anew.
 
     Under gradient accumulation `encode_reserved` counts the accumulated gradients (`accumulated_bytes`), which
     the first micro-step's encode did not have; every later one maps `later_encode_bytes`
@@ -303,5 +311,6 @@ def online_reserved_bytes(
         return int(first_encode)
     states = lazy_states["states_held_bytes"]
     first_step = max(first_encode - states, lazy_states["dit_reserved"] - states)
-    left_over = min(max(first_step - lazy_states["optimizer_allocated"], 0), footprint)
+    spoiled = spoiled_map_bytes(lazy_states["states_bytes"], lazy_states["map_bytes"], footprint)
+    left_over = min(max(first_step - lazy_states["optimizer_allocated"], 0), footprint - spoiled)
     return int(max(first_step, lazy_states["optimizer_reserved"]) + footprint - left_over)

@@ -783,6 +783,9 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
     def reserved(moment: str) -> int:
         return allocated(moment) + by_moment[moment]["allocator"]
 
+    largest_map = vae.encoder_activation_bytes(
+        spec.resolution, decision.micro_batch, 1, assumptions.vae_bytes_per_param
+    )
     lazy_states = None
     if assumptions.adamw_state == "lazy":
         states = optimizer_bytes(spec, decision, cluster, assumptions, "optimizer_step")
@@ -793,12 +796,11 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
             "optimizer_allocated": allocated("optimizer_step") + assumptions.cublas_workspace_bytes,
             "optimizer_reserved": reserved("optimizer_step"),
             "states_held_bytes": states + states_rounding,
+            "states_bytes": states,
+            "map_bytes": largest_map,
         }
     working = encoder_working_bytes(spec, decision, cluster, assumptions)
     accumulated = accumulated_gradient_bytes(spec, decision, cluster)
-    largest_map = vae.encoder_activation_bytes(
-        spec.resolution, decision.micro_batch, 1, assumptions.vae_bytes_per_param
-    )
     return online_reserved_bytes(
         encode_reserved=reserved("vae_encode"),
         working_bytes=working,

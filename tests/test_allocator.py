@@ -445,27 +445,36 @@ def test_online_latents_reserve_the_first_encodes_footprint_and_reuse_it():
 
 def test_online_latents_with_a_lazy_adamw_state_map_the_second_encode_anew():
     """Another codebase's AdamW makes its state in the first optimizer step (--assume adamw_state=lazy). Fixed
-    segments, W = 4 GiB, the state with its rounding 8 GiB. Steady-state moments: encode 30 GiB reserved, the
-    DiT's largest 28, the optimizer step 27 reserved over 24 allocated. Before the first encode: 30 - 8 - 1.02
-    x 4 = 17.92; the first encode takes it to 22.72, the first DiT (20 without the state) stays inside; the
-    optimizer step needs 24 allocated, more than that cache: it grows to 27 and leaves nothing, so the second
-    encode maps all of its 4.8 anew: 31.8 GiB. With the optimizer step at 20 allocated, 2.72 is left over:
-    29.08 GiB. Expandable: footprint W, 17.8 + 4 = 21.8 cached, nothing left at 24: 27 + 4 GiB."""
+    segments, W = 4 GiB, the encoder's largest maps 2 GiB, the state 8 GiB (its rounding left out, for round
+    figures). Steady-state moments: encode 30 GiB reserved, the DiT's largest 28, the optimizer step 27
+    reserved over 24 allocated. Before the first encode: 30 - 8 - 1.02 x 4 = 17.92; the first encode takes
+    it to 22.72, the first DiT (20 without the state) stays inside; the optimizer step needs 24 allocated,
+    more than that cache: it grows to 27 and leaves nothing, so the second encode maps all of its 4.8 anew:
+    31.8 GiB. With the optimizer step at 20 allocated, 2.72 is left over, but a state of 8 GiB made out of
+    that cache spoils four maps' room, more than the footprint: 31.8 again. Had the state been 1 GiB (the
+    same figures otherwise), it would spoil one map's room (2 of 4.8) and leave the 2.72: 29.08 GiB.
+    Expandable: footprint W, 17.8 + 4 = 21.8 cached, nothing left at 24: 27 + 4 GiB."""
     from planner.allocator import online_reserved_bytes
 
     GiB = 1 << 30
 
-    def lazy(optimizer_allocated, segments="fixed"):
+    def lazy(optimizer_allocated, segments="fixed", states_bytes=8 * GiB):
         states = dict(dit_reserved=28 * GiB, optimizer_reserved=27 * GiB, states_held_bytes=8 * GiB)
         return online_reserved_bytes(
             encode_reserved=30 * GiB,
             working_bytes=4 * GiB,
             segments=segments,
-            lazy_states={**states, "optimizer_allocated": optimizer_allocated},
+            lazy_states={
+                **states,
+                "optimizer_allocated": optimizer_allocated,
+                "states_bytes": states_bytes,
+                "map_bytes": 2 * GiB,
+            },
         )
 
     assert lazy(24 * GiB) == pytest.approx(31.8 * GiB, abs=2)
-    assert lazy(20 * GiB) == pytest.approx(29.08 * GiB, abs=2)
+    assert lazy(20 * GiB) == pytest.approx(31.8 * GiB, abs=2)  # the state spoiled the whole footprint
+    assert lazy(20 * GiB, states_bytes=GiB) == pytest.approx(29.08 * GiB, abs=2)
     assert lazy(24 * GiB, "expandable") == pytest.approx(31 * GiB, abs=2)
 
 

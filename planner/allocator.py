@@ -265,11 +265,12 @@ def spoiled_map_bytes(live_bytes: int, map_bytes: int, footprint_bytes: int) -> 
 
 
 def accumulating_encode_bytes(gradient_bytes: int, map_bytes: int, working_bytes: int, segments: str) -> int:
-    """Online latents under gradient accumulation: the memory the encode of every micro-step after the first
-    maps anew. The first micro-step's backward makes the gradients (`gradient_bytes`) out of the cache the
-    first encode left (it is all the cache there is), and they live on through the next encode, which maps
-    the room they spoiled (`spoiled_map_bytes`; the encoder's working set `working_bytes`), and never less
-    than the gradients themselves (more than the cache holds, they mapped the rest)."""
+    """Online latents under gradient accumulation: the memory beyond the first encode's footprint that the
+    gradients (`gradient_bytes`) and the encode of every micro-step after the first need. The first
+    micro-step's backward makes the gradients out of the cache the first encode left (it is all the cache
+    there is), and they live on through the next encode, which maps the room they spoiled anew
+    (`spoiled_map_bytes`; the encoder's working set `working_bytes`); gradients larger than that cache mapped
+    their own rest, so never less than their bytes."""
     if gradient_bytes <= 0 or working_bytes <= 0:
         return 0
     footprint = int(ENCODER_FOOTPRINT[segments] * working_bytes)
@@ -306,11 +307,12 @@ def online_reserved_bytes(
     (`accumulating_encode_bytes`) on top of what the first one left."""
     footprint = ENCODER_FOOTPRINT[segments] * working_bytes
     first_encode = encode_reserved - (1 + TRANSIENT_FRAGMENTATION[segments]) * working_bytes + footprint
-    first_encode += max(0, later_encode_bytes - (1 + TRANSIENT_FRAGMENTATION[segments]) * accumulated_bytes)
+    # the encode moment counted the gradients as tensors of its own; the later encodes need more
+    later_encodes = max(0, later_encode_bytes - (1 + TRANSIENT_FRAGMENTATION[segments]) * accumulated_bytes)
     if lazy_states is None:
-        return int(first_encode)
+        return int(first_encode + later_encodes)
     states = lazy_states["states_held_bytes"]
     first_step = max(first_encode - states, lazy_states["dit_reserved"] - states)
     spoiled = spoiled_map_bytes(lazy_states["states_bytes"], lazy_states["map_bytes"], footprint)
     left_over = min(max(first_step - lazy_states["optimizer_allocated"], 0), footprint - spoiled)
-    return int(max(first_step, lazy_states["optimizer_reserved"]) + footprint - left_over)
+    return int(max(first_step, lazy_states["optimizer_reserved"]) + footprint - left_over + later_encodes)

@@ -811,11 +811,17 @@ def online_floor_bytes(spec, decision, cluster, assumptions, by_moment: dict[str
     )
 
 
+def gradients_in_buckets(decision: Decision, cluster: Cluster) -> bool:
+    """DDP on several GPUs with gradient_as_bucket_view: the gradients live in the buckets, allocated at the
+    start, and what autograd makes is copied in and freed at once. Sharded plans have no DDP buckets."""
+    return cluster.world_size > 1 and not decision.sharded and decision.gradient_as_bucket_view
+
+
 def accumulated_gradient_bytes(spec, decision, cluster) -> int:
     """The gradients the earlier micro-steps leave alive through a later one's encode, made by the first
-    micro-step's backward (0 without accumulation, or with DDP's gradient_as_bucket_view: they live in the
-    buckets, allocated at the start)."""
-    if decision.grad_accum == 1 or (cluster.world_size > 1 and decision.gradient_as_bucket_view):
+    micro-step's backward: 0 without accumulation or in DDP's buckets; a shard of them under FSDP (each
+    micro-step reduce-scatters into it)."""
+    if decision.grad_accum == 1 or gradients_in_buckets(decision, cluster):
         return 0
     return FP32_BYTES * spec.params_trainable // _shards(decision, cluster)
 
@@ -840,8 +846,11 @@ def gradient_segment_bytes(spec, decision, cluster, assumptions) -> int:
     (planner/allocator.py `new_gradient_segment_bytes`). None under FSDP (its gradients are reduce-scattered
     shards) or under DDP with gradient_as_bucket_view (each gradient autograd makes is copied into its
     bucket, allocated at the start, and freed at once)."""
-    bucket_view = cluster.world_size > 1 and decision.gradient_as_bucket_view
-    if assumptions.allocator_segments != "fixed" or decision.sharded or bucket_view:
+    if (
+        assumptions.allocator_segments != "fixed"
+        or decision.sharded
+        or gradients_in_buckets(decision, cluster)
+    ):
         return 0
     block = [FP32_BYTES * n for n in reversed(block_parameter_elements(spec))]  # backward's order
     outer = [FP32_BYTES * n for n in outer_parameter_elements(spec)]

@@ -702,3 +702,69 @@ def test_an_accumulating_online_plan_reserves_the_later_encodes_maps_and_keeps_t
         assert online_floor_bytes(spec, single, cluster, a, own_single) == int(
             plain - (1 + f) * working + ENCODER_FOOTPRINT[segments] * working
         )
+
+
+def test_the_gradients_a_later_encode_runs_beside_follow_where_they_live():
+    """`accumulated_gradient_bytes`: 4 B per parameter with DDP on one GPU or without the bucket view, none in
+    DDP's buckets (gradient_as_bucket_view on several GPUs), a shard under FSDP whatever that DDP flag says
+    (the reduce-scatter output each micro-step accumulates into), none without accumulation. Under zero3 on 8
+    GPUs the plan's floor then holds the later encodes' term, and with fixed segments its least holds the
+    floor at the encode (the flag changes neither)."""
+    from planner.hardware import Assumptions
+    from planner.memory import (
+        Cluster,
+        Decision,
+        accumulated_gradient_bytes,
+        moments,
+        online_floor_bytes,
+        phase_components,
+        step_memory,
+    )
+    from planner.spec import model_spec
+
+    spec = model_spec("DiT-XL/2", 256)
+    one, eight = Cluster(1, 1, 80 * 10**9), Cluster(1, 8, 80 * 10**9)
+    params = spec.params_trainable
+
+    def step(sharding="ddp", accumulation=2, view=True):
+        return Decision(16, accumulation, 28, "bf16", sharding, "online", gradient_as_bucket_view=view)
+
+    assert accumulated_gradient_bytes(spec, step(), one) == 4 * params
+    assert accumulated_gradient_bytes(spec, step(), eight) == 0
+    assert accumulated_gradient_bytes(spec, step(view=False), eight) == 4 * params
+    assert accumulated_gradient_bytes(spec, step(accumulation=1), one) == 0
+    for view in (True, False):
+        assert accumulated_gradient_bytes(spec, step("zero3", view=view), eight) == 4 * params // 8
+    fixed = Assumptions(allocator_segments="fixed")
+    with_view, without = (step_memory(spec, step("zero3", view=v), eight, fixed) for v in (True, False))
+    assert with_view.reserved_peak_bytes == without.reserved_peak_bytes
+    assert with_view.needed_bytes == without.needed_bytes
+
+    def floor(decision):
+        own = {m: phase_components(spec, decision, eight, fixed, m) for m in moments(spec, decision)}
+        return online_floor_bytes(spec, decision, eight, fixed, own)
+
+    assert floor(step("zero3")) > floor(step("zero3", accumulation=1))
+    assert with_view.needed_bytes == floor(step("zero3")) + with_view.phases["vae_encode"]["overhead"]
+
+
+def test_a_lazy_state_and_accumulation_both_count():
+    """The lazy case above (31.8 GiB: the optimizer step's 27 GiB reserve decides it) under gradient
+    accumulation: 2 GiB of gradients, whose later encodes need 3 GiB, 3 - 1.02 x 2 = 0.96 GiB more than the
+    encode moment counted. That adds to the lazy figure: 32.76 GiB (folded into the first encode's figure,
+    it was lost under the optimizer step's reserve: 31.8)."""
+    from planner.allocator import online_reserved_bytes
+
+    GiB = 1 << 30
+    states = dict(
+        dit_reserved=28 * GiB,
+        optimizer_reserved=27 * GiB,
+        states_held_bytes=8 * GiB,
+        optimizer_allocated=24 * GiB,
+        states_bytes=8 * GiB,
+        map_bytes=2 * GiB,
+    )
+    kwargs = dict(encode_reserved=30 * GiB, working_bytes=4 * GiB, segments="fixed", lazy_states=states)
+    assert online_reserved_bytes(**kwargs) == pytest.approx(31.8 * GiB, abs=2)
+    accumulating = online_reserved_bytes(**kwargs, accumulated_bytes=2 * GiB, later_encode_bytes=3 * GiB)
+    assert accumulating == pytest.approx(32.76 * GiB, abs=2)

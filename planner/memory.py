@@ -819,11 +819,12 @@ def gradients_in_buckets(decision: Decision, cluster: Cluster) -> bool:
 
 def accumulated_gradient_bytes(spec, decision, cluster) -> int:
     """The gradients the earlier micro-steps leave alive through a later one's encode, made by the first
-    micro-step's backward: 0 without accumulation or in DDP's buckets; a shard of them under FSDP (each
-    micro-step reduce-scatters into it)."""
+    micro-step's backward, REPA's projector's among them: 0 without accumulation or in DDP's buckets; a
+    shard of them under FSDP (each micro-step reduce-scatters into it)."""
     if decision.grad_accum == 1 or gradients_in_buckets(decision, cluster):
         return 0
-    return FP32_BYTES * spec.params_trainable // _shards(decision, cluster)
+    params = spec.params_trainable + repa_projector_params(spec, decision)
+    return FP32_BYTES * params // _shards(decision, cluster)
 
 
 def largest_transient_bytes(spec: DiTSpec, decision: Decision, assumptions: Assumptions) -> int:

@@ -707,7 +707,8 @@ def test_an_accumulating_online_plan_reserves_the_later_encodes_maps_and_keeps_t
 def test_the_gradients_a_later_encode_runs_beside_follow_where_they_live():
     """`accumulated_gradient_bytes`: 4 B per parameter with DDP on one GPU or without the bucket view, none in
     DDP's buckets (gradient_as_bucket_view on several GPUs), a shard under FSDP whatever that DDP flag says
-    (the reduce-scatter output each micro-step accumulates into), none without accumulation. Under zero3 on 8
+    (the reduce-scatter output each micro-step accumulates into), none without accumulation; REPA's
+    projector's among them. Under zero3 on 8
     GPUs the plan's floor then holds the later encodes' term, and with fixed segments its least holds the
     floor at the encode (the flag changes neither)."""
     from planner.hardware import Assumptions
@@ -718,6 +719,7 @@ def test_the_gradients_a_later_encode_runs_beside_follow_where_they_live():
         moments,
         online_floor_bytes,
         phase_components,
+        repa_projector_params,
         step_memory,
     )
     from planner.spec import model_spec
@@ -735,6 +737,9 @@ def test_the_gradients_a_later_encode_runs_beside_follow_where_they_live():
     assert accumulated_gradient_bytes(spec, step(accumulation=1), one) == 0
     for view in (True, False):
         assert accumulated_gradient_bytes(spec, step("zero3", view=view), eight) == 4 * params // 8
+    repa = Decision(16, 2, 28, "bf16", "ddp", "online", repa="dinov2-b")
+    projector = repa_projector_params(spec, repa)
+    assert projector > 0 and accumulated_gradient_bytes(spec, repa, one) == 4 * (params + projector)
     fixed = Assumptions(allocator_segments="fixed")
     with_view, without = (step_memory(spec, step("zero3", view=v), eight, fixed) for v in (True, False))
     assert with_view.reserved_peak_bytes == without.reserved_peak_bytes

@@ -31,7 +31,7 @@ from dit_accel.memtrace.comparison import planner_least_reserved, planner_reserv
 from planner import vae  # noqa: E402
 from planner.allocator import accumulating_encode_bytes  # noqa: E402
 from planner.hardware import Assumptions  # noqa: E402
-from planner.spec import model_spec  # noqa: E402
+from planner.memory import Cluster, accumulated_gradient_bytes, encoder_working_bytes  # noqa: E402
 
 MiB = 2**20
 STATES = ("eager", "lazy")
@@ -96,10 +96,10 @@ def accumulating_table() -> None:
     for point in ACCUMULATING:
         plan = make_plan(*point)
         tracker = trace_events(plan)
-        model, resolution, _, _, micro_batch, *_ = point
-        gradients = 4 * model_spec(model, resolution).params_trainable
-        largest_map = vae.encoder_activation_bytes(resolution, micro_batch, 1)
-        working = int(Assumptions().vae_activation_maps * largest_map)
+        spec, decision, one_gpu = plan.spec(), plan.decision, Cluster(1, 1, 80 * 10**9)
+        gradients = accumulated_gradient_bytes(spec, decision, one_gpu)
+        largest_map = vae.encoder_activation_bytes(spec.resolution, decision.micro_batch, 1)
+        working = encoder_working_bytes(spec, decision, one_gpu, Assumptions())
         for mode in ("expandable", "fixed"):
             marks, _, reserved_peak = window_marks(tracker, mode == "expandable")
             mapped = marks[("fwd", 1, 1, 0)][0] - marks[("pre", 1, 1)][0]

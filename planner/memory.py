@@ -504,7 +504,7 @@ def grads_bytes(spec, decision, cluster, assumptions, moment) -> int:
     if decision.sharded:
         return alive // _shards(decision, cluster)
     buckets = FP32_BYTES * spec.params_trainable if cluster.world_size > 1 else 0
-    if buckets and decision.gradient_as_bucket_view:
+    if gradients_in_buckets(decision, cluster):
         return buckets
     return buckets + alive
 

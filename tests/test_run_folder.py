@@ -20,7 +20,7 @@ import test_train_e2e as e2e
 import torch
 
 from dit_accel import checkpoint as ckpt
-from dit_accel import lineage, runlock
+from dit_accel import faults, lineage, runlock
 from dit_accel.errors import UserError
 
 workspace = e2e.workspace
@@ -377,21 +377,29 @@ def test_an_explicit_resume_of_a_damaged_checkpoint_is_one_line(workspace, timel
 
 @pytest.mark.launched
 def test_a_second_run_into_the_same_folder_is_refused(workspace, tmp_path):
-    """Two launches into one folder, 1 s apart: one trains, the other is refused by the lock on all ranks."""
+    """Two launches into one folder: one trains, the other is refused by the lock on all ranks. The first holds
+    the lock while the second starts (rank 0 sleeps 30 s in step 2, which a 2-core box under load needs: a
+    second launch 1 s later once found the first already done, its lock released); the second starts once the
+    lock exists."""
     run = tmp_path / "run"
     args = ("--max-steps", 40, "--checkpoint-every", 40)
+    held = {faults.SLEEP_BEFORE_COLLECTIVE_ENV: "2:0:30"}
     runs = []
-    for _ in range(2):
+    for env in (e2e._env(**held), e2e._env()):
         runs.append(
             subprocess.Popen(
                 _command(workspace, run, *args),
-                env=e2e._env(),
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
         )
-        time.sleep(1.0)
+        deadline = time.monotonic() + 120
+        while (
+            not (run / runlock.LOCK_NAME).exists() and runs[0].poll() is None and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
     results = []
     for process in runs:
         out, err = process.communicate(timeout=300)

@@ -52,9 +52,8 @@ def agreed(error: BaseException) -> BaseException:
     die in their teardown (SIGABRT, "terminate called without an active exception") instead of exiting 2.
     Marked `on_every_rank`: rank 0 says it once, also when it happens in the training loop (a full disk),
     where a rank's own error (a bad image only it reads) is printed by that rank."""
-    import torch.distributed as dist
+    from dit_accel.distributed import end_process_group
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    end_process_group()
     error.on_every_rank = True
     return error

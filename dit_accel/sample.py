@@ -607,6 +607,7 @@ def sample_grid(args) -> int:
 def sample_eval_batch(args) -> int:
     from accelerate import Accelerator
 
+    from dit_accel.distributed import end_process_group
     from dit_accel.evaluate.evaluator import Scorer
     from dit_accel.progress import progress_bar
 
@@ -684,6 +685,7 @@ def sample_eval_batch(args) -> int:
         kept = str(npz_path) if npz_path else f"sampled from {source.info['checkpoint']}, not kept"
         scorer.finish(args.results, {"samples": kept, "sampling": fingerprint})
     accelerator.wait_for_everyone()
+    end_process_group()
     return 0
 
 
@@ -696,4 +698,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_accel.distributed import exit_command
+
+    exit_command(main)

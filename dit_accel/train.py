@@ -52,7 +52,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.consensus import gathered, main_decides
     from dit_accel.data.loader import build_dataset, check_data_mode, make_loader
     from dit_accel.data.order import SampleNoise, SampleOrder
-    from dit_accel.distributed import check_launch, make_accelerator, set_tf32
+    from dit_accel.distributed import check_launch, end_process_group, make_accelerator, set_tf32
     from dit_accel.faults import Faults
     from dit_accel.progress import progress_bar
     from dit_accel.resume import choose_start, claim_run_folder, restore
@@ -154,6 +154,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         )
     if state["step"] >= config.max_steps:
         log.info(f"already at step {state['step']} >= --max-steps {config.max_steps}: nothing to do")
+        end_process_group()
         accelerator.end_training()
         return 0
 
@@ -163,6 +164,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     def finish() -> None:  # every way out of the loop: done, stopped or preempted
         progress.close()
         watchdog.stop()
+        end_process_group()  # first: end_training would free it (dit_accel.distributed.end_process_group)
         accelerator.end_training()
 
     def stop(reason: str) -> TrainingStopped:
@@ -296,4 +298,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_accel.distributed import exit_command
+
+    exit_command(main)

@@ -17,6 +17,7 @@ from diffusers import AutoencoderKL
 from PIL import Image
 from ports import launch_port
 from safetensors import safe_open
+from teardown_probe import SCRIPT, teardowns
 
 from dit_accel.data.demo import write_demo_data
 from dit_accel.data.latent_cache import LatentCache, check_cache_matches, read_manifest, verify_cache
@@ -336,7 +337,7 @@ def test_two_processes_under_accelerate_launch_write_their_own_shards(assets, tm
         "2",
         "--main_process_port",
         launch_port(),
-        "-m",
+        SCRIPT,  # `-m dit_accel.data.latents`, then the threads left (tests/teardown_probe.py)
         "dit_accel.data.latents",
         "--data-path",
         str(assets / "images"),
@@ -358,6 +359,7 @@ def test_two_processes_under_accelerate_launch_write_their_own_shards(assets, tm
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Traceback" not in run.stderr and "RuntimeWarning" not in run.stderr
+    assert teardowns(run.stderr) == []  # ended by exit_command, the process group never freed
 
     manifest = read_manifest(out)
     assert manifest["world_size"] == 2 and manifest["count"] == CLASSES * PER_CLASS

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from ports import launch_port
+from teardown_probe import SCRIPT, teardowns
 from test_sample import fresh_accelerate_state
 
 from dit_accel.evaluate import metrics
@@ -366,7 +367,12 @@ def test_two_launched_processes_give_the_numbers_of_one(evaluation, alike_scores
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--main_process_port", launch_port(), "-m", "dit_accel.evaluate.command"]
+    command += [
+        "--main_process_port",
+        launch_port(),
+        SCRIPT,
+        "dit_accel.evaluate.command",
+    ]  # then whether a teardown ran
     command += ["--samples", str(evaluation / "alike.npz"), "--reference", str(evaluation / "reference.npz")]
     command += [
         "--inception-weights",
@@ -377,6 +383,7 @@ def test_two_launched_processes_give_the_numbers_of_one(evaluation, alike_scores
     command += ["--input-px", str(EVAL_PX), "--batch-size", "4", "--out", str(tmp_path / "two.json")]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert teardowns(result.stderr) == []  # ended by exit_command, the process group never freed
     assert result.stdout.count("measured on") == 1  # the table comes from the main process only
     one = alike_scores[1]
     two = json.loads((tmp_path / "two.json").read_text())

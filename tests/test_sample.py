@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 from ports import launch_port
+from teardown_probe import SCRIPT, teardowns
 
 from dit_accel import sample
 from dit_accel.images import make_grid
@@ -374,7 +375,7 @@ def test_two_processes_make_the_same_array_as_one(run, reference_npz, tmp_path):
         "2",
         "--main_process_port",
         launch_port(),
-        "-m",
+        SCRIPT,  # `-m dit_accel.sample`, then the threads left (tests/teardown_probe.py)
         "dit_accel.sample",
         "--checkpoint",
         str(run / "run"),
@@ -385,6 +386,7 @@ def test_two_processes_make_the_same_array_as_one(run, reference_npz, tmp_path):
     result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0: 2 batches made" in result.stdout and "rank 1: 2 batches made" in result.stdout
+    assert teardowns(result.stderr) == []  # ended by exit_command, the process group never freed
     with np.load(out) as two, np.load(reference_npz) as one:
         assert np.array_equal(two["arr_0"], one["arr_0"]) and np.array_equal(two["arr_1"], one["arr_1"])
 

@@ -549,6 +549,25 @@ def test_two_processes_train_in_step_resume_exactly_and_match_one_process(worksp
 
 
 @pytest.mark.launched
+def test_a_finished_rank_ends_without_the_teardown_that_frees_its_process_group(workspace, tmp_path):
+    """A rank that trained and saved must exit 0, not hang or abort: freeing the gloo group joins its workers
+    under the GIL (a deadlock when one still drops its last tensors), and the interpreter's teardown, which
+    frees it otherwise, aborts such a worker (SIGABRT). dit_accel.distributed.end_process_group keeps the
+    group, and exit_command ends the rank with os._exit: the probe's atexit line never prints."""
+    from teardown_probe import SCRIPT, teardowns
+
+    command = launch_command(workspace, tmp_path / "run", "--max-steps", 2, "--no-tensorboard")
+    at = command.index("dit_accel.train")
+    command[at - 1 : at] = [SCRIPT]  # `-m dit_accel.train` -> `teardown_probe.py dit_accel.train`
+    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert teardowns(result.stderr) == [], result.stderr[-3000:]
+    for rank in (0, 1):  # and what it wrote before os._exit is all there
+        assert "done: step 2" in (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+    assert ckpt.marker_id(tmp_path / "run" / "checkpoints" / "step_00000002")
+
+
+@pytest.mark.launched
 def test_two_processes_agree_on_a_nan_seen_by_one_rank(workspace, tmp_path):
     run = tmp_path / "nan"
     result = _launch(

@@ -542,10 +542,13 @@ def _write_manifest(
 
 @exits_cleanly("dit-accel extract-latents")
 def main(argv: list[str] | None = None) -> int:
+    from dit_accel.distributed import end_process_group
+
     args = build_parser().parse_args(argv)
     config = ExtractConfig(**vars(args))
     try:
         result = extract_latents(config)
+        end_process_group()  # every rank is past the cache's last barrier
     except ExtractionStopped as stopped:
         if int(os.environ.get("RANK", "0") or 0) == 0:
             print(f"dit-accel extract-latents: {stopped}", file=sys.stderr)
@@ -560,4 +563,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dit_accel.distributed import exit_command
+
+    exit_command(main)

@@ -5,7 +5,6 @@ process extracts the features of its share of the images. Flags are parsed befor
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from dit_accel.cli_args import OneLineParser, positive_int
@@ -57,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def evaluate(args) -> int:
     from accelerate import Accelerator
 
+    from dit_accel.distributed import end_process_group
     from dit_accel.evaluate.evaluator import Evaluator, check_enough
     from dit_accel.evaluate.features import NpzImages
 
@@ -72,6 +72,7 @@ def evaluate(args) -> int:
         scores["inception_weights"] = str(evaluator.weights)
         report(scores, reference, args.out)
     accelerator.wait_for_everyone()
+    end_process_group()
     return 0
 
 
@@ -91,4 +92,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_accel.distributed import exit_command
+
+    exit_command(main)

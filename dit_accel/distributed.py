@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -111,7 +110,7 @@ def use_expandable_segments(env) -> bool:
 _kept_groups: list = []
 
 
-def end_process_group() -> None:
+def end_process_group(accelerator=None) -> None:
     """Leave the process groups where every rank has finished (no collective follows), without freeing them.
 
     Freeing a gloo group joins its worker threads while this thread holds the GIL, and a worker still dropping
@@ -119,36 +118,16 @@ def end_process_group() -> None:
     rank that trained and saved its last checkpoint hung in ~ProcessGroupGloo, as DDP's reducer let go of the
     group). Left to the interpreter's teardown, the same worker is ended there instead, which aborts the rank
     (SIGABRT, "terminate called without an active exception"). So the groups are destroyed (unregistered:
-    nothing can use them) but kept referenced here, and the command ends through `exit_command`, which skips
-    the teardown that would free them. Nothing to do in one process."""
+    nothing can use them) but kept referenced here, and the command ends through `errors.exit_command`, which skips
+    the teardown that would free them. Nothing to do in one process. `accelerator`: then its
+    `end_training` (the trackers), which finds no group left to destroy."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         _kept_groups.extend(dist.distributed_c10d._world.pg_map)
         dist.destroy_process_group()
-
-
-def exit_command(main) -> None:
-    """`sys.exit(main())` for a command's `__main__`, except in a process that made a process group: there it
-    flushes what the process wrote and ends with os._exit, so that no teardown frees the group
-    (end_process_group says why)."""
-    import torch.distributed as dist
-
-    try:
-        code = main()
-    except SystemExit as leaving:
-        code = leaving.code
-    if dist.is_available() and dist.is_initialized():  # an error path that did not end the group
-        _kept_groups.extend(dist.distributed_c10d._world.pg_map)
-    if not _kept_groups:
-        sys.exit(code)
-    if isinstance(code, str):  # what sys.exit does with a message
-        print(code, file=sys.stderr)
-        code = 1
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+    if accelerator is not None:
+        accelerator.end_training()
 
 
 def make_accelerator(plan: Plan, config: TrainConfig, run_dir: Path):

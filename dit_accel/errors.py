@@ -98,3 +98,28 @@ def exit_code_of_ranks(launcher_code: int, records: dict[int, dict]) -> int:
         if code in codes:
             return code
     return launcher_code
+
+
+def exit_command(main) -> None:
+    """`sys.exit(main())` for a command's `__main__`, except in a process that made a process group: there it
+    flushes what the process wrote and ends with os._exit, so that no teardown frees the group
+    (dit_accel.distributed.end_process_group says why). Imports no torch: `--help` stays light."""
+    try:
+        code = main()
+    except SystemExit as leaving:
+        code = leaving.code
+    dist = sys.modules.get("torch.distributed")
+    kept = getattr(sys.modules.get("dit_accel.distributed"), "_kept_groups", [])
+    if dist is not None and dist.is_available() and dist.is_initialized():  # an error path that kept it
+        kept.extend(dist.distributed_c10d._world.pg_map)
+    if not kept:
+        sys.exit(code)
+    if isinstance(code, str):  # what sys.exit does with a message
+        print(code, file=sys.stderr)
+        code = 1
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

@@ -32,7 +32,7 @@ import torch
 
 from dit_accel.atomic import write_atomically, write_json_atomically
 from dit_accel.cpu_threads import cpu_threads
-from dit_accel.errors import UserError, exits_cleanly
+from dit_accel.errors import UserError, exit_command, exits_cleanly
 from dit_accel.evaluate import PAPER_SAMPLES
 from dit_accel.sample_args import (
     DDPM_SAMPLERS,
@@ -607,7 +607,6 @@ def sample_grid(args) -> int:
 def sample_eval_batch(args) -> int:
     from accelerate import Accelerator
 
-    from dit_accel.distributed import end_process_group
     from dit_accel.evaluate.evaluator import Scorer
     from dit_accel.progress import progress_bar
 
@@ -685,7 +684,6 @@ def sample_eval_batch(args) -> int:
         kept = str(npz_path) if npz_path else f"sampled from {source.info['checkpoint']}, not kept"
         scorer.finish(args.results, {"samples": kept, "sampling": fingerprint})
     accelerator.wait_for_everyone()
-    end_process_group()
     return 0
 
 
@@ -698,6 +696,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from dit_accel.distributed import exit_command
-
     exit_command(main)

@@ -37,6 +37,7 @@ from dit_accel.errors import (
     USER_ERRORS,
     Preempted,
     TrainingStopped,
+    exit_command,
     exits_cleanly,
     write_exit_record,
 )
@@ -154,8 +155,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         )
     if state["step"] >= config.max_steps:
         log.info(f"already at step {state['step']} >= --max-steps {config.max_steps}: nothing to do")
-        end_process_group()
-        accelerator.end_training()
+        end_process_group(accelerator)
         return 0
 
     show = is_main and config.progress_bar
@@ -164,8 +164,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     def finish() -> None:  # every way out of the loop: done, stopped or preempted
         progress.close()
         watchdog.stop()
-        end_process_group()  # first: end_training would free it (dit_accel.distributed.end_process_group)
-        accelerator.end_training()
+        end_process_group(accelerator)  # not end_training alone, which would free it
 
     def stop(reason: str) -> TrainingStopped:
         finish()
@@ -293,11 +292,8 @@ def _main(argv) -> int:
         release_run_folder()  # RUN/run.lock; a killed run's is taken over by the next (dit_accel.runlock)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return _main(argv)
+main = _main  # main(argv=None) -> exit code
 
 
 if __name__ == "__main__":
-    from dit_accel.distributed import exit_command
-
     exit_command(main)

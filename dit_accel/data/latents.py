@@ -54,7 +54,7 @@ from dit_accel.data.hf_source import DatasetOptions, validate_image_source
 from dit_accel.data.latent_cache import FORMAT, MANIFEST_NAME
 from dit_accel.data.latents_args import STORAGE_DTYPE_NAMES, build_parser
 from dit_accel.data.vae import encode_posterior, load_vae, sha256_json
-from dit_accel.errors import EXIT_PREEMPTED, UserError, exits_cleanly
+from dit_accel.errors import EXIT_PREEMPTED, UserError, exit_command, exits_cleanly
 from dit_accel.preemption import StopRequest, WorkerShield, signal_name
 
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
@@ -542,13 +542,11 @@ def _write_manifest(
 
 @exits_cleanly("dit-accel extract-latents")
 def main(argv: list[str] | None = None) -> int:
-    from dit_accel.distributed import end_process_group
-
     args = build_parser().parse_args(argv)
+
     config = ExtractConfig(**vars(args))
     try:
         result = extract_latents(config)
-        end_process_group()  # every rank is past the cache's last barrier
     except ExtractionStopped as stopped:
         if int(os.environ.get("RANK", "0") or 0) == 0:
             print(f"dit-accel extract-latents: {stopped}", file=sys.stderr)
@@ -563,6 +561,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from dit_accel.distributed import exit_command
-
     exit_command(main)

@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from dit_accel.cli_args import OneLineParser, positive_int
-from dit_accel.errors import exits_cleanly
+from dit_accel.errors import exit_command, exits_cleanly
 from dit_accel.evaluate.report import report
 
 
@@ -56,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
 def evaluate(args) -> int:
     from accelerate import Accelerator
 
-    from dit_accel.distributed import end_process_group
     from dit_accel.evaluate.evaluator import Evaluator, check_enough
     from dit_accel.evaluate.features import NpzImages
 
@@ -72,7 +71,6 @@ def evaluate(args) -> int:
         scores["inception_weights"] = str(evaluator.weights)
         report(scores, reference, args.out)
     accelerator.wait_for_everyone()
-    end_process_group()
     return 0
 
 
@@ -92,6 +90,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from dit_accel.distributed import exit_command
-
     exit_command(main)

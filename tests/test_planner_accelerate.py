@@ -103,7 +103,12 @@ def test_only_hsdp_launches_a_two_dimensional_mesh(plans, name):
         assert not args.use_parallelism_config and "ACCELERATE_USE_PARALLELISM_CONFIG" not in env
         return
     assert args.use_parallelism_config and env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
-    sizes = {key.removeprefix("PARALLELISM_CONFIG_"): env[key] for key in env if key.endswith("_SIZE")}
+    prefix = (
+        "PARALLELISM_CONFIG_"  # the launcher's env copies the caller's, which may hold other *_SIZE names
+    )
+    sizes = {
+        key.removeprefix(prefix): env[key] for key in env if key.startswith(prefix) and key.endswith("_SIZE")
+    }
     assert sizes == {
         "DP_REPLICATE_SIZE": "2",
         "DP_SHARD_SIZE": "4",

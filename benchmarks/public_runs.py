@@ -18,15 +18,13 @@ MiB = 1 << 20
 # what those codebases ran on, PyTorch's defaults: fixed segments, AdamW's state made in its first step
 TORCH_DEFAULTS = {"allocator_segments": "fixed", "adamw_state": "lazy"}
 # fast-DiT README, "Improved Training Performance": one A100-80G, DiT-XL/2 @256, batch 128, every block
-# checkpointed, torch AdamW (foreach, torch 2.0 in May 2023: two parameter-sized intermediates), PyTorch's
-# default (fixed-segment) allocator
+# checkpointed, PyTorch's default (fixed-segment) allocator. Its performance/*.out logs (May 2023) show torch
+# 1.13 (the tracebacks' module.py and distributed.py lines; environment.yml: pytorch >= 1.13, CUDA 11.7), whose
+# AdamW defaults to the per-tensor loop, whose zero_grad only zeroes (set_to_none=False), and timm's math
+# attention (no SDPA before torch 2.0)
+FAST_DIT_ASSUMPTIONS = {**TORCH_DEFAULTS, "zero_grad": "zeros", "attention": "math"}
 FAST_DIT = dict(
-    gpu="a100-80g",
-    gpus=1,
-    global_batch=128,
-    checkpointing="all",
-    adamw="foreach",
-    assumptions={**TORCH_DEFAULTS, "foreach_adamw_lists": 2},
+    gpu="a100-80g", gpus=1, global_batch=128, checkpointing="all", assumptions=FAST_DIT_ASSUMPTIONS
 )
 # facebookresearch/DiT issue #22: 8 x A100-80G, global batch 256, the original train.py (no checkpointing,
 # the VAE encoding every batch, DDP in fp32)
@@ -45,6 +43,26 @@ THROUGHPUT = [
     ("fast-DiT, fp16, precomputed latents (0.84 steps/s)", dict(FAST_DIT, precision="fp16"), 107.52),
     ("fast-DiT, fp16, online VAE (0.56 steps/s)", dict(FAST_DIT, precision="fp16", latents="online"), 71.68),
     ("fast-DiT, TF32, online VAE (0.43 steps/s)", dict(FAST_DIT, precision="tf32", latents="online"), 55.04),
+    # fast-DiT's performance/A100 and performance/2A100 logs (May 2023), steps/s at step 300 on: its train.py
+    # (fp16, precomputed), train_options' train_amp (fp16, online), train_features (TF32, precomputed) and
+    # train_baseline (TF32, online); the logs do not state the batch: the README's 128, on 1 or 2 GPUs
+    *[
+        (
+            f"fast-DiT log, {gpus} x A100, {label} ({rate} steps/s)",
+            dict(FAST_DIT, gpus=gpus, **flags),
+            rate * 128,
+        )
+        for gpus, rates in ((1, (0.75, 0.52, 0.56, 0.42)), (2, (1.33, 0.85, 1.03, 0.77)))
+        for (label, flags), rate in zip(
+            (
+                ("fp16, precomputed", dict(precision="fp16")),
+                ("fp16, online VAE", dict(precision="fp16", latents="online")),
+                ("TF32, precomputed", dict(precision="tf32")),
+                ("TF32, online VAE", dict(precision="tf32", latents="online")),
+            ),
+            rates,
+        )
+    ],
     ("DiT issue #22, TF32 (0.81 steps/s)", dict(REFERENCE, precision="tf32"), 207.36),
     (
         "DiT issue #22, IEEE fp32 matmuls (0.51 steps/s)",
@@ -82,23 +100,28 @@ THROUGHPUT = [
         5.2 * 1024,
     ),
 ]
-# (run, flags, published MiB as printed)
+# (run, the step it ran, published MiB as printed): fast-DiT's rows on its one A100, torch 1.13's AdamW loop
+A100_80G = gpu_preset("a100-80g")
+FAST_DIT_CLUSTER = Cluster(1, 1, A100_80G.memory_bytes, gpu=A100_80G)
 MEMORY = [
-    ("fast-DiT, fp16, precomputed latents", dict(FAST_DIT, precision="fp16"), 27_485),
-    ("fast-DiT, fp16, online VAE", dict(FAST_DIT, precision="fp16", latents="online"), 40_461),
-    ("fast-DiT, TF32, online VAE", dict(FAST_DIT, precision="tf32", latents="online"), 44_045),
+    (
+        "fast-DiT, fp16, precomputed latents",
+        Decision(128, 1, 28, "fp16", "ddp", "precomputed", adamw="single"),
+        27_485,
+    ),
+    ("fast-DiT, fp16, online VAE", Decision(128, 1, 28, "fp16", "ddp", "online", adamw="single"), 40_461),
+    ("fast-DiT, TF32, online VAE", Decision(128, 1, 28, "fp32", "ddp", "online", adamw="single"), 44_045),
 ]
 
 
 # (run, the step it ran, its GPUs, the assumptions, whether it fit): published runs whose memory is told only
 # as a verdict, at the micro-batch they ran (the search might pick another); the planner must agree
-A100_80G = gpu_preset("a100-80g")
 VERDICTS = [
     (
         "fast-DiT README, first row: 1 x A100-80G, batch 128, fp32, no checkpointing, online VAE",
-        Decision(128, 1, 0, "fp32", "ddp", "online", adamw="foreach"),
-        Cluster(1, 1, A100_80G.memory_bytes, gpu=A100_80G),
-        Assumptions(**FAST_DIT["assumptions"]),
+        Decision(128, 1, 0, "fp32", "ddp", "online", adamw="single"),
+        FAST_DIT_CLUSTER,
+        Assumptions(**FAST_DIT_ASSUMPTIONS),
         False,
     ),
     (
@@ -162,13 +185,13 @@ def main() -> None:
         "\n| run | micro-batch | planner allocated MiB | reserved | reserved + overhead | published MiB | error |"
         "\n|---|---|---|---|---|---|---|"
     )
-    for name, flags, published in MEMORY:
-        plan = make_plan(**flags)
-        memory = plan["memory"]
-        allocated, reserved = memory["allocated_peak_bytes"] / MiB, memory["reserved_peak_bytes"] / MiB
-        total = memory["peak_bytes"] / MiB
+    spec = model_spec("DiT-XL/2", 256)
+    for name, decision, published in MEMORY:
+        estimate = step_memory(spec, decision, FAST_DIT_CLUSTER, Assumptions(**FAST_DIT_ASSUMPTIONS))
+        allocated, reserved = estimate.allocated_peak_bytes / MiB, estimate.reserved_peak_bytes / MiB
+        total = estimate.peak_bytes / MiB
         print(
-            f"| {name} | {plan['decision']['micro_batch']} | {allocated:,.0f} | {reserved:,.0f} | {total:,.0f} | "
+            f"| {name} | {decision.micro_batch} | {allocated:,.0f} | {reserved:,.0f} | {total:,.0f} | "
             f"{published:,} | {total / published - 1:+.0%} |"
         )
     verdict_rows()

@@ -219,6 +219,10 @@ class Assumptions:
     # (pytorch/pytorch#104780 divides and shifts sqrt(v) in place); 2 in torch 2.0 and before, whose
     # denominator was a second list beside sqrt(v) (pytorch/pytorch#97712): the 2023 codebases fast-DiT ran on
     foreach_adamw_lists: int = 1
+    # what zero_grad leaves between steps: "none" (set_to_none=True, the default since torch 2.0, and this
+    # trainer's: a gradient exists from its backward to the optimizer step) or "zeros" (set_to_none=False,
+    # torch 1.13's default, which fast-DiT's May 2023 runs had: every gradient lives through the whole step)
+    zero_grad: str = "none"
     # --- how the trainer runs the step (the plan records these, the trainer follows them) ------------
     autocast_device: str = "cuda"  # "cuda" | "cpu": whose autocast op lists decide the saved dtypes
     attention: str = (
@@ -317,6 +321,10 @@ class Assumptions:
             )
         if self.attention not in ("fused", "math"):
             raise PlanError(f"--assume attention must be fused or math, got {self.attention!r}")
+        if self.zero_grad not in ("none", "zeros"):
+            raise PlanError(
+                f"--assume zero_grad must be none (set_to_none=True) or zeros (torch <= 1.13), got {self.zero_grad!r}"
+            )
 
 
 # What a calibration run on the real GPU can measure and replace.

@@ -475,16 +475,17 @@ def stream_pool_bytes(spec, decision, cluster, assumptions) -> int:
     return stream_pool_reserved(in_flight, segments) + stream_pool_reserved([scatter_shard], segments)
 
 
-def live_gradient_params(spec: DiTSpec, decision: Decision, moment: str) -> int:
+def live_gradient_params(spec: DiTSpec, decision: Decision, moment: str, zero_grad: str = "none") -> int:
     """Parameters whose gradient exists at `moment` (before DDP buckets and sharding).
 
     `zero_grad(set_to_none=True)` frees every gradient after the optimizer step, so with one micro-step they
     appear only as backward makes them: the final layer's first (its backward runs first), then each block's
     as it finishes; the shared embedder's and the patch embedding's come last. When accumulating, the earlier
-    micro-steps' sums live through the whole forward and backward.
+    micro-steps' sums live through the whole forward and backward, and so does every gradient when zero_grad
+    only zeroes them (`zero_grad="zeros"`, set_to_none=False: torch 1.13's default).
     """
     params = spec.params_trainable
-    if moment == "optimizer_step" or decision.grad_accum > 1:
+    if moment == "optimizer_step" or decision.grad_accum > 1 or zero_grad == "zeros":
         return params
     if moment == "start_of_backward":
         return spec.param_breakdown()["final_layer"]
@@ -500,7 +501,7 @@ def grads_bytes(spec, decision, cluster, assumptions, moment) -> int:
     gradients live in them. Sharded runs keep 1/N of the gradients (reduce-scattered every micro-step:
     sync_each_batch).
     """
-    alive = FP32_BYTES * live_gradient_params(spec, decision, moment)
+    alive = FP32_BYTES * live_gradient_params(spec, decision, moment, assumptions.zero_grad)
     if decision.sharded:
         return alive // _shards(decision, cluster)
     buckets = FP32_BYTES * spec.params_trainable if cluster.world_size > 1 else 0

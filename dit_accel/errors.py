@@ -34,6 +34,12 @@ class UserError(OneLineError):
 USER_ERRORS = (UserError, PlanError)
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's first line, or its type where it says nothing."""
+    lines = str(error).splitlines()
+    return lines[0] if lines and lines[0].strip() else type(error).__name__
+
+
 class TrainingStopped(Exception):
     """The run refused to go on (a non-finite step under --nan-policy abort): EXIT_STOPPED; the message says
     how to resume."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import pickle
+import zipfile
 from pathlib import Path
 
 import torch
 from diffusers import DiTTransformer2DModel
 
-from dit_accel.errors import UserError
+from dit_accel.errors import UserError, first_line
 from dit_accel.model import (
     EMBEDDER_PREFIX,
     ORIGINAL_DIT_FREQ_SHIFT,
@@ -60,6 +61,34 @@ def load_original_dit(
     return model
 
 
+PICKLE_PROTOCOL_2_OR_LATER = 0x80  # the first byte of torch.save's legacy (pre-zip) format
+
+
+def _load_torch_file(path: Path, trust_pickle: bool):
+    """torch.load for a file the user named: what is not torch's zip nor a pickle (an empty file, an HTML
+    error page saved as .pt, a truncated download) is named as such, not sent to the unpickler, whose errors
+    for it range from KeyError to an empty message; a real pickle with Python objects asks for trust."""
+    fix = "pass --checkpoint the original repository's .pt file, downloaded whole"
+    with path.open("rb") as handle:
+        first = handle.read(1)
+    if not zipfile.is_zipfile(path) and first != bytes([PICKLE_PROTOCOL_2_OR_LATER]):
+        what = (
+            "an empty file" if not first else "neither torch's zip format nor a pickle (text? an HTML page?)"
+        )
+        raise UserError(f"cannot read {path} as a torch checkpoint: it is {what}", fix)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as error:
+        raise UserError(
+            f"{path} holds Python objects besides tensors (a training checkpoint's args?): pass --trust-checkpoint "
+            f"only if you trust where it came from ({first_line(error)})"
+        ) from None
+    except (RuntimeError, EOFError, IndexError, KeyError, ValueError, OSError) as error:  # truncated, damaged
+        raise UserError(
+            f"cannot read {path} as a torch checkpoint ({first_line(error)[:120]})", fix
+        ) from None
+
+
 def original_state_dict(
     path_or_state_dict, *, prefer: str = "ema", trust_pickle: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -74,18 +103,7 @@ def original_state_dict(
             raise UserError(
                 f"original DiT checkpoint {path} is not a file: pass the .pt state dict of the DiT repository"
             )
-        try:
-            raw = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-        except pickle.UnpicklingError as error:
-            raise UserError(
-                f"{path} holds Python objects besides tensors (a training checkpoint's args?): pass --trust-checkpoint "
-                f"only if you trust where it came from ({str(error).splitlines()[0]})"
-            ) from None
-        except (RuntimeError, EOFError, IndexError, ValueError, OSError) as error:  # text, truncated, other
-            raise UserError(
-                f"cannot read {path} as a torch checkpoint ({str(error).splitlines()[0][:120] or 'empty'})",
-                "pass --checkpoint an original DiT .pt file, downloaded whole",
-            ) from None
+        raw = _load_torch_file(path, trust_pickle)
     if not isinstance(raw, dict):
         raise UserError(f"an original DiT checkpoint is a dict of tensors, got {type(raw).__name__}")
     if not any(isinstance(value, torch.Tensor) for value in raw.values()):

@@ -30,6 +30,9 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         (root / f"plan_{name}.json").write_text(json.dumps(bad))
     (root / "file.txt").write_text("not a folder\n")
     (root / "text.pt").write_text("this is not a checkpoint\n")
+    (root / "empty.pt").write_bytes(b"")
+    (root / "junk.pt").write_text("junk\n")  # the unpickler's KeyError, once a traceback
+    (root / "page.pt").write_text("<!DOCTYPE html><html><body>404</body></html>\n")  # a failed download
     import torch
 
     torch.save({"x_embedder.proj.weight": torch.zeros(8, 4, 2, 2)}, root / "whole.pt")
@@ -46,6 +49,9 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "file": str(root / "file.txt"),
         "text_pt": str(root / "text.pt"),
         "truncated_pt": str(root / "truncated.pt"),
+        "empty_pt": str(root / "empty.pt"),
+        "junk_pt": str(root / "junk.pt"),
+        "page_pt": str(root / "page.pt"),
         "whole_pt": str(root / "whole.pt"),
         "images": str(root / "images"),
     }
@@ -160,6 +166,42 @@ CASES = [
         "import-dit a truncated file",
         _dit_accel,
         ["import-dit", "--checkpoint", "{truncated_pt}", "--out", "{out}/run"],
+        "--checkpoint",
+    ),
+    (
+        "import-dit an empty file",
+        _dit_accel,
+        ["import-dit", "--checkpoint", "{empty_pt}", "--out", "{out}/run"],
+        "--checkpoint",
+    ),
+    (
+        "import-dit junk bytes",
+        _dit_accel,
+        ["import-dit", "--checkpoint", "{junk_pt}", "--out", "{out}/run"],
+        "--checkpoint",
+    ),
+    (
+        "import-dit an HTML page",
+        _dit_accel,
+        ["import-dit", "--checkpoint", "{page_pt}", "--out", "{out}/run"],
+        "--checkpoint",
+    ),
+    (
+        "import-sit an empty file",
+        _dit_accel,
+        ["import-sit", "--checkpoint", "{empty_pt}", "--out", "{out}/run"],
+        "--checkpoint",
+    ),
+    (
+        "import-sit junk bytes",
+        _dit_accel,
+        ["import-sit", "--checkpoint", "{junk_pt}", "--out", "{out}/run"],
+        "--checkpoint",
+    ),
+    (
+        "import-sit an HTML page",
+        _dit_accel,
+        ["import-sit", "--checkpoint", "{page_pt}", "--out", "{out}/run"],
         "--checkpoint",
     ),
     (

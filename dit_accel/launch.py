@@ -122,19 +122,31 @@ def launch_command(argv: list[str]) -> list[str]:
     for name, flag in LAUNCHER_OPTIONS.items():
         if getattr(args, name) is not None:
             command += [flag, str(getattr(args, name))]
+    if (
+        planned_processes(plan) == 1
+    ):  # one process: accelerate's own launcher ends a failed rank in a traceback
+        command.append("--quiet")  # (chained to the rank's stderr tail) that --quiet leaves out
     return command + ["-m", "dit_accel.train", "--plan", str(plan), *trainer_args]
+
+
+def planned_processes(plan_path: Path) -> int | None:
+    """The plan's world size, or None for a plan the ranks will refuse in one line themselves."""
+    from planner.errors import PlanError
+    from planner.planfile import read_plan
+
+    try:
+        return read_plan(plan_path).world_size
+    except PlanError:
+        return None
 
 
 def check_process_count(plan_path: Path, num_processes: str) -> None:
     """--num-processes must be the plan's world size: refused here, before any process starts."""
-    from planner.errors import PlanError
-    from planner.planfile import read_plan
     from planner.units import count
 
-    try:
-        planned = read_plan(plan_path).world_size
-    except PlanError:
-        return  # every rank refuses such a plan in one line itself
+    planned = planned_processes(plan_path)
+    if planned is None:
+        return
     if not str(num_processes).isdigit() or int(num_processes) != planned:
         raise UserError(
             f"--num-processes {num_processes} but {plan_path} is planned for {count(planned, 'process')}",

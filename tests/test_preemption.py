@@ -388,3 +388,17 @@ def test_a_user_error_in_every_rank_through_the_wrapper_is_one_line(workspace, t
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and str(missing) in errors[0], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.launched
+def test_a_one_process_run_that_fails_is_its_rank_line_without_the_launchers_traceback(workspace, tmp_path):
+    """accelerate's one-process launcher (simple_launcher) ends in its own CalledProcessError traceback; the
+    rank's line already said why, so the wrapper prints that line alone, with the rank's exit code."""
+    missing = tmp_path / "no_such_checkpoint"
+    launched = _wrapper(
+        workspace, tmp_path / "run", "--max-steps", 2, "--resume", missing, plan=workspace["plan1"]
+    )
+    code, err = _finish(launched)
+    assert code == EXIT_USER, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip() and "warn" not in line.lower()]
+    assert len(lines) == 1 and str(missing) in lines[0] and "error:" in lines[0], err[-3000:]

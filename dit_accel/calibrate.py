@@ -27,6 +27,7 @@ from dit_accel.atomic import write_json_atomically
 from dit_accel.cli_args import OneLineParser, positive_int
 from dit_accel.errors import UserError, exits_cleanly
 from planner.planfile import Plan, read_plan
+from planner.units import parse_bytes
 
 SCHEMA = "dit-calibration/1"
 
@@ -178,7 +179,12 @@ def fit_calibration(
 
 
 def planner_mfu(
-    spec, decision, preset, images_per_s: float, half_efficiency_tokens: int | None
+    spec,
+    decision,
+    preset,
+    images_per_s: float,
+    half_efficiency_tokens: int | None,
+    matmul: str | None = None,
 ) -> float | None:
     """The MFU with which the planner's own model (its FLOP count, small-batch efficiency, VAE rate and fixed
     per-step cost) gives back the measured images/s for this decision on one GPU of this kind: what
@@ -194,7 +200,7 @@ def planner_mfu(
     extra = {"half_efficiency_tokens": half_efficiency_tokens} if half_efficiency_tokens else {}
     cluster = Cluster(nodes=1, gpus_per_node=1, vram_bytes=preset.memory_bytes, gpu=preset)
     try:
-        return min(1.0, implied_mfu(spec, decision, cluster, Assumptions(**extra), images_per_s))
+        return min(1.0, implied_mfu(spec, decision, cluster, Assumptions(**extra), images_per_s, matmul))
     except PlanError:  # faster than the fixed per-step cost alone allows
         return 1.0
 
@@ -286,6 +292,23 @@ def _micro_batches(text: str) -> list[int]:
     return values
 
 
+def cap_allocator(torch, vram_bytes: int, total_bytes: int) -> int:
+    """Cap the caching allocator at `vram_bytes` less the CUDA context (which a card of that size holds outside
+    it too), so that a plan for a smaller card is measured under that card's memory pressure."""
+    if vram_bytes >= total_bytes:
+        raise UserError(
+            f"--vram {vram_bytes / 2**30:.1f} GiB is not below this GPU's {total_bytes / 2**30:.1f} GiB",
+            "leave --vram out to measure the whole card",
+        )
+    free, total = torch.cuda.mem_get_info()  # initialises CUDA: the context is what is missing from free
+    capped = vram_bytes - (total - free)
+    torch.cuda.set_per_process_memory_fraction(capped / total)
+    print(
+        f"allocator capped at {capped / 2**30:.2f} GiB: a {vram_bytes / 2**30:.1f} GiB card less the context"
+    )
+    return capped
+
+
 def _gpu_facts(torch) -> dict:
     from planner.hardware import gpu_presets
 
@@ -329,6 +352,7 @@ def calibrate(
     """
     spec = plan.spec()
     decision = plan.decision
+    matmul = plan.matmul
     measurements: dict[int, Measurement | None] = {}
     document = {
         "schema": SCHEMA,
@@ -348,6 +372,7 @@ def calibrate(
         },
         "config": {
             "precision": decision.precision,
+            "matmul": matmul,
             "checkpointed_blocks": decision.checkpointed_blocks,
             "latents": decision.latents,
             "ema": decision.ema,
@@ -402,7 +427,7 @@ def calibrate(
         spec.fwd_flops_per_image * decision.checkpointed_blocks / spec.depth
     )
     preset = gpu.get("_preset")
-    peak = preset.matmul_peak_flops(decision.precision) if preset else None
+    peak = preset.matmul_peak_flops(matmul) if preset else None
     fitted = fit_calibration(points, step_flops_per_image, peak, spec.tokens)
     largest_fitted = points[-1]
     fitted["planner_mfu"] = planner_mfu(
@@ -413,6 +438,7 @@ def calibrate(
         preset,
         largest_fitted.images_per_s,
         fitted["half_efficiency_tokens"],
+        matmul,
     )
     planned_micro_batch = decision.micro_batch
     document.update(
@@ -500,8 +526,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default="calibration.json", help="calibration file to write (default calibration.json)"
     )
+    parser.add_argument(
+        "--vram",
+        default=None,
+        help="measure as on a card of this size (e.g. 80G) on a larger one: the caching allocator is capped "
+        "there (torch.cuda.set_per_process_memory_fraction), so it releases its cache and retries, and runs "
+        "out of memory, where that card would",
+    )
     args = parser.parse_args(argv)
+    vram_bytes = parse_bytes(args.vram) if args.vram is not None else None  # refused before CUDA starts
     import torch
+
+    from dit_accel.distributed import set_tf32
 
     if not torch.cuda.is_available():  # asks for the device count: does not initialise CUDA
         raise UserError(
@@ -514,7 +550,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = read_plan(args.plan)
     spec = plan.spec()
     gpu = _gpu_facts(torch)
+    if vram_bytes is not None:
+        gpu["capped_bytes"] = cap_allocator(torch, vram_bytes, gpu["total_bytes"])
     print(f"allocator: PYTORCH_CUDA_ALLOC_CONF={allocator['alloc_conf']} ({allocator['source']})")
+    # TF32 as the trainer sets it for this plan: on (its default) unless the plan is rated at IEEE fp32,
+    # which the trainer runs with --no-tf32; torch's own default (TF32 matmuls off) would time another step
+    tf32 = set_tf32(plan.matmul != "ieee-fp32", torch.device("cuda"))
+    print(f"TF32 matmuls and convolutions: {'on' if tf32 else 'off'} ({plan.matmul} plan)")
     out = Path(args.out)
     try:
         result = calibrate(

@@ -93,7 +93,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     config.hflip = dataset.flip  # as resolved (a cache's own setting): recorded in the run, held on resume
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
     start = choose_start(config, run_dir, plan, spec, world_size, accelerator=accelerator)
-    tf32 = set_tf32(config.tf32, accelerator.device)
+    tf32 = set_tf32(config.tf32 and plan.matmul != "ieee-fp32", accelerator.device)  # as planned
     components = build_components(
         plan, config, accelerator, init=start.init, timestep_freq_shift=start.timestep_freq_shift
     )
@@ -137,7 +137,9 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         if not plan.sharding.uses_fsdp
         else f"sharded {d.sharding} (FSDP2, reshard after forward: {plan.sharding.reshard_after_forward})"
     )
-    tf32_text = "on" if tf32 else ("off (--no-tf32)" if components.device.type == "cuda" else "n/a on CPU")
+    tf32_text = "on" if tf32 else "off (--no-tf32)" if not config.tf32 else "off (an IEEE fp32 plan)"
+    if components.device.type != "cuda":
+        tf32_text = "n/a on CPU"
     log.info(
         f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters, {layout}; "
         f"TF32 {tf32_text}; world size {world_size} x micro-batch {d.micro_batch} x accumulation "

@@ -134,6 +134,14 @@ class Plan:
     def world_size(self) -> int:
         return self.cluster.world_size
 
+    @property
+    def matmul(self) -> str:
+        """The matmul mode the plan was rated at (bf16, fp16, tf32, ieee-fp32), which the trainer runs: an fp32
+        plan from before the mode was written trains with TF32, the trainer's default."""
+        return self.throughput.matmul or (
+            "tf32" if self.decision.precision == "fp32" else self.decision.precision
+        )
+
     def spec(self) -> DiTSpec:
         return spec_from_plan(self)
 

@@ -410,3 +410,45 @@ def test_the_command_leaves_no_file_when_too_few_micro_batches_fit(monkeypatch, 
     out = tmp_path / "c.json"
     assert cal.main(["--plan", str(plan_path), "--micro-batches", "1,2,4", "--out", str(out)]) == 2
     assert "smaller ones" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("precision", "matmul", "tf32"),
+    [("fp32", "ieee-fp32", False), ("fp32", "tf32", True), ("bf16", "bf16", True)],
+)
+def test_the_command_times_the_step_with_tf32_as_the_trainer_runs_the_plan(
+    monkeypatch, tmp_path, capsys, precision, matmul, tf32
+):
+    """torch leaves TF32 matmuls off by default; the trainer turns them on unless the plan is IEEE fp32, and
+    calibrate must time that step, not torch's default one."""
+    plan_path = fake_gpu_command(monkeypatch, tmp_path, oom_above(20))
+    data = tiny_plan().to_json()
+    data["decision"]["precision"], data["throughput"] = precision, {"matmul": matmul}
+    assert parse_plan(data).matmul == matmul
+    plan_path.write_text(json.dumps(data))
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = not tf32
+    try:
+        out = tmp_path / "c.json"
+        assert cal.main(["--plan", str(plan_path), "--micro-batches", "4,8", "--out", str(out)]) == 0
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    assert json.loads(out.read_text())["config"]["matmul"] == matmul
+    assert (
+        f"TF32 matmuls and convolutions: {'on' if tf32 else 'off'} ({matmul} plan)" in capsys.readouterr().out
+    )
+
+
+def test_a_vram_cap_that_is_no_size_or_not_below_the_card_is_refused_in_one_line(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert cal.main(["--plan", str(plan), "--vram", "80", "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--vram '80' has no unit" in err  # before any CUDA question
+    with pytest.raises(UserError, match="not below this GPU's 140.0 GiB"):
+        cal.cap_allocator(None, 141 * GiB, 140 * GiB)
+
+
+def test_a_plan_from_before_the_matmul_mode_trains_fp32_with_tf32_and_mixed_at_its_precision():
+    model = {"name": "DiT-custom", "resolution": 32, "depth": 2, "hidden": 32, "heads": 2, "patch": 2}
+    assert tiny_plan().matmul == "tf32" and a_plan(model, 2, "bf16").matmul == "bf16"

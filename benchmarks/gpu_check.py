@@ -3,6 +3,8 @@
     python3 benchmarks/gpu_check.py machine              the machine and software as JSON (stdout)
     python3 benchmarks/gpu_check.py summary WORK OUT     OUT/summary.json, summary.md, log-tail.txt, plan.json,
                                                          runs.tar.gz from the scratch folder WORK
+    python3 benchmarks/gpu_check.py modes FOLDER         the table of benchmarks/gpu_modes.sh's calibrations
+                                                         (FOLDER: modes.tar.gz unpacked), planner beside GPU
 
 The summary runs after every stage, so a check stopped at any point still returns what it measured. The
 memory a run measured (metrics.jsonl: `torch.cuda.max_memory_allocated` / `max_memory_reserved`, logged by
@@ -99,9 +101,7 @@ def peak_flops(plan) -> float | None:
     """The GPU preset's matmul rate at the plan's precision (None when planned by --vram alone)."""
     from planner.hardware import gpu_preset
 
-    return (
-        gpu_preset(plan.cluster.gpu).matmul_peak_flops(plan.decision.precision) if plan.cluster.gpu else None
-    )
+    return gpu_preset(plan.cluster.gpu).matmul_peak_flops(plan.matmul) if plan.cluster.gpu else None
 
 
 def run_summary(run_dir: Path, plan) -> dict | None:
@@ -142,19 +142,103 @@ def run_summary(run_dir: Path, plan) -> dict | None:
     }
 
 
-def planned_memory(plan, micro_batch: int):
-    """The planner's estimate of this plan's step at another micro-batch (no accumulation), as it made the plan."""
-    from planner.hardware import Assumptions, gpu_preset
-    from planner.memory import Cluster, step_memory
+def plan_cluster(plan):
+    from planner.hardware import gpu_preset
+    from planner.memory import Cluster
 
-    cluster = Cluster(
+    return Cluster(
         nodes=plan.cluster.nodes,
         gpus_per_node=plan.cluster.gpus_per_node,
         vram_bytes=plan.cluster.vram_bytes,
         gpu=gpu_preset(plan.cluster.gpu) if plan.cluster.gpu else None,
     )
+
+
+def plan_assumptions(plan):
+    """The assumptions the plan was made under (e.g. --assume allocator_segments=fixed), as it wrote them."""
+    from planner.hardware import Assumptions
+
+    return Assumptions(**plan.assumptions) if plan.assumptions else Assumptions()
+
+
+def planned_memory(plan, micro_batch: int):
+    """The planner's estimate of this plan's step at another micro-batch (no accumulation), as it made the plan."""
+    from planner.memory import step_memory
+
     decision = dataclasses.replace(plan.decision, micro_batch=micro_batch, grad_accum=1)
-    return step_memory(plan.spec(), decision, cluster, Assumptions())
+    return step_memory(plan.spec(), decision, plan_cluster(plan), plan_assumptions(plan))
+
+
+def planned_speed(plan, micro_batch: int):
+    """The planner's images/s of this plan's step at another micro-batch (no accumulation), and the MFU under
+    the planner's own step model that would give back `measured_images_per_s` (planner.search.implied_mfu)."""
+    from planner.search import estimate_throughput
+
+    decision = dataclasses.replace(plan.decision, micro_batch=micro_batch, grad_accum=1)
+    return estimate_throughput(plan.spec(), decision, plan_cluster(plan), plan_assumptions(plan), plan.matmul)
+
+
+def modes_table(folder: Path) -> str:
+    """benchmarks/gpu_modes.sh's calibrations, each point beside the planner (error = plan / measured - 1),
+    the MFU the planner's model needs to give each measured images/s back, and the VAE encoder's rate from
+    each online mode against the precomputed one of its matmul mode at the same micro-batch."""
+    from planner.errors import PlanError
+    from planner.search import implied_mfu, implied_vae_mfu
+
+    rows, measured = [], {}
+    header = (
+        "| mode | allocator | micro-batch | allocated GiB: plan / GPU | error | reserved + outside GiB: plan / GPU"
+        " | error | img/s: plan / GPU | error | implied MFU |"
+    )
+    rows += [header, "|" + "---|" * 10]
+    for calibration_path in sorted(folder.glob("*/calibration.json")):
+        name = calibration_path.parent.name
+        plan = read_plan_file(calibration_path.parent / "plan.json")
+        calibration = json.loads(calibration_path.read_text())
+        outside = (calibration.get("fit") or {}).get("outside_allocator_bytes") or 0
+        segments = plan.assumptions.get("allocator_segments", "expandable")
+        for m in calibration.get("measurements", []):
+            mb = m["micro_batch"]
+            memory, speed = planned_memory(plan, mb), planned_speed(plan, mb)
+            gpu_total = m["max_reserved_bytes"] + outside
+            decision = dataclasses.replace(plan.decision, micro_batch=mb, grad_accum=1)
+            try:
+                mfu = implied_mfu(
+                    plan.spec(),
+                    decision,
+                    plan_cluster(plan),
+                    plan_assumptions(plan),
+                    m["images_per_s"],
+                    plan.matmul,
+                )
+            except PlanError:
+                mfu = None
+            measured[(plan.matmul, plan.decision.latents, plan.decision.checkpointed_blocks, mb)] = (
+                plan,
+                m["images_per_s"],
+            )
+            rows.append(
+                f"| {name} | {segments} | {mb} | {gib(memory.allocated_peak_bytes)} / {gib(m['max_allocated_bytes'])}"
+                f" | {percent(memory.allocated_peak_bytes / m['max_allocated_bytes'] - 1)}"
+                f" | {gib(memory.peak_bytes)} / {gib(gpu_total)} | {percent(memory.peak_bytes / gpu_total - 1)}"
+                f" | {speed.images_per_s:.1f} / {m['images_per_s']:.1f} | {percent(speed.images_per_s / m['images_per_s'] - 1)}"
+                f" | {f'{mfu:.3f}' if mfu else 'n/a'} |"
+            )
+    vae = []
+    for (matmul, latents, checkpointed, mb), (plan, online) in sorted(measured.items()):
+        same = measured.get((matmul, "precomputed", checkpointed, mb))
+        if latents == "online" and same:
+            decision = dataclasses.replace(plan.decision, micro_batch=mb, grad_accum=1)
+            try:
+                rate = implied_vae_mfu(
+                    plan.spec(), decision, plan_cluster(plan), plan_assumptions(plan), online, same[1]
+                )
+                vae.append(
+                    f"- {matmul}, {checkpointed} checkpointed, micro-batch {mb}: VAE encoder MFU {rate:.3f}"
+                )
+            except PlanError as error:
+                vae.append(f"- {matmul}, micro-batch {mb}: {error}")
+    return "\n".join(rows + [""] + (vae or ["- no online mode has a precomputed twin"])) + "\n"
 
 
 def calibration_summary(calibration: dict, plan) -> dict:
@@ -355,5 +439,7 @@ if __name__ == "__main__":
         print(json.dumps(machine(), indent=1))
     elif sys.argv[1:2] == ["summary"] and len(sys.argv) == 4:
         write_outputs(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif sys.argv[1:2] == ["modes"] and len(sys.argv) == 3:
+        print(modes_table(Path(sys.argv[2])), end="")
     else:
-        sys.exit(f"usage: {sys.argv[0]} machine | summary WORK OUT")
+        sys.exit(f"usage: {sys.argv[0]} machine | summary WORK OUT | modes FOLDER")

@@ -375,6 +375,7 @@ def make_plan(
         matmul=matmul,
         repa=_repa_encoder(repa, repa_projector_dim),
         repa_projector_dim=repa_projector_dim,
+        compile=bool(compile),
     )
     best, path = choose(spec, space, cluster, assumed, budget_bytes)
     decision, memory, throughput = best.decision, best.memory, best.throughput

@@ -101,6 +101,7 @@ def micro_batch_curves(plan: dict) -> dict[str, list[tuple[int, int, float]]]:
         adamw=d["adamw"],
         gradient_as_bucket_view=d["gradient_as_bucket_view"],
         matmul=d.get("matmul"),
+        compile=bool(d.get("compile", False)),
     )
     spec, cluster, assumed = spec_from_plan(plan), _cluster(plan), Assumptions(**plan["assumptions"])
     budget = plan["memory"]["budget_bytes"]

@@ -187,15 +187,26 @@ def fixed_step_time(spec: DiTSpec, decision: Decision, cluster: Cluster, assumpt
     )
 
 
-def mfu_range(cluster: Cluster, precision: str, matmul: str, assumptions: Assumptions):
+def mfu_range(
+    cluster: Cluster, precision: str, matmul: str, assumptions: Assumptions, compiled: bool = False
+):
     """(low, point, high, source) of the MFU for `matmul` on this GPU: an --assume or calibration override is
-    one value; otherwise the measured table's entry for the GPU's family (presets/mfu.yaml)."""
+    one value (calibrate times the eager step); otherwise the measured table's entry for the GPU's family
+    (presets/mfu.yaml), times its measured speed-up when the blocks are compiled."""
     override = assumptions.mfu(precision)
     if override:
         return override, override, override, "--assume / --calibration"
     entry = mfu_entry(cluster.gpu.family if cluster.gpu else None, matmul_mode(matmul))
     source = entry.source + (f" (fallback: {entry.fallback})" if entry.fallback else "")
-    return entry.low, entry.point, entry.high, source
+    speedup = entry.compiled_speedup if compiled else 1.0
+    if compiled:
+        source += (
+            f"; compiled blocks x{speedup:.2f} (measured)"
+            if speedup != 1.0
+            else "; compiled blocks: no measured speed-up here, rated as eager"
+        )
+    low, point, high = (min(1.0, mfu * speedup) for mfu in (entry.low, entry.point, entry.high))
+    return low, point, high, source
 
 
 def vae_matmul(matmul: str) -> str:
@@ -228,17 +239,19 @@ def estimate_throughput(
     assumptions: Assumptions,
     matmul: str | None = None,
     vae_mode: str | None = None,
+    compiled: bool = False,
 ) -> Throughput:
     """Images per second: per-GPU compute at peak x MFU x small-batch efficiency, the VAE encoder at its own
     rate (`vae_mode`: its convolutions on tf32 or ieee-fp32; by default as the trainer runs them), a fixed
-    per-step cost, and exposed communication; low and high at the ends of the MFU ranges."""
+    per-step cost, and exposed communication; low and high at the ends of the MFU ranges. `compiled`: the
+    blocks run torch.compile'd (plan.json's decision.compile), at the table's measured speed-up."""
     matmul = matmul or default_matmul(decision.precision)
     vae_mode = vae_mode or vae_matmul(matmul)
     global_batch = decision.micro_batch * decision.grad_accum * cluster.world_size
     images = decision.micro_batch * decision.grad_accum  # per GPU per optimizer step
     efficiency = small_batch_efficiency(spec, decision.micro_batch, assumptions)
     peak = peak_flops(cluster, matmul, assumptions)
-    low, point, high, source = mfu_range(cluster, decision.precision, matmul, assumptions)
+    low, point, high, source = mfu_range(cluster, decision.precision, matmul, assumptions, compiled)
     sharded = assumptions.fsdp_efficiency if decision.sharded else 1.0
     vae_mfus = vae_mfu_range(cluster)
     fixed_s = fixed_step_time(spec, decision, cluster, assumptions)
@@ -386,6 +399,7 @@ class SearchSpace:
     matmul: str | None = None  # bf16 | fp16 | tf32 | ieee-fp32; None: the precision's default (fp32 -> tf32)
     repa: str = ""  # REPA's encoder (planner.repa.ENCODERS); "" without REPA
     repa_projector_dim: int = DEFAULT_PROJECTOR_DIM
+    compile: bool = False  # the blocks torch.compile'd: rated at the MFU table's measured speed-up
 
 
 @dataclass(frozen=True)
@@ -491,7 +505,9 @@ def evaluate(
     )
     memory = step_memory(spec, decision, cluster, assumptions, budget_bytes)
     return Candidate(
-        decision, memory, estimate_throughput(spec, decision, cluster, assumptions, space.matmul)
+        decision,
+        memory,
+        estimate_throughput(spec, decision, cluster, assumptions, space.matmul, compiled=space.compile),
     )
 
 

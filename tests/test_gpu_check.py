@@ -11,6 +11,7 @@ The unit tests feed the summary what a GPU run writes (metrics with memory figur
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -396,3 +397,61 @@ def test_calibration_points_are_set_against_the_planner_also_when_the_run_stoppe
         assert point["allocated_error"] == pytest.approx(1 / 1.02 - 1, abs=1e-6)
     text = gpu_check.markdown(summary)
     assert "INCOMPLETE" in text and "| 32 |" in text and "-2.0%" in text
+
+
+def test_the_modes_table_sets_each_calibration_against_the_planner_and_derives_the_vae_rate(
+    h200_plan, tmp_path
+):
+    """benchmarks/gpu_modes.sh's folders: each point beside the planner at its micro-batch, and the VAE
+    encoder's MFU from an online mode whose precomputed twin was measured at the same micro-batch."""
+    from planner.cli import main as dit_plan
+    from planner.planfile import read_plan
+    from planner.search import implied_vae_mfu
+
+    folder = tmp_path / "modes"
+    flags = [
+        "--gpu",
+        "h200",
+        "--gpus",
+        "1",
+        "--precision",
+        "bf16",
+        "--global-batch",
+        "64",
+        "--checkpointing",
+        "none",
+    ]
+    speeds = {"precomputed": 400.0, "online": 250.0}
+    for latents, images_per_s in speeds.items():
+        assert dit_plan([*flags, "--latents", latents, "--out", str(folder / latents)]) == 0
+        plan = read_plan(folder / latents / "plan.json")
+        measurements = []
+        for mb in (32, 64):
+            allocated = int(gpu_check.planned_memory(plan, mb).allocated_peak_bytes / 1.02)  # planner +2%
+            measurements.append(
+                {
+                    "micro_batch": mb,
+                    "max_allocated_bytes": allocated,
+                    "max_reserved_bytes": allocated,
+                    "images_per_s": images_per_s,
+                }
+            )
+        (folder / latents / "calibration.json").write_text(
+            json.dumps({"measurements": measurements, "fit": {"outside_allocator_bytes": 0}})
+        )
+    table = gpu_check.modes_table(folder)
+    rows = [
+        line for line in table.splitlines() if line.startswith("| online") or line.startswith("| precomputed")
+    ]
+    assert len(rows) == 4 and all("| +2.0% |" in row for row in rows)
+    assert all(f"/ {speeds[row.split()[1]]:.1f} |" in row for row in rows)
+    online = read_plan(folder / "online" / "plan.json")
+    rate = implied_vae_mfu(
+        online.spec(),
+        dataclasses.replace(online.decision, micro_batch=64, grad_accum=1),
+        gpu_check.plan_cluster(online),
+        gpu_check.plan_assumptions(online),
+        250.0,
+        400.0,
+    )
+    assert f"- bf16, 0 checkpointed, micro-batch 64: VAE encoder MFU {rate:.3f}" in table

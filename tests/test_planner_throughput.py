@@ -101,6 +101,10 @@ def test_every_table_entry_reproduces_its_public_figure():
                 assert got == pytest.approx(f["implied"], abs=0.001), (family, mode)
                 implied.append(got)
                 checked += 1
+                if "compiled_images_per_s" in f:  # the same run compiled: the entry's speed-up
+                    compiled = figure_implied(mode, dict(f, images_per_s=f["compiled_images_per_s"]))
+                    assert compiled == pytest.approx(f["compiled_implied"], abs=0.001)
+                    assert entry["compiled_speedup"] == pytest.approx(compiled / got, abs=0.001)
             outliers = [figure_implied(mode, f) for f in entry.get("outliers", [])]
             for f, got in zip(entry.get("outliers", []), outliers):
                 assert got == pytest.approx(f["implied"], abs=0.001), (family, mode)
@@ -113,19 +117,18 @@ def test_every_table_entry_reproduces_its_public_figure():
             assert (entry["low"], entry["high"]) == pytest.approx(
                 (min([low, *outliers]), max([high, *outliers])), abs=0.001
             )
-    assert checked == 6
+    assert checked == 13
 
 
 def test_table_lookups_and_fallbacks():
     assert mfu_entry("ampere", "mixed").point == 0.337
-    assert mfu_entry("hopper", "mixed").point == 0.215
-    assert (mfu_entry("hopper", "mixed").low, mfu_entry("hopper", "mixed").high) == (0.172, 0.258)
-    hopper_tf32 = mfu_entry("hopper", "tf32")  # no public figure: ampere's
-    assert (
-        hopper_tf32.family == "ampere"
-        and hopper_tf32.point == 0.461
-        and "no public figure" in hopper_tf32.fallback
-    )
+    hopper = mfu_entry("hopper", "mixed")
+    assert (hopper.low, hopper.point, hopper.high, hopper.compiled_speedup) == (0.215, 0.312, 0.325, 1.36)
+    assert mfu_entry("ampere", "mixed").compiled_speedup == 1.0  # no compiled run measured there
+    hopper_tf32 = mfu_entry("hopper", "tf32")  # measured on the H200 now, not ampere's
+    assert (hopper_tf32.family, hopper_tf32.point, hopper_tf32.fallback) == ("hopper", 0.306, None)
+    ada_tf32 = mfu_entry("ada", "tf32")  # no figure: ampere's
+    assert ada_tf32.family == "ampere" and ada_tf32.point == 0.461 and "no public figure" in ada_tf32.fallback
     ada = mfu_entry("ada", "mixed")
     assert ada.family == "ampere" and ada.point == 0.337 and ada.fallback
     assert mfu_entry("volta", "mixed").family == "ampere" and mfu_entry(None, "fp32").point == 0.693
@@ -140,13 +143,34 @@ def test_table_lookups_and_fallbacks():
 def test_the_estimate_uses_the_gpus_family_and_an_override_collapses_the_range():
     h100 = estimate_throughput(XL, decision(), on("h100-80g"), Assumptions())
     a100 = estimate_throughput(XL, decision(), on("a100-80g"), Assumptions())
-    assert h100.assumed_mfu == 0.215 and a100.assumed_mfu == 0.337
+    assert h100.assumed_mfu == 0.312 and a100.assumed_mfu == 0.337
     assert h100.images_per_s_low < h100.images_per_s < h100.images_per_s_high
-    # H100's measured MFU is lower: its speed-up over an A100 is well under the 3.2x of the peaks
-    assert 1.5 < h100.images_per_s / a100.images_per_s < 2.5
+    # Hopper's measured MFU is a little lower: its speed-up over an A100 is under the 3.2x of the peaks
+    assert 2.0 < h100.images_per_s / a100.images_per_s < 3.2
     calibrated = estimate_throughput(XL, decision(), on("h100-80g"), Assumptions(mfu_mixed=0.3))
     assert calibrated.assumed_mfu == calibrated.mfu_low == calibrated.mfu_high == 0.3
     assert calibrated.images_per_s_low == calibrated.images_per_s == calibrated.images_per_s_high
+
+
+def test_compiled_blocks_are_rated_at_the_measured_speed_up_and_only_where_one_was_measured():
+    big = decision(micro_batch=256)
+    eager = estimate_throughput(XL, big, on("h200"), Assumptions())
+    compiled = estimate_throughput(XL, big, on("h200"), Assumptions(), compiled=True)
+    assert compiled.assumed_mfu == pytest.approx(0.312 * 1.36)
+    assert compiled.mfu_high == pytest.approx(min(1.0, 0.325 * 1.36)) and "x1.36" in compiled.mfu_source
+    # the compute dominates at 256 images: close to the whole speed-up
+    assert 1.3 < compiled.images_per_s / eager.images_per_s < 1.36
+    # no compiled run measured on an A100 (or in TF32 anywhere): no credit, and the plan says so
+    a100 = estimate_throughput(XL, big, on("a100-80g"), Assumptions(), compiled=True)
+    assert a100.images_per_s == estimate_throughput(XL, big, on("a100-80g"), Assumptions()).images_per_s
+    assert "rated as eager" in a100.mfu_source
+    tf32 = estimate_throughput(
+        XL, decision(precision="fp32"), on("h200"), Assumptions(), "tf32", compiled=True
+    )
+    assert tf32.assumed_mfu == 0.306
+    # an override is the step as measured (calibrate times it eager): taken as it is
+    calibrated = estimate_throughput(XL, big, on("h200"), Assumptions(mfu_mixed=0.3), compiled=True)
+    assert calibrated.assumed_mfu == 0.3
 
 
 # --- the fixed per-step cost ---------------------------------------------------------------------------
@@ -195,8 +219,9 @@ def test_the_vae_encoder_runs_at_its_own_rate_whatever_the_dits_precision():
     # the range: the low end of both entries gives the slow end
     low = estimate_throughput(XL, decision(latents="online"), cluster, Assumptions(mfu_mixed=0.3))
     assert low.images_per_s_low < low.images_per_s  # the DiT's MFU is fixed, the VAE's range remains
-    hopper = mfu_entry("hopper", "vae")
-    assert hopper.family == "ampere" and hopper.point == vae.point and "no public figure" in hopper.fallback
+    hopper, ada = mfu_entry("hopper", "vae"), mfu_entry("ada", "vae")  # the H200's own; ada: none, ampere's
+    assert (hopper.family, hopper.point, hopper.fallback) == ("hopper", 0.293, None)
+    assert ada.family == "ampere" and ada.point == vae.point and "no public figure" in ada.fallback
 
 
 def test_the_public_a100_runs_come_back_from_the_table():

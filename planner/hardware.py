@@ -87,7 +87,7 @@ TABLE_MODES = (*MATMUL_MODES, "vae")
 class MFUEntry:
     """The MFU a family reaches in one matmul mode: a point value and a low-high range, and where from."""
 
-    family: str  # the family the figures were measured on (after any fallback)
+    family: str  # the family (or the GPU, e.g. h200) the figures were measured on, after any fallback
     mode: str
     low: float
     point: float
@@ -117,15 +117,18 @@ def matmul_mode(precision: str) -> str:
     raise PlanError(f"unknown matmul precision {precision!r}: expected bf16, fp16, tf32 or ieee-fp32")
 
 
-def mfu_entry(family: str | None, mode: str) -> MFUEntry:
-    """The measured MFU of `family` in `mode`, following the table's fallbacks (unknown family: ampere)."""
+def mfu_entry(family: str | None, mode: str, gpu: str | None = None) -> MFUEntry:
+    """The measured MFU of `family` in `mode`, following the table's fallbacks (unknown family: ampere); a
+    GPU the table lists by its own preset name (`gpu`) takes its own entry for the mode first."""
     if mode not in TABLE_MODES:
         raise PlanError(f"unknown matmul mode {mode!r}: expected {', '.join(TABLE_MODES)}")
     table = mfu_table()
-    asked = family if family in table else "ampere"
-    key, reasons = (asked, mode), []
-    if family not in table:
-        reasons.append(f"no figures for {family or 'an unnamed GPU'}: ampere's")
+    if gpu in table and mode in table[gpu]:
+        asked, reasons = gpu, []
+    else:
+        asked = family if family in table else "ampere"
+        reasons = [] if family in table else [f"no figures for {family or 'an unnamed GPU'}: ampere's"]
+    key = (asked, mode)
     for _ in range(len(table) * len(TABLE_MODES)):
         entry = table[key[0]][key[1]]
         if "fallback" not in entry:

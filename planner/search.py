@@ -187,6 +187,11 @@ def fixed_step_time(spec: DiTSpec, decision: Decision, cluster: Cluster, assumpt
     )
 
 
+def table_entry(cluster: Cluster, mode: str):
+    """The MFU table's entry for this cluster's GPU (its own, else its family's) in a table mode."""
+    return mfu_entry(cluster.gpu.family, mode, cluster.gpu.name) if cluster.gpu else mfu_entry(None, mode)
+
+
 def mfu_range(
     cluster: Cluster, precision: str, matmul: str, assumptions: Assumptions, compiled: bool = False
 ):
@@ -196,7 +201,7 @@ def mfu_range(
     override = assumptions.mfu(precision)
     if override:
         return override, override, override, "--assume / --calibration"
-    entry = mfu_entry(cluster.gpu.family if cluster.gpu else None, matmul_mode(matmul))
+    entry = table_entry(cluster, matmul_mode(matmul))
     source = entry.source + (f" (fallback: {entry.fallback})" if entry.fallback else "")
     speedup = entry.compiled_speedup if compiled else 1.0
     if compiled:
@@ -218,7 +223,7 @@ def vae_matmul(matmul: str) -> str:
 def vae_mfu_range(cluster: Cluster) -> tuple[float, float, float]:
     """(low, point, high) of the VAE encoder's MFU on this GPU: its fp32 convolutions have their own entry
     (presets/mfu.yaml `vae`, measured as the time online latents add to a step), whatever the DiT's mode."""
-    entry = mfu_entry(cluster.gpu.family if cluster.gpu else None, "vae")
+    entry = table_entry(cluster, "vae")
     return entry.low, entry.point, entry.high
 
 

@@ -118,15 +118,23 @@ def test_every_table_entry_reproduces_its_public_figure():
                 (min([low, *outliers]), max([high, *outliers])), abs=0.001
             )
     assert checked == 13
+    # Hopper's compiled speed-up is the H200's (no compiled run of the public figures' trainers)
+    assert table["hopper"]["mixed"]["compiled_speedup"] == table["h200"]["mixed"]["compiled_speedup"]
 
 
 def test_table_lookups_and_fallbacks():
     assert mfu_entry("ampere", "mixed").point == 0.337
-    hopper = mfu_entry("hopper", "mixed")
-    assert (hopper.low, hopper.point, hopper.high, hopper.compiled_speedup) == (0.215, 0.312, 0.325, 1.36)
+    hopper = mfu_entry("hopper", "mixed")  # H100s and H800s: the public figure of other trainers
+    assert (hopper.low, hopper.point, hopper.high, hopper.compiled_speedup) == (0.172, 0.215, 0.258, 1.36)
+    h200 = mfu_entry("hopper", "mixed", "h200")  # the H200: this trainer measured on it, first
+    assert (h200.family, h200.low, h200.point, h200.high, h200.fallback) == ("h200", 0.3, 0.312, 0.325, None)
+    assert mfu_entry("ampere", "mixed", "a100-80g").family == "ampere"  # a GPU not listed: its family's
     assert mfu_entry("ampere", "mixed").compiled_speedup == 1.0  # no compiled run measured there
-    hopper_tf32 = mfu_entry("hopper", "tf32")  # measured on the H200 now, not ampere's
-    assert (hopper_tf32.family, hopper_tf32.point, hopper_tf32.fallback) == ("hopper", 0.306, None)
+    hopper_tf32 = mfu_entry("hopper", "tf32")  # no public figure: the H200's, not ampere's
+    assert (hopper_tf32.family, hopper_tf32.point) == (
+        "h200",
+        0.306,
+    ) and "no public figure" in hopper_tf32.fallback
     ada_tf32 = mfu_entry("ada", "tf32")  # no figure: ampere's
     assert ada_tf32.family == "ampere" and ada_tf32.point == 0.461 and "no public figure" in ada_tf32.fallback
     ada = mfu_entry("ada", "mixed")
@@ -143,10 +151,11 @@ def test_table_lookups_and_fallbacks():
 def test_the_estimate_uses_the_gpus_family_and_an_override_collapses_the_range():
     h100 = estimate_throughput(XL, decision(), on("h100-80g"), Assumptions())
     a100 = estimate_throughput(XL, decision(), on("a100-80g"), Assumptions())
-    assert h100.assumed_mfu == 0.312 and a100.assumed_mfu == 0.337
+    h200 = estimate_throughput(XL, decision(), on("h200"), Assumptions())
+    assert h100.assumed_mfu == 0.215 and a100.assumed_mfu == 0.337 and h200.assumed_mfu == 0.312
     assert h100.images_per_s_low < h100.images_per_s < h100.images_per_s_high
-    # Hopper's measured MFU is a little lower: its speed-up over an A100 is under the 3.2x of the peaks
-    assert 2.0 < h100.images_per_s / a100.images_per_s < 3.2
+    # H100's public MFU is lower: its speed-up over an A100 is well under the 3.2x of the peaks
+    assert 1.5 < h100.images_per_s / a100.images_per_s < 2.5
     calibrated = estimate_throughput(XL, decision(), on("h100-80g"), Assumptions(mfu_mixed=0.3))
     assert calibrated.assumed_mfu == calibrated.mfu_low == calibrated.mfu_high == 0.3
     assert calibrated.images_per_s_low == calibrated.images_per_s == calibrated.images_per_s_high
@@ -219,8 +228,8 @@ def test_the_vae_encoder_runs_at_its_own_rate_whatever_the_dits_precision():
     # the range: the low end of both entries gives the slow end
     low = estimate_throughput(XL, decision(latents="online"), cluster, Assumptions(mfu_mixed=0.3))
     assert low.images_per_s_low < low.images_per_s  # the DiT's MFU is fixed, the VAE's range remains
-    hopper, ada = mfu_entry("hopper", "vae"), mfu_entry("ada", "vae")  # the H200's own; ada: none, ampere's
-    assert (hopper.family, hopper.point, hopper.fallback) == ("hopper", 0.293, None)
+    hopper, ada = mfu_entry("hopper", "vae"), mfu_entry("ada", "vae")  # the H200's; ada: none, ampere's
+    assert (hopper.family, hopper.point) == ("h200", 0.293) and "no public figure" in hopper.fallback
     assert ada.family == "ampere" and ada.point == vae.point and "no public figure" in ada.fallback
 
 
@@ -394,3 +403,25 @@ def test_older_plans_without_the_new_fields_still_read(tmp_path):
             del old["throughput"][key]
     del old["decision"]["matmul"]
     assert parse_plan(old).throughput.est_images_per_s_low is None
+
+
+def test_the_public_runs_come_back_within_15_percent_but_the_ones_the_docs_explain():
+    """docs/planner-accuracy.md's throughput table (benchmarks/public_runs.py), planned eager as those trainers
+    ran: within 15% of each published images/s, except the rows whose cause that doc names (DiT issue #22's
+    TF32 run, its IEEE run planned with cuDNN TF32 off too, fast-DiT's two-GPU fp16 logs: the interconnect)."""
+    import importlib.util
+    from pathlib import Path
+
+    from planner.plan import make_plan
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "public_runs.py"
+    module_spec = importlib.util.spec_from_file_location("public_runs", path)
+    runs = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(runs)
+    explained = ("DiT issue #22, TF32", "DiT issue #22, IEEE fp32 matmuls", "2 x A100, fp16")
+    errors = {}
+    for name, flags, published in runs.THROUGHPUT:
+        errors[name] = make_plan(**flags, compile=False)["throughput"]["est_images_per_s"] / published - 1
+    outside = sorted(name for name, error in errors.items() if abs(error) > 0.15)
+    assert all(any(reason in name for reason in explained) for name in outside), outside
+    assert len(outside) == 4 and any("Open-Sora" in name for name in errors)

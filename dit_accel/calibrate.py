@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     vram_bytes = parse_bytes(args.vram) if args.vram is not None else None  # refused before CUDA starts
     import torch
 
-    from dit_accel.distributed import set_tf32
+    from dit_accel.distributed import planned_tf32, set_tf32
 
     if not torch.cuda.is_available():  # asks for the device count: does not initialise CUDA
         raise UserError(
@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"allocator: PYTORCH_CUDA_ALLOC_CONF={allocator['alloc_conf']} ({allocator['source']})")
     # TF32 as the trainer sets it for this plan: on (its default) unless the plan is rated at IEEE fp32,
     # which the trainer runs with --no-tf32; torch's own default (TF32 matmuls off) would time another step
-    tf32 = set_tf32(plan.matmul != "ieee-fp32", torch.device("cuda"))
+    tf32 = set_tf32(planned_tf32(True, plan), torch.device("cuda"))
     print(f"TF32 matmuls and convolutions: {'on' if tf32 else 'off'} ({plan.matmul} plan)")
     out = Path(args.out)
     try:

@@ -303,6 +303,12 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def planned_tf32(requested: bool, plan: Plan) -> bool:
+    """TF32 as the plan was rated: on when asked (--tf32, the trainer's default), except for a plan rated at
+    IEEE fp32 (`dit-plan --precision fp32`), whose estimate assumed it off."""
+    return requested and plan.matmul != "ieee-fp32"
+
+
 def set_tf32(enabled: bool, device: torch.device) -> bool:
     """TF32 matmuls and convolutions on CUDA, as the DiT recipe trains and the planner rates fp32 (TF32 peak).
     Returns whether TF32 is on; always False off CUDA, where the switch means nothing."""

@@ -53,7 +53,13 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.consensus import gathered, main_decides
     from dit_accel.data.loader import build_dataset, check_data_mode, make_loader
     from dit_accel.data.order import SampleNoise, SampleOrder
-    from dit_accel.distributed import check_launch, end_process_group, make_accelerator, set_tf32
+    from dit_accel.distributed import (
+        check_launch,
+        end_process_group,
+        make_accelerator,
+        planned_tf32,
+        set_tf32,
+    )
     from dit_accel.faults import Faults
     from dit_accel.progress import progress_bar
     from dit_accel.resume import choose_start, claim_run_folder, restore
@@ -93,7 +99,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     config.hflip = dataset.flip  # as resolved (a cache's own setting): recorded in the run, held on resume
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
     start = choose_start(config, run_dir, plan, spec, world_size, accelerator=accelerator)
-    tf32 = set_tf32(config.tf32 and plan.matmul != "ieee-fp32", accelerator.device)  # as planned
+    tf32 = set_tf32(planned_tf32(config.tf32, plan), accelerator.device)
     components = build_components(
         plan, config, accelerator, init=start.init, timestep_freq_shift=start.timestep_freq_shift
     )

@@ -459,3 +459,19 @@ def test_a_fresh_run_has_adamw_state_before_its_first_step(caplog):
     assert all(
         float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in made.values()
     )
+
+
+@pytest.mark.parametrize(
+    ("precision", "requested", "on"),
+    [("tf32", True, True), ("tf32", False, False), ("fp32", True, False), ("bf16", True, True)],
+)
+def test_tf32_is_on_as_the_plan_was_rated_and_as_asked(precision, requested, on):
+    """An IEEE fp32 plan (dit-plan --precision fp32) was estimated with TF32 off: the trainer and calibrate
+    train it so, without --no-tf32; --no-tf32 turns it off on any plan."""
+    from dit_accel.distributed import planned_tf32
+    from planner.plan import make_plan
+    from planner.planfile import parse_plan
+
+    plan = parse_plan(make_plan(gpus=1, vram="80G", global_batch=32, precision=precision))
+    assert plan.matmul == {"tf32": "tf32", "fp32": "ieee-fp32", "bf16": "bf16"}[precision]
+    assert planned_tf32(requested, plan) is on

@@ -296,6 +296,25 @@ def test_sample_warns_when_the_ema_is_still_mostly_its_initial_weights(tmp_path,
     assert warn_if_ema_is_mostly_initial(tmp_path / "nowhere", {}) is None  # no train_state: says nothing
 
 
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"step": 0, "imported_from": "DiT-XL-2-256x256.pt"},  # import-dit / import-sit commit this
+        {"step": 325, "applied_steps": 325, "init_from": "runs/base/checkpoints/step_0400000"},  # --init-from
+    ],
+)
+def test_sample_says_nothing_of_initial_weights_when_the_ema_started_from_trained_ones(
+    tmp_path, capsys, state
+):
+    """An imported checkpoint's EMA is the published EMA, and an --init-from run's EMA started from trained
+    weights: few updates there do not mean an untrained network."""
+    from dit_accel.sample import warn_if_ema_is_mostly_initial
+
+    (tmp_path / "train_state.json").write_text(json.dumps(state))
+    assert warn_if_ema_is_mostly_initial(tmp_path, {"ema_decay": 0.9999}) is None
+    assert capsys.readouterr().err == ""
+
+
 def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):
     from dit_accel.launch import launch_command, main
 

@@ -86,22 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ode-solver",
         choices=ODE_SOLVERS,
-        default="heun",
+        default=None,
         help="--sampler ode: heun (2 model calls a step, default) or euler (1)",
     )
     parser.add_argument(
         "--diffusion-form",
         choices=DIFFUSION_FORMS,
-        default="sigma",
+        default=None,
         help="--sampler sde: SiT's diffusion coefficient w(t) (default sigma, SiT's and REPA's sampling choice)",
     )
     parser.add_argument(
-        "--diffusion-norm", type=positive_float, default=1.0, help="--sampler sde: w(t) is scaled by this"
+        "--diffusion-norm",
+        type=positive_float,
+        default=None,
+        help="--sampler sde: w(t) is scaled by this (default 1)",
     )
     parser.add_argument(
         "--cfg-interval",
         type=cfg_interval,
-        default=(0.0, 1.0),
+        default=None,
         metavar="LOW,HIGH",
         help="flow models: guide only where LOW <= t <= HIGH, t = 1 noise and t = 0 data (REPA's guidance "
         "interval; its best FID used 0,0.7); default 0,1: every step",
@@ -170,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# flags that only one kind of sampler reads, with their defaults: another sampler would silently ignore them
+# flags that only one kind of sampler reads, with their defaults (the parser leaves them None, so that a flag
+# given at its default value is seen as given): another sampler would silently ignore them
 SAMPLER_FLAGS = {
     "ode_solver": ("heun", ("ode",)),
     "diffusion_form": ("sigma", ("sde",)),
@@ -181,11 +185,13 @@ SAMPLER_FLAGS = {
 
 
 def check_sampler_flags(args, sampler: str) -> None:
-    """Refuse a flag the chosen sampler does not read (given with another value than its default)."""
+    """Refuse a flag the chosen sampler does not read (given at all, its default value too), then fill in
+    the defaults of those not given."""
     for name, (default, readers) in SAMPLER_FLAGS.items():
-        value = getattr(args, name, default)
-        given = (tuple(value) if isinstance(value, list) else value) != default
-        if given and sampler not in readers:
+        given = getattr(args, name, None) is not None
+        if not given:
+            setattr(args, name, default)
+        elif sampler not in readers:
             flag = "--" + name.replace("_", "-")
             raise UserError(
                 f"{flag} is read by --sampler {' or '.join(readers)} only, but this one samples with {sampler}",

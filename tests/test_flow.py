@@ -319,6 +319,10 @@ def test_dit_accel_sample_reads_the_objective_from_the_checkpoint(flow_runs, tmp
         ),
         (["--sampler", "sde", "--ode-solver", "euler"], "--ode-solver is read by --sampler ode only"),
         (["--spacing", "leading"], "--spacing is read by --sampler ddpm or ddim only"),
+        # given at their default values: still a flag this sampler would not read
+        (["--sampler", "sde", "--ode-solver", "heun"], "--ode-solver is read by --sampler ode only"),
+        (["--diffusion-form", "sigma"], "--diffusion-form is read by --sampler sde only"),
+        (["--diffusion-norm", "1"], "--diffusion-norm is read by --sampler sde only"),
     ):
         out = tmp_path / "ignored.png"
         assert sample_main([*common, *flags, "--out", str(out)]) == 2, flags

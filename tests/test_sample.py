@@ -272,6 +272,15 @@ def test_guidance_modes_and_samplers_differ_and_bad_input_is_one_line(run, tmp_p
         (["--out", tmp_path / "g.png", "--npz", tmp_path / "s.npz"], "pass exactly one of --out"),
         (["--out", tmp_path / "g.png", "--num-samples", "5"], "--num-samples is for the evaluation batch"),
         (["--out", tmp_path / "g.png", "--vae", tmp_path / "missing"], "--vae"),
+        # a flow sampler's flag on this ddpm model, even at its default value: refused, not ignored
+        (
+            ["--out", tmp_path / "g.png", "--sampler", "ddim", "--ode-solver", "heun"],
+            "--ode-solver is read by",
+        ),
+        (
+            ["--out", tmp_path / "g.png", "--cfg-interval", "0,1"],
+            "--cfg-interval is read by --sampler ode or sde",
+        ),
     ]:
         assert sample_main(["--checkpoint", run / "run", "--steps", "2", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -32,6 +32,22 @@ def test_headline_command_writes_the_plan_files(tmp_path, capsys):
     assert plan == json.loads(json.dumps(make_plan(gpus=8, vram="40G", global_batch=256)))
 
 
+def test_the_plan_folder_and_the_plot_get_the_modes_a_plain_open_would_give(tmp_path, capsys):
+    """Staged in mkdtemp (0700) and mkstemp (0600) for atomicity, they must not stay private: a plan is
+    read by other users of the cluster (the launcher, a teammate), as every other file of it is."""
+    umask = os.umask(0o022)
+    try:
+        code, _, _ = run(
+            BASE + ["--out", str(tmp_path / "plan"), "--plot", str(tmp_path / "chart.png")], capsys
+        )
+    finally:
+        os.umask(umask)
+    assert code == 0
+    mode = lambda path: path.stat().st_mode & 0o777
+    assert mode(tmp_path / "plan") == 0o755 and mode(tmp_path / "chart.png") == 0o644
+    assert {mode(path) for path in (tmp_path / "plan").iterdir()} == {0o644}
+
+
 def test_plan_json_contract(tmp_path, capsys):
     run(BASE + ["--out", str(tmp_path)], capsys)
     plan = json.loads((tmp_path / "plan.json").read_text())

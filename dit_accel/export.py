@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 from dit_accel.atomic import staged_folder, write_json_atomically
@@ -231,14 +232,21 @@ def main(argv: list[str] | None = None) -> int:
             "no VAE is recorded with this run: pass --vae DIR (the AutoencoderKL folder it was trained with)"
         )
     class_names = read_labels_file(args.labels) if args.labels else run_class_names(source)
-    out = write_pipeline(
-        source.model,
-        vae_path,
-        args.out,
-        class_names,
-        allow_freq_shift_change=args.allow_freq_shift_change,
-        overwrite=args.overwrite,
-    )
+    with warnings.catch_warnings(record=True) as caught:  # the library's warning, as this command's line
+        warnings.simplefilter("always", UserWarning)
+        out = write_pipeline(
+            source.model,
+            vae_path,
+            args.out,
+            class_names,
+            allow_freq_shift_change=args.allow_freq_shift_change,
+            overwrite=args.overwrite,
+        )
+    for warning in caught:
+        if issubclass(warning.category, UserWarning) and "frequency shift" in str(warning.message):
+            print(f"dit-accel export: warning: {warning.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     labels = (
         f"{len(class_names)} class names" if class_names else "no class names (pass --labels to add them)"
     )

@@ -309,6 +309,15 @@ def planned_tf32(requested: bool, plan: Plan) -> bool:
     return requested and plan.matmul != "ieee-fp32"
 
 
+def tf32_as_planned(requested: bool, plan: Plan, device: torch.device) -> str:
+    """Set TF32 as the plan was rated (`planned_tf32`) and say how it ended up, for the run's first log line."""
+    if set_tf32(planned_tf32(requested, plan), device):
+        return "on"
+    if device.type != "cuda":
+        return "n/a on CPU"
+    return "off (--no-tf32)" if not requested else "off (an IEEE fp32 plan)"
+
+
 def set_tf32(enabled: bool, device: torch.device) -> bool:
     """TF32 matmuls and convolutions on CUDA, as the DiT recipe trains and the planner rates fp32 (TF32 peak).
     Returns whether TF32 is on; always False off CUDA, where the switch means nothing."""

@@ -288,10 +288,8 @@ def warn_about_the_ema(source: Source) -> None:
 
 
 def warn_if_ema_is_mostly_initial(checkpoint: Path, train_config: dict) -> float | None:
-    """Say so when the EMA has seen too few updates to differ from the weights it started from (the
-    recipe's 0.9999 needs ~23k updates to forget 90% of them): such a grid is noise from an untrained
-    network, not a sign of a broken run. Returns the share, or None when the checkpoint does not tell or its
-    EMA started from trained weights (an imported checkpoint, a run started --init-from one)."""
+    """Say so when the EMA has seen too few updates to forget the untrained weights it started from (0.9999
+    needs ~23k to forget 90%): such a grid is noise, not a broken run. Returns the share, or None if unknown."""
     from dit_accel import checkpoint as ckpt
     from dit_accel.ema import initial_weight_share
 
@@ -299,7 +297,7 @@ def warn_if_ema_is_mostly_initial(checkpoint: Path, train_config: dict) -> float
         state = ckpt.read_train_state(checkpoint)
     except (OSError, ValueError):
         return None
-    if state.get("imported_from") or state.get("init_from"):  # the initial weights are trained ones
+    if state.get("imported_from") or state.get("init_from"):  # imported, or --init-from: a trained start
         return None
     updates = int(state.get("applied_steps", state.get("step", 0)))
     decay = float(train_config.get("ema_decay", 0.9999))

@@ -53,13 +53,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.consensus import gathered, main_decides
     from dit_accel.data.loader import build_dataset, check_data_mode, make_loader
     from dit_accel.data.order import SampleNoise, SampleOrder
-    from dit_accel.distributed import (
-        check_launch,
-        end_process_group,
-        make_accelerator,
-        planned_tf32,
-        set_tf32,
-    )
+    from dit_accel.distributed import check_launch, end_process_group, make_accelerator, tf32_as_planned
     from dit_accel.faults import Faults
     from dit_accel.progress import progress_bar
     from dit_accel.resume import choose_start, claim_run_folder, restore
@@ -99,7 +93,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     config.hflip = dataset.flip  # as resolved (a cache's own setting): recorded in the run, held on resume
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
     start = choose_start(config, run_dir, plan, spec, world_size, accelerator=accelerator)
-    tf32 = set_tf32(planned_tf32(config.tf32, plan), accelerator.device)
+    tf32_text = tf32_as_planned(config.tf32, plan, accelerator.device)
     components = build_components(
         plan, config, accelerator, init=start.init, timestep_freq_shift=start.timestep_freq_shift
     )
@@ -143,9 +137,6 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         if not plan.sharding.uses_fsdp
         else f"sharded {d.sharding} (FSDP2, reshard after forward: {plan.sharding.reshard_after_forward})"
     )
-    tf32_text = "on" if tf32 else "off (--no-tf32)" if not config.tf32 else "off (an IEEE fp32 plan)"
-    if components.device.type != "cuda":
-        tf32_text = "n/a on CPU"
     log.info(
         f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters, {layout}; "
         f"TF32 {tf32_text}; world size {world_size} x micro-batch {d.micro_batch} x accumulation "

@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import gc
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -249,12 +250,11 @@ def cuda_measure(plan: Plan, spec, steps: int) -> Callable[[int], Measurement]:
                     durations.append(time.perf_counter() - started)
                 free, total = torch.cuda.mem_get_info()
                 device_used = max(device_used, total - free)
-            durations.sort()
             result = Measurement(
                 micro_batch=micro_batch,
                 max_allocated_bytes=torch.cuda.max_memory_allocated(),
                 max_reserved_bytes=torch.cuda.max_memory_reserved(),
-                step_seconds=durations[len(durations) // 2],
+                step_seconds=statistics.median(durations),  # of an even count: the middle two's mean
                 device_used_bytes=device_used,
                 grad_accum=parts.grad_accum,
             )

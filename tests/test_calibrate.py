@@ -452,3 +452,12 @@ def test_a_vram_cap_that_is_no_size_or_not_below_the_card_is_refused_in_one_line
 def test_a_plan_from_before_the_matmul_mode_trains_fp32_with_tf32_and_mixed_at_its_precision():
     model = {"name": "DiT-custom", "resolution": 32, "depth": 2, "hidden": 32, "heads": 2, "patch": 2}
     assert tiny_plan().matmul == "tf32" and a_plan(model, 2, "bf16").matmul == "bf16"
+
+
+def test_a_points_step_time_is_the_median_of_its_timed_steps_not_the_slower_of_two(step_on_cpu, monkeypatch):
+    """With --steps 2 the upper of the two was taken: on the H200 the first point of each process ran slow."""
+    clock = iter([0.0, 10.0, 10.2, 20.0, 20.4])  # the warm-up's start (untimed), then 0.2 s and 0.4 s steps
+    monkeypatch.setattr(cal, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(clock))}))
+    plan = tiny_plan()
+    point = cal.cuda_measure(plan, plan.spec(), 2)(2)
+    assert point.step_seconds == pytest.approx(0.3)

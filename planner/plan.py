@@ -583,7 +583,8 @@ def _advice(
         )
     if decision.sharded:
         notes.append(
-            f"{decision.sharding} shards with FSDP ({SHARDING_MODES[decision.sharding].fsdp1_strategy}): the shared embedder "
+            f"{decision.sharding} shards with FSDP2 (the layout FSDP1 called "
+            f"{SHARDING_MODES[decision.sharding].fsdp1_strategy}): the shared embedder "
             f"must sit in the root FSDP unit, and grads are reduce-scattered every micro-step (sync_each_batch)"
         )
     communication = communication_warning(spec, decision, cluster, assumed, throughput)

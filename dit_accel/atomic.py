@@ -20,13 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dit_accel.errors import UserError
-
-
-def permissions(mode: int) -> int:
-    """`mode` less the process umask: what open()/mkdir() would give."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
+from planner.filemode import permissions
 
 
 def write_atomically(path: str | os.PathLike, write_fn: Callable[[BinaryIO], None]) -> Path:

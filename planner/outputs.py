@@ -14,6 +14,7 @@ from pathlib import Path
 
 from planner.accelerate import accelerate_yaml
 from planner.errors import PlanError
+from planner.filemode import permissions
 from planner.report.planmd import plan_markdown
 from planner.slurm import slurm_script
 
@@ -61,14 +62,6 @@ def render_files(plan: dict, command: str | None = None, chart: bool = True) -> 
     return files
 
 
-def umask_mode(mode: int) -> int:
-    """`mode` less the process umask: what a plain open()/mkdir() gives, which mkstemp/mkdtemp (0600/0700)
-    do not."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
-
-
 def check_out_dir(out: str | os.PathLike) -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():
@@ -93,8 +86,8 @@ def write_plan_dir(
             else:
                 (staging / name).write_text(content)
         if (staging / "launch.slurm").exists():
-            os.chmod(staging / "launch.slurm", umask_mode(0o777))
-        os.chmod(staging, umask_mode(0o777))  # the folder a new --out becomes: not mkdtemp's 0700
+            os.chmod(staging / "launch.slurm", permissions(0o777))
+        os.chmod(staging, permissions(0o777))  # the folder a new --out becomes: not mkdtemp's 0700
         if not out.exists():
             os.replace(staging, out)
         else:
@@ -127,7 +120,7 @@ def write_file_atomically(path: str | os.PathLike, content: bytes) -> Path:
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(content)
-        os.chmod(temporary, umask_mode(0o666))  # as a plain open() would make it, not mkstemp's 0600
+        os.chmod(temporary, permissions(0o666))  # as a plain open() would make it, not mkstemp's 0600
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from planner.errors import PlanError
 from planner.memory import COMPONENTS, Decision
 from planner.repa import DEFAULT_PROJECTOR_DIM, ENCODERS
-from planner.rules import OBJECTIVES, PRECISIONS, SHARDING_MODES, Precision, ShardingMode
+from planner.rules import OBJECTIVES, PRECISIONS, SHARDING_MODES, Precision, ShardingMode, default_matmul
 from planner.spec import LATENT_MODES, NUM_CLASSES, DiTSpec, custom_spec, model_spec
 from planner.units import count
 
@@ -138,9 +138,7 @@ class Plan:
     def matmul(self) -> str:
         """The matmul mode the plan was rated at (bf16, fp16, tf32, ieee-fp32), which the trainer runs: an fp32
         plan from before the mode was written trains with TF32, the trainer's default."""
-        return self.throughput.matmul or (
-            "tf32" if self.decision.precision == "fp32" else self.decision.precision
-        )
+        return self.throughput.matmul or default_matmul(self.decision.precision)
 
     def spec(self) -> DiTSpec:
         return spec_from_plan(self)

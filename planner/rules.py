@@ -35,6 +35,11 @@ PRECISIONS = {
 }
 
 
+def default_matmul(precision: str) -> str:
+    """The matmul rate of a plan precision when nothing else is said: fp32 plans train with TF32 matmuls."""
+    return "tf32" if precision == "fp32" else precision
+
+
 # The training objectives a plan may name (dit-plan --objective); the trainer's --objective must agree.
 OBJECTIVES = {
     "ddpm": "DiT's Gaussian diffusion: epsilon MSE plus the learned variance's bound term",

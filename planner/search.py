@@ -28,6 +28,7 @@ from planner.errors import PlanError
 from planner.hardware import Assumptions, matmul_mode, mfu_entry
 from planner.memory import SHARDINGS, Cluster, Decision, MemoryEstimate, element_bytes, step_memory
 from planner.repa import DEFAULT_PROJECTOR_DIM
+from planner.rules import default_matmul
 from planner.spec import DiTSpec
 
 FALLBACK_BUSBW_BYTES_PER_S = 100e9  # intra-node bandwidth when only --vram is known
@@ -55,11 +56,6 @@ class Throughput:
     vae_time_s: float = 0.0  # the VAE encoder (online latents), at its own fp32 / TF32 rate
     matmul: str = ""  # bf16 | fp16 | tf32 | ieee-fp32: the rate the DiT's matmuls were estimated at
     mfu_source: str = ""  # where the MFU comes from (the table entry, its fallback, or the override)
-
-
-def default_matmul(precision: str) -> str:
-    """The matmul rate of a plan precision when nothing else is said: fp32 plans train with TF32 matmuls."""
-    return "tf32" if precision == "fp32" else precision
 
 
 def dit_image_flops(spec: DiTSpec, decision: Decision) -> float:

@@ -169,21 +169,13 @@ def planned_memory(plan, micro_batch: int):
     return step_memory(plan.spec(), decision, plan_cluster(plan), plan_assumptions(plan))
 
 
-def planned_speed(plan, micro_batch: int):
-    """The planner's images/s of this plan's step at another micro-batch (no accumulation), and the MFU under
-    the planner's own step model that would give back `measured_images_per_s` (planner.search.implied_mfu)."""
-    from planner.search import estimate_throughput
-
-    decision = dataclasses.replace(plan.decision, micro_batch=micro_batch, grad_accum=1)
-    return estimate_throughput(plan.spec(), decision, plan_cluster(plan), plan_assumptions(plan), plan.matmul)
-
-
 def modes_table(folder: Path) -> str:
     """benchmarks/gpu_modes.sh's calibrations, each point beside the planner (error = plan / measured - 1),
     the MFU the planner's model needs to give each measured images/s back, and the VAE encoder's rate from
     each online mode against the precomputed one of its matmul mode at the same micro-batch."""
     from planner.errors import PlanError
-    from planner.search import implied_mfu, implied_vae_mfu
+    from planner.memory import step_memory
+    from planner.search import estimate_throughput, implied_mfu, implied_vae_mfu
 
     rows, measured = [], {}
     header = (
@@ -194,29 +186,22 @@ def modes_table(folder: Path) -> str:
     for calibration_path in sorted(folder.glob("*/calibration.json")):
         name = calibration_path.parent.name
         plan = read_plan_file(calibration_path.parent / "plan.json")
+        spec, cluster, assumptions = plan.spec(), plan_cluster(plan), plan_assumptions(plan)
         calibration = json.loads(calibration_path.read_text())
         outside = (calibration.get("fit") or {}).get("outside_allocator_bytes") or 0
         segments = plan.assumptions.get("allocator_segments", "expandable")
         for m in calibration.get("measurements", []):
             mb = m["micro_batch"]
-            memory, speed = planned_memory(plan, mb), planned_speed(plan, mb)
-            gpu_total = m["max_reserved_bytes"] + outside
             decision = dataclasses.replace(plan.decision, micro_batch=mb, grad_accum=1)
+            memory = step_memory(spec, decision, cluster, assumptions)
+            speed = estimate_throughput(spec, decision, cluster, assumptions, plan.matmul)
+            gpu_total = m["max_reserved_bytes"] + outside
             try:
-                mfu = implied_mfu(
-                    plan.spec(),
-                    decision,
-                    plan_cluster(plan),
-                    plan_assumptions(plan),
-                    m["images_per_s"],
-                    plan.matmul,
-                )
+                mfu = implied_mfu(spec, decision, cluster, assumptions, m["images_per_s"], plan.matmul)
             except PlanError:
                 mfu = None
-            measured[(plan.matmul, plan.decision.latents, plan.decision.checkpointed_blocks, mb)] = (
-                plan,
-                m["images_per_s"],
-            )
+            key = (plan.matmul, plan.decision.latents, plan.decision.checkpointed_blocks, mb)
+            measured[key] = (spec, decision, cluster, assumptions, m["images_per_s"])
             rows.append(
                 f"| {name} | {segments} | {mb} | {gib(memory.allocated_peak_bytes)} / {gib(m['max_allocated_bytes'])}"
                 f" | {percent(memory.allocated_peak_bytes / m['max_allocated_bytes'] - 1)}"
@@ -225,14 +210,13 @@ def modes_table(folder: Path) -> str:
                 f" | {f'{mfu:.3f}' if mfu else 'n/a'} |"
             )
     vae = []
-    for (matmul, latents, checkpointed, mb), (plan, online) in sorted(measured.items()):
+    for (matmul, latents, checkpointed, mb), (spec, decision, cluster, assumptions, online) in sorted(
+        measured.items(), key=lambda item: item[0]
+    ):
         same = measured.get((matmul, "precomputed", checkpointed, mb))
         if latents == "online" and same:
-            decision = dataclasses.replace(plan.decision, micro_batch=mb, grad_accum=1)
             try:
-                rate = implied_vae_mfu(
-                    plan.spec(), decision, plan_cluster(plan), plan_assumptions(plan), online, same[1]
-                )
+                rate = implied_vae_mfu(spec, decision, cluster, assumptions, online, same[-1])
                 vae.append(
                     f"- {matmul}, {checkpointed} checkpointed, micro-batch {mb}: VAE encoder MFU {rate:.3f}"
                 )

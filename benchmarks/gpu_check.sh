@@ -20,7 +20,6 @@
 # SKIP=compiled,calibrate (stage names, comma-separated) leaves stages out, e.g. in a rerun on a warm machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-root=$PWD
 dry_run=0
 [[ "${1:-}" == "--dry-run" ]] && dry_run=1
 out="${OUT:-${TMPDIR:-/tmp}/gpu_check_out}"
@@ -68,12 +67,8 @@ stage() {
 
 say "work $work, out $out, budget $budget_s s, dry run $dry_run"
 # 0. The carried wheels (diffusers) into a folder of their own; the tree itself on PYTHONPATH.
-site="$work/site"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
-        --upgrade --target "$site" .whl/*.whl >> "$log" 2>&1 || say "installing .whl/*.whl failed (see the log)"
-fi
-export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
+source benchmarks/gpu_site.sh
+use_carried_wheels "$work/site" "$log" || say "installing .whl/*.whl failed (see the log)"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR="$work/inductor"
 if ((dry_run)); then

@@ -14,7 +14,6 @@
 # BUDGET_S (default 400) bounds the whole check; each stage gets at most 90 s. ONLY=NAME,... runs those modes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-root=$PWD
 dry_run=0
 [[ "${1:-}" == "--dry-run" ]] && dry_run=1
 out="${OUT:-${TMPDIR:-/tmp}/gpu_modes_out}"
@@ -23,12 +22,9 @@ budget_s="${BUDGET_S:-400}"
 mkdir -p "$out" "$work"
 log="$out/modes.log"
 : > "$log"
-site="$work/site"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
-        --upgrade --target "$site" .whl/*.whl >> "$log" 2>&1 || echo "installing .whl/*.whl failed" >> "$log"
-fi
-export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source benchmarks/gpu_site.sh
+use_carried_wheels "$work/site" "$log" || echo "installing .whl/*.whl failed" >> "$log"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 # mode NAME MICRO_BATCHES ALLOC_CONF CALIBRATE_ARGS PLAN_ARGS...: plan DiT-XL/2 @256 on one H200 so, then
 # calibrate it there (CALIBRATE_ARGS: "" = these micro-batches only, no search for the largest fit)

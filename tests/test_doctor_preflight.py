@@ -9,6 +9,7 @@ import shutil
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -17,6 +18,7 @@ from PIL import Image
 from dit_accel.doctor import Probes, run
 from dit_accel.doctor.checks import Status, exit_code, failed, passed, warned
 from dit_accel.doctor.data import check_data
+from dit_accel.doctor.decode_rate import decode_budget
 from dit_accel.doctor.distributed import (
     Rendezvous,
     check_distributed,
@@ -537,6 +539,59 @@ def test_images_for_a_latent_plan_fail_with_the_trainers_message(xl_plan, tmp_pa
         check_data(xl_plan, make_folder(tmp_path / "images"), None, None, full=False), "data vs plan"
     )
     assert row.status is Status.FAIL and "precomputed latents" in row.reason and "--latents DIR" in row.fix
+
+
+ONLINE_PLAN = make_plan(gpus=8, vram="80G", global_batch=256, latents="online")  # ~600 img/s per node
+
+
+@pytest.fixture(scope="module")
+def photographs(tmp_path_factory) -> Path:
+    """Four 4000 x 3000 JPEGs (a camera's size): about 0.1 s each to decode and crop to 256 px on one core of
+    an x86 box, so an online XL/2 node at ~600 img/s needs tens of cores for them."""
+    root = tmp_path_factory.mktemp("photographs")
+    rng = np.random.default_rng(0)
+    for c in range(2):
+        (root / f"class_{c}").mkdir()
+        for i in range(2):  # smooth noise compresses like a photograph
+            small = rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)
+            image = Image.fromarray(small).resize((4000, 3000), Image.BICUBIC)
+            image.save(root / f"class_{c}" / f"{i}.jpg", quality=90)
+    return root
+
+
+def decode_row(plan, images: Path, cpus: int, workers_per_rank: int):
+    budget = decode_budget(plan, cpus, workers_per_rank)
+    return by_name(check_data(plan, images, None, None, False, None, budget), "decode rate")
+
+
+def test_the_decode_rate_is_timed_on_the_runs_images_against_the_plans_rate(tmp_path, photographs):
+    """The real decode of the run's own images, set against the plan's images/s per node: enough workers
+    pass; too few workers, no workers, or too few CPUs for the rate at all each warn with their fix."""
+    plan = load_plan(write_plan(tmp_path / "plan", ONLINE_PLAN))
+    rate = plan.plan.throughput.est_images_per_s
+    assert 300 < rate < 1200, rate  # the figures below hold with a wide margin around ~600 img/s
+    roomy = decode_row(plan, photographs, cpus=400, workers_per_rank=40)
+    assert (
+        roomy.status is Status.PASS and "3 sampled" in roomy.reason and "of its 320 workers" in roomy.reason
+    )
+    few = decode_row(plan, photographs, cpus=400, workers_per_rank=1)
+    assert few.status is Status.WARN and "more than its 8 workers (8 ranks x 1)" in few.reason
+    assert "--num-workers" in few.fix and "extract-latents" in few.fix
+    assert int(few.fix.split("--num-workers ")[1].split()[0]) > 1
+    none = decode_row(plan, photographs, cpus=400, workers_per_rank=0)
+    assert none.status is Status.WARN and "each rank decodes between its steps" in none.reason
+    starved = decode_row(plan, photographs, cpus=10, workers_per_rank=1)
+    assert starved.status is Status.WARN and "more than the 2 CPUs beside its 8 ranks" in starved.reason
+    assert "--latents precomputed" in starved.fix and "--cpus-per-task" in starved.fix
+
+
+def test_no_decode_rate_for_a_latent_plan_and_a_pass_through_the_command(ready, capsys, tmp_path):
+    latent_plan = load_plan(write_plan(tmp_path / "latent_plan"))
+    assert decode_budget(latent_plan, 96, 4) is None  # precomputed latents: nothing decoded while training
+    argv, probes = ready
+    assert run(argv + ["--format", "json"], probes) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["checks"]}
+    assert rows["decode rate"]["status"] == "PASS" and rows["decode rate"]["group"] == "data"
 
 
 def save_tiny_vae(folder: Path, seed: int) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dit_accel.data.folder import center_crop_adm, image_to_uint8, load_rgb, uint8_to_unit_range
+from dit_accel.data.folder import load_rgb, training_pixels
 from dit_accel.data.source_kind import DatasetOptions, dataset_kind
 from dit_accel.errors import UserError
 
@@ -85,5 +85,4 @@ class CacheImages:
         return load_rgb(image_stream(cell), f"{self.root} {name}")
 
     def pixels(self, index: int, mirrored: bool) -> torch.Tensor:
-        image = center_crop_adm(self._open(self.sources[index].decode()), self.resolution)
-        return uint8_to_unit_range(image_to_uint8(image, flip=mirrored))
+        return training_pixels(self._open(self.sources[index].decode()), self.resolution, mirrored)

@@ -403,6 +403,12 @@ def uint8_to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.to(torch.float32) / 127.5 - 1.0
 
 
+def training_pixels(image: Image.Image, resolution: int, mirrored: bool) -> torch.Tensor:
+    """What a DataLoader worker hands over for one decoded image: the ADM crop, mirrored or not, as float32
+    CHW in [-1, 1]. The trainer's datasets and the doctor's decode-rate check run this same work."""
+    return uint8_to_unit_range(image_to_uint8(center_crop_adm(image, resolution), flip=mirrored))
+
+
 def flip_coin(seed: int | None, epoch: int, index: int) -> bool:
     """A fair coin. Seeded: a pure function of (seed, epoch, index), so it does not depend on which
     DataLoader worker serves the index. Unseeded: torch's RNG (DataLoader seeds it per worker)."""
@@ -531,7 +537,6 @@ class ImageFolderData(torch.utils.data.Dataset):
                 self._mark_bad(position, error)
         else:
             raise UserError(f"no image in {self.root} decodes", "check the files")
-        image = center_crop_adm(image, self.resolution)
         mirrored = self.flip and flip_coin(self.seed, self.epoch, index)
-        pixels = uint8_to_unit_range(image_to_uint8(image, flip=mirrored))
+        pixels = training_pixels(image, self.resolution, mirrored)
         return pixels, torch.tensor(label, dtype=torch.int64)

@@ -23,6 +23,7 @@ from dit_accel.data.latents_args import add_dataset_flags
 from dit_accel.data.source_kind import DatasetOptions
 from dit_accel.doctor.checks import Check, exit_code, warned
 from dit_accel.doctor.data import check_data
+from dit_accel.doctor.decode_rate import decode_budget
 from dit_accel.doctor.distributed import CONNECT_TIMEOUT_S, check_distributed, read_rendezvous
 from dit_accel.doctor.environment import EnvironmentFacts, check_environment, probe_environment
 from dit_accel.doctor.host import HostFacts, check_host, loader_facts, read_host
@@ -133,7 +134,8 @@ def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list
     workers = loader_workers(args.num_workers, plan.gpus_per_node, host.cpu_count)  # the trainer's own rule
     checks += check_host(plan, host, loader_facts(plan, workers))
     options = DatasetOptions(args.split, args.image_column, args.label_column)
-    checks += check_data(plan, args.data_path, args.latents, args.vae, args.full, options)
+    budget = decode_budget(plan, host.cpu_count, workers)
+    checks += check_data(plan, args.data_path, args.latents, args.vae, args.full, options, budget)
     if args.output_dir is None:
         checks.append(
             warned(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
+from dit_accel.doctor.decode_rate import DecodeBudget, check_decode_rate
 from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
 from planner.units import plural
@@ -81,8 +82,11 @@ def _class_check(plan: PlanFacts, images_per_class: dict[str, int], num_images: 
     )
 
 
-def check_image_folder(plan: PlanFacts, data_path: Path, full: bool, options=None) -> list[Check]:
-    """An image folder or a dataset (`hf_source`), checked as the trainer and extract-latents check it."""
+def check_image_folder(
+    plan: PlanFacts, data_path: Path, full: bool, options=None, budget: DecodeBudget | None = None
+) -> list[Check]:
+    """An image folder or a dataset (`hf_source`), checked as the trainer and extract-latents check it; with
+    a `budget`, also whether this node decodes its images as fast as the plan trains."""
     from PIL import Image
 
     from dit_accel.data.hf_source import DatasetSummary, validate_image_source
@@ -157,6 +161,9 @@ def check_image_folder(plan: PlanFacts, data_path: Path, full: bool, options=Non
                 f">= the plan's {plan.resolution} px",
             )
         )
+    if budget is not None:
+        rate = check_decode_rate(listing, plan.resolution, budget)
+        checks += [rate] if rate else []
     return checks
 
 
@@ -207,10 +214,11 @@ def check_data(
     vae: str | None,
     full: bool,
     options=None,
+    budget: DecodeBudget | None = None,
 ) -> list[Check]:
     checks = [check_data_mode(plan, data_path, latents, vae)]
     if data_path is not None:
-        checks += check_image_folder(plan, data_path, full, options)
+        checks += check_image_folder(plan, data_path, full, options, budget)
     if latents is not None:
         checks += check_latent_cache(plan, latents, vae, full)
     return checks

@@ -408,7 +408,8 @@ def test_older_plans_without_the_new_fields_still_read(tmp_path):
 def test_the_public_runs_come_back_within_15_percent_but_the_ones_the_docs_explain():
     """docs/planner-accuracy.md's throughput table (benchmarks/public_runs.py), planned eager as those trainers
     ran: within 15% of each published images/s, except the rows whose cause that doc names (DiT issue #22's
-    TF32 run, its IEEE run planned with cuDNN TF32 off too, fast-DiT's two-GPU fp16 logs: the interconnect)."""
+    TF32 run, its IEEE run planned with cuDNN TF32 off too, fast-DiT's two-GPU fp16 logs: a
+    two-core host or the link)."""
     import importlib.util
     from pathlib import Path
 

@@ -40,6 +40,13 @@ def loader_workers(requested: int | None, ranks_per_node: int, cpus: int) -> int
     return max(0, min(DEFAULT_NUM_WORKERS, cpus // max(ranks_per_node, 1) - 1))
 
 
+def check_data_sources(data_path, latents, repa_encoder) -> None:
+    """One of --data-path and --latents; both only for REPA from a latent cache, which reads its source
+    images too (--data-path then says where they are now). The trainer's rule, and the doctor's."""
+    if bool(data_path) == bool(latents) and not (data_path and latents and repa_encoder):
+        raise UserError("pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)")
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
@@ -316,10 +323,7 @@ class TrainConfig:
             raise UserError(
                 "--output-dir is required: the run folder for checkpoints and logs, e.g. runs/xl2"
             )
-        sources = [name for name in ("data_path", "latents") if getattr(self, name)]
-        # REPA from a latent cache reads its source images too: --data-path then says where they are now
-        if len(sources) != 1 and not (len(sources) == 2 and self.repa_encoder):
-            raise UserError("pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)")
+        check_data_sources(self.data_path, self.latents, self.repa_encoder)
         if self.resume == "latest":  # the name other trainers use for the same thing
             self.resume = "auto"
         if self.init_from and self.resume not in (None, "auto"):

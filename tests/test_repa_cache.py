@@ -165,3 +165,91 @@ def test_the_planner_counts_the_images_a_cache_run_hands_over():
         assert per_sample in (pixels * 4 * 2, pixels * 2)  # workers x prefetch batches, or 2 pinned batches
     assert aligned["host"]["per_rank"]["folder_index"] > 0 == plain["host"]["per_rank"]["folder_index"]
     assert aligned["host"]["main_process_once"] == {"folder_listing": 0}
+
+
+# --- the doctor's REPA rows ----------------------------------------------------------------------------------
+
+
+def _doctor_rows(argv: list, capsys) -> tuple[int, dict]:
+    """`dit-accel doctor` on a simulated 1-GPU node, as JSON rows by name."""
+    import json
+
+    from test_doctor_preflight import env, gpus, host
+
+    from dit_accel.doctor import Probes, run
+
+    probes = Probes(environment=lambda: env(gpus=gpus(1)), host=lambda: host())
+    capsys.readouterr()  # what came before (dit-plan's tables)
+    code = run([str(arg) for arg in argv] + ["--format", "json"], probes)
+    return code, {row["name"]: row for row in json.loads(capsys.readouterr().out)["checks"]}
+
+
+def _plan(folder, *more) -> str:
+    from planner.cli import main as plan_main
+
+    argv = [
+        *("--model", "DiT-S/2", "--depth", "2", "--hidden", "32", "--heads", "2", "--num-classes", "2"),
+        *("--resolution", str(RESOLUTION), "--latents", "precomputed", "--vram", "8G", "--gpus", "1"),
+        *("--global-batch", "2", "--precision", "fp32", *more, "--out", str(folder)),
+    ]
+    assert plan_main(argv) == 0
+    return str(folder / "plan.json")
+
+
+def test_the_doctor_checks_a_repa_runs_encoder_and_the_caches_images(caches, tmp_path, capsys):
+    """The encoder loads as the trainer loads it (a test encoder: no published shape, a warning), the cache's
+    source images are read for a sample of entries and timed against the plan's rate; without the encoder,
+    with the folder moved or an image gone, a FAIL that names the fix; --data-path finds the moved folder."""
+    import json
+    import shutil
+
+    from test_repa import save_tiny_encoder
+
+    plan = _plan(tmp_path / "plan", "--repa", "dinov2-s", "--repa-projector-dim", "16")
+    save_tiny_encoder(tmp_path / "enc.pth")
+    cache = shutil.copytree(caches["folder"], tmp_path / "cache")
+    base = ["--plan", plan, "--latents", cache, "--output-dir", tmp_path / "run"]
+    code, rows = _doctor_rows([*base, "--repa-encoder", tmp_path / "enc.pth"], capsys)
+    assert code == 0, rows
+    assert (
+        rows["REPA encoder"]["status"] == "WARN" and "no published DINOv2" in rows["REPA encoder"]["reason"]
+    )
+    assert rows["REPA images"]["status"] == "PASS" and "6 of the cache's 6" in rows["REPA images"]["reason"]
+    assert rows["decode rate"]["status"] == "PASS"
+
+    code, rows = _doctor_rows(base, capsys)
+    assert code == 2 and rows["REPA encoder"]["status"] == "FAIL"
+    assert "--repa-encoder is not given" in rows["REPA encoder"]["reason"]
+
+    moved = shutil.copytree(caches["images"], tmp_path / "moved")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    (cache / "manifest.json").write_text(json.dumps(dict(manifest, data_path=str(tmp_path / "gone"))))
+    encoder = ["--repa-encoder", tmp_path / "enc.pth"]
+    code, rows = _doctor_rows([*base, *encoder], capsys)
+    assert code == 2 and "which is not here" in rows["REPA images"]["reason"]
+    assert "--data-path" in rows["REPA images"]["fix"]
+    code, rows = _doctor_rows([*base, *encoder, "--data-path", moved], capsys)
+    assert (
+        code == 0 and rows["REPA images"]["status"] == "PASS" and str(moved) in rows["REPA images"]["reason"]
+    )
+    (moved / caches["paths"][0]).unlink()
+    code, rows = _doctor_rows([*base, *encoder, "--data-path", moved], capsys)
+    assert code == 2 and "1 of 6 sampled source images" in rows["REPA images"]["reason"]
+
+
+def test_the_doctor_refuses_an_encoder_for_a_plan_without_repa(caches, tmp_path, capsys):
+    from test_repa import save_tiny_encoder
+
+    save_tiny_encoder(tmp_path / "enc.pth")
+    argv = [
+        "--plan",
+        _plan(tmp_path / "plan"),
+        "--latents",
+        caches["folder"],
+        "--output-dir",
+        tmp_path / "run",
+    ]
+    code, rows = _doctor_rows([*argv, "--repa-encoder", tmp_path / "enc.pth"], capsys)
+    assert code == 2 and "the plan counts no REPA encoder" in rows["REPA encoder"]["reason"]
+    code, rows = _doctor_rows(argv, capsys)
+    assert code == 0 and "REPA encoder" not in rows and "decode rate" not in rows

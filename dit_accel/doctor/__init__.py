@@ -30,9 +30,15 @@ from dit_accel.doctor.host import HostFacts, check_host, loader_facts, read_host
 from dit_accel.doctor.logs import diagnose
 from dit_accel.doctor.output import check_output
 from dit_accel.doctor.plan import PlanFacts, load_plan
+from dit_accel.doctor.repa import check_repa
 from dit_accel.doctor.report import render
 from dit_accel.errors import UserError, exits_cleanly
-from dit_accel.train_config import DEFAULT_NUM_WORKERS, TrainConfig, loader_workers
+from dit_accel.train_config import (
+    DEFAULT_NUM_WORKERS,
+    TrainConfig,
+    check_data_sources,
+    loader_workers,
+)
 
 PROG = "dit-accel doctor"
 
@@ -61,16 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
         "With --log: 0 no failure found, 2 a failure explained, 1 with --strict when unrecognised.",
     )
     parser.add_argument("--plan", help="plan.json written by dit-plan (required, except with --log)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument(
+    parser.add_argument(
         "--data-path",
         "--data_path",
         dest="data_path",
         type=Path,
-        help="image folder (DIR/<class>/<image>) or a Hugging Face dataset (save_to_disk, parquet, webdataset)",
+        help="image folder (DIR/<class>/<image>) or a Hugging Face dataset (save_to_disk, parquet, webdataset); "
+        "beside --latents with REPA, where the cache's source images are now",
     )
     add_dataset_flags(parser)
-    source.add_argument("--latents", type=Path, help="latent cache written by `dit-accel extract-latents`")
+    parser.add_argument("--latents", type=Path, help="latent cache written by `dit-accel extract-latents`")
+    parser.add_argument(
+        "--repa-encoder",
+        "--repa_encoder",
+        dest="repa_encoder",
+        help="the run's --repa-encoder (a REPA plan's DINOv2 weights: loaded and checked against the plan)",
+    )
     parser.add_argument(
         "--vae", help="the run's --vae (checked against the latent cache and the plan's latent mode)"
     )
@@ -136,6 +148,7 @@ def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list
     options = DatasetOptions(args.split, args.image_column, args.label_column)
     budget = decode_budget(plan, host.cpu_count, workers)
     checks += check_data(plan, args.data_path, args.latents, args.vae, args.full, options, budget)
+    checks += check_repa(plan, args.repa_encoder, args.latents, args.data_path, options, budget)
     if args.output_dir is None:
         checks.append(
             warned(
@@ -193,6 +206,7 @@ def run(argv: list[str] | None = None, probes: Probes | None = None) -> int:
             raise UserError(
                 "pass --data-path DIR (an image folder) or --latents DIR (a latent cache): the data to check"
             )
+        check_data_sources(args.data_path, args.latents, args.repa_encoder)  # as the trainer takes them
         checks = preflight(load_plan(args.plan), args, probes or Probes())
     print(render(checks, args.format, args.strict, mode="log" if args.log is not None else "preflight"))
     return exit_code(checks, args.strict)

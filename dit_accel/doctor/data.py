@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
-from dit_accel.doctor.decode_rate import DecodeBudget, check_decode_rate
+from dit_accel.doctor.decode_rate import DecodeBudget, check_decode_rate, listing_pixels
 from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
 from planner.units import plural
@@ -35,7 +35,7 @@ def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | Non
         output_dir="-",
         data_path=str(data_path) if data_path else None,
         latents=str(latents) if latents else None,
-        vae=vae if data_path else None,
+        vae=vae if data_path and not latents else None,
     )
     try:
         trainer_check(plan.plan, config)
@@ -162,7 +162,7 @@ def check_image_folder(
             )
         )
     if budget is not None:
-        rate = check_decode_rate(listing, plan.resolution, budget)
+        rate = check_decode_rate(listing_pixels(listing, plan.resolution), len(listing), budget)
         checks += [rate] if rate else []
     return checks
 
@@ -217,7 +217,7 @@ def check_data(
     budget: DecodeBudget | None = None,
 ) -> list[Check]:
     checks = [check_data_mode(plan, data_path, latents, vae)]
-    if data_path is not None:
+    if data_path is not None and latents is None:  # beside --latents: REPA's images (`doctor.repa`)
         checks += check_image_folder(plan, data_path, full, options, budget)
     if latents is not None:
         checks += check_latent_cache(plan, latents, vae, full)

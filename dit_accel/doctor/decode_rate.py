@@ -1,7 +1,8 @@
 """Can this node's CPUs decode images as fast as the plan trains?
 
-An online or pixel plan reads every image at every step: the DataLoader workers read, decode and crop
-them, and a node whose CPUs cannot keep up leaves the GPUs waiting, a slowdown no GPU-side figure shows.
+An online or pixel plan reads every image at every step, and so does REPA from a latent cache (its encoder
+sees each latent's source image): the DataLoader workers read, decode and crop them, and a node whose CPUs
+cannot keep up leaves the GPUs waiting, a slowdown no GPU-side figure shows.
 The check times that work on a sample of the run's own images, on one core of this node, and sets it
 against the plan's images/s per node and the cores the run's workers and ranks leave for it. (fast-DiT's
 published two-GPU runs, docs/planner-accuracy.md, ran on two usable CPUs per rank.)
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dit_accel.doctor.checks import Check, passed, warned
@@ -34,9 +36,11 @@ class DecodeBudget:
 
 
 def decode_budget(plan: PlanFacts, cpus: int, workers_per_rank: int) -> DecodeBudget | None:
-    """None for a plan that reads latents, or one without a throughput estimate."""
+    """None for a plan whose workers decode no images (latents, without REPA), or one without a throughput
+    estimate."""
     throughput = plan.plan.throughput if plan.plan else None
-    if plan.latents == "precomputed" or throughput is None or not throughput.est_images_per_s:
+    reads_images = plan.latents != "precomputed" or bool(plan.plan and plan.plan.decision.repa)
+    if not reads_images or throughput is None or not throughput.est_images_per_s:
         return None
     return DecodeBudget(
         images_per_s=throughput.est_images_per_s / max(plan.nodes, 1),
@@ -46,25 +50,27 @@ def decode_budget(plan: PlanFacts, cpus: int, workers_per_rank: int) -> DecodeBu
     )
 
 
-def seconds_per_image(listing, resolution: int, count: int = SAMPLE_IMAGES) -> tuple[float, int] | None:
-    """Mean seconds to read, decode, crop and make float one image of `listing` on one core (a worker's torch
-    runs one thread too), over `count` entries spread across it; None when none of them decodes."""
+def spread(length: int, count: int = SAMPLE_IMAGES) -> list[int]:
+    """`count` entries spread over `length` (all of them when there are fewer)."""
+    step = max(1, length // count)
+    return list(range(step // 2, length, step))[:count]
+
+
+def seconds_per_image(pixels: Callable[[int, bool], object], length: int) -> tuple[float, int] | None:
+    """Mean seconds of `pixels(index, mirrored)` (the workers' read, decode, crop and float of one entry) on one
+    core (a worker's torch runs one thread too), over entries spread across `length`; None when none reads."""
     import torch
 
-    from dit_accel.data.folder import training_pixels
-
-    step = max(1, len(listing) // count)
-    indices = list(range(step // 2, len(listing), step))[:count]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         elapsed_s, timed = 0.0, 0
-        for position, index in enumerate(indices):
+        for position, index in enumerate(spread(length)):
             started = time.perf_counter()
             try:
-                training_pixels(listing.load(index), resolution, mirrored=bool(position % 2))
+                pixels(index, bool(position % 2))
             except UserError:
-                continue  # the decoding row reports undecodable images
+                continue  # the decoding rows report unreadable images
             if position:  # the first warms the decoder's libraries up
                 elapsed_s += time.perf_counter() - started
                 timed += 1
@@ -73,8 +79,17 @@ def seconds_per_image(listing, resolution: int, count: int = SAMPLE_IMAGES) -> t
         torch.set_num_threads(threads)
 
 
-def check_decode_rate(listing, resolution: int, budget: DecodeBudget) -> Check | None:
-    measured = seconds_per_image(listing, resolution)
+def listing_pixels(listing, resolution: int) -> Callable[[int, bool], object]:
+    """An image folder's or dataset's entries as the trainer's workers hand them over."""
+    from dit_accel.data.folder import training_pixels
+
+    return lambda index, mirrored: training_pixels(listing.load(index), resolution, mirrored)
+
+
+def check_decode_rate(
+    pixels: Callable[[int, bool], object], length: int, budget: DecodeBudget
+) -> Check | None:
+    measured = seconds_per_image(pixels, length)
     if measured is None:
         return None
     seconds, timed = measured

@@ -32,18 +32,9 @@ def build_for_run(model, config, plan, spec, device, encoder=None) -> Repa | Non
     The plan counted one encoder and projector (dit-plan --repa): a run without them, with another published
     backbone or another projector width contradicts it and is refused, as a launch of another precision is."""
     planned = plan.decision.repa
-    if not config.repa_encoder:
-        if planned:
-            raise UserError(
-                f"the plan was made for REPA with {planned} but --repa-encoder is not given",
-                f"pass --repa-encoder PATH ({planned}'s weights), or re-plan without --repa",
-            )
-        return None
+    check_encoder_flag(planned, config.repa_encoder)
     if not planned:
-        raise UserError(
-            "--repa-encoder is given but the plan counts no REPA encoder",
-            "re-plan with dit-plan --repa ENCODER (e.g. dinov2-b) so its memory and compute are planned",
-        )
+        return None
     if config.repa_projector_dim != plan.decision.repa_projector_dim:
         raise UserError(
             f"--repa-projector-dim {config.repa_projector_dim} but the plan counts a projector of width "
@@ -63,16 +54,36 @@ def build_for_run(model, config, plan, spec, device, encoder=None) -> Repa | Non
     return repa
 
 
-def check_planned_encoder(encoder, planned: str) -> None:
-    """Refuse published weights of another backbone than the plan's; weights of no published shape (a custom
-    or test encoder) are logged, since the plan can only have counted a published one."""
+def check_encoder_flag(planned: str, repa_encoder: str | None) -> None:
+    """--repa-encoder given exactly when the plan counted an encoder (`planned`, '' for none)."""
+    if planned and not repa_encoder:
+        raise UserError(
+            f"the plan was made for REPA with {planned} but --repa-encoder is not given",
+            f"pass --repa-encoder PATH ({planned}'s weights), or re-plan without --repa",
+        )
+    if repa_encoder and not planned:
+        raise UserError(
+            "--repa-encoder is given but the plan counts no REPA encoder",
+            "re-plan with dit-plan --repa ENCODER (e.g. dinov2-b) so its memory and compute are planned",
+        )
+
+
+def published_backbone(encoder, planned: str):
+    """The published backbone (planner.repa.EncoderSpec) these weights have the shape of, None for none (a
+    custom or test encoder); published weights of another backbone than the plan's are refused."""
     found = encoder_by_shape(encoder.dim, len(encoder.blocks), encoder.registers)
     if found is not None and found.name != planned:
         raise UserError(
             f"--repa-encoder holds {found.name}'s weights but the plan counts {planned}",
             f"pass {planned}'s weights, or re-plan with dit-plan --repa {found.name}",
         )
-    if found is None:
+    return found
+
+
+def check_planned_encoder(encoder, planned: str) -> None:
+    """`published_backbone`, with weights of no published shape logged, since the plan can only have counted
+    a published one."""
+    if published_backbone(encoder, planned) is None:
         params = sum(p.numel() for p in encoder.parameters())
         log.warning(
             "REPA encoder: %d-wide, %d blocks, %d registers (%s parameters) is no published DINOv2 backbone; "

@@ -12,6 +12,8 @@
 #
 # Into $OUT: modes.tar.gz (each stage's plan.json and calibration.json) and modes.log (what calibrate printed).
 # BUDGET_S (default 400) bounds the whole check; each stage gets at most 90 s. ONLY=NAME,... runs those modes.
+# The two small-batch modes at the end run only when ONLY names them (ONLY=small-batch-warmup1,small-batch-warmup4):
+# the same points with 1 and 4 untimed steps first, which tell the warm-up's cost apart from the step's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry_run=0
@@ -41,7 +43,7 @@ mode() {
     ((dry_run)) && return 0
     ((cap >= 30)) || { echo "$name: skipped, $left s of the budget left" | tee -a "$log"; return 1; }
     PYTORCH_CUDA_ALLOC_CONF=$alloc timeout -k 10 "$cap" python3 -m dit_accel.cli calibrate \
-        --plan "$dir/plan.json" --micro-batches "$micro_batches" $extra --steps 2 \
+        --plan "$dir/plan.json" --micro-batches "$micro_batches" --steps 2 $extra \
         --out "$dir/calibration.json" >> "$log" 2>&1
     echo "$name: exit $? after $SECONDS s of the budget" | tee -a "$log"
 }
@@ -64,5 +66,13 @@ mode fastdit-fp16-online-fixed-80g 64,128 $fixed "--max-micro-batch 512 --vram 8
     --latents online --global-batch 128 --checkpointing all --assume allocator_segments=fixed
 mode fastdit-tf32-online-fixed-80g 64,128 $fixed "--max-micro-batch 512 --vram 80GiB" --precision tf32 \
     --latents online --global-batch 128 --checkpointing all --assume allocator_segments=fixed
+# The small-batch end of the step model (half_efficiency_tokens): 6 timed steps a point, after 1 or 4 warm-ups
+if [[ ",${ONLY:-}," == *",small-batch-"* ]]; then
+    for warmup in 1 4; do
+        mode small-batch-warmup$warmup 8,16,32,64 $expandable \
+            "--max-micro-batch 64 --steps 6 --warmup-steps $warmup" --precision bf16 --latents precomputed \
+            --global-batch 64 --checkpointing none
+    done
+fi
 tar -czf "$out/modes.tar.gz" -C "$work" --exclude site $(cd "$work" && ls -d */ | grep -v site) 2>> "$log"
 echo "done after $SECONDS s" | tee -a "$log"

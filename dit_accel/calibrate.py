@@ -225,8 +225,9 @@ def planner_assumptions(fitted: dict, precision: str) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
-def cuda_measure(plan: Plan, spec, steps: int) -> Callable[[int], Measurement]:
-    """A `measure(micro_batch)` that runs `steps` optimizer steps of the trainer's step on the GPU."""
+def cuda_measure(plan: Plan, spec, steps: int, warmup_steps: int = 1) -> Callable[[int], Measurement]:
+    """A `measure(micro_batch)` that runs `warmup_steps` untimed, then `steps` timed optimizer steps of the
+    trainer's step on the GPU."""
     import torch
 
     from dit_accel.memtrace import build_step_parts
@@ -239,14 +240,14 @@ def cuda_measure(plan: Plan, spec, steps: int) -> Callable[[int], Measurement]:
             torch.cuda.reset_peak_memory_stats()
             parts = build_step_parts(plan, spec, plan.decision.checkpointed_blocks, micro_batch, "cuda")
             durations, device_used = [], 0
-            for step in range(steps + 1):  # the first step warms kernels and the cache up
+            for step in range(warmup_steps + steps):  # the first warm kernels, cache and clocks up
                 torch.cuda.synchronize()
                 started = time.perf_counter()
                 for _ in range(parts.grad_accum):
                     parts.micro_step()
                 parts.optimizer_step()
                 torch.cuda.synchronize()
-                if step:
+                if step >= warmup_steps:
                     durations.append(time.perf_counter() - started)
                 free, total = torch.cuda.mem_get_info()
                 device_used = max(device_used, total - free)
@@ -343,6 +344,7 @@ def calibrate(
     probe: Callable[[int], Measurement] | None = None,
     allocator: dict | None = None,
     save: Callable[[dict], None] | None = None,
+    warmup_steps: int = 1,
 ) -> dict:
     """Measure, fit and search; returns the calibration dict (see docs/planner-accuracy.md for the format).
 
@@ -378,6 +380,7 @@ def calibrate(
             "ema": decision.ema,
             "grad_accum": decision.grad_accum,
             "steps": steps,
+            "warmup_steps": warmup_steps,
         },
     }
 
@@ -518,7 +521,14 @@ def main(argv: list[str] | None = None) -> int:
         "--steps",
         type=positive_int,
         default=3,
-        help="timed optimizer steps per micro-batch, after one warm-up step",
+        help="timed optimizer steps per micro-batch, after the warm-up steps (default 3)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=positive_int,
+        default=1,
+        help="untimed optimizer steps before each micro-batch's timed ones (default 1): more settle a small "
+        "micro-batch's point, whose first steps run slow",
     )
     parser.add_argument(
         "--max-micro-batch", type=positive_int, default=None, help="stop the search for the largest fit here"
@@ -564,11 +574,12 @@ def main(argv: list[str] | None = None) -> int:
             micro_batches,
             args.steps,
             args.max_micro_batch,
-            cuda_measure(plan, spec, args.steps),
+            cuda_measure(plan, spec, args.steps, args.warmup_steps),
             gpu,
             probe=cuda_measure(plan, spec, 1),
             allocator=allocator,
             save=lambda document: write_json_atomically(out, document),
+            warmup_steps=args.warmup_steps,
         )
     except UserError:
         out.unlink(missing_ok=True)  # too few points to fit: nothing the planner could use is left behind

@@ -382,7 +382,7 @@ def fake_gpu_command(monkeypatch, tmp_path, measure):
     monkeypatch.setattr(
         cal, "_gpu_facts", lambda torch: {"name": "fake", "total_bytes": TOTAL, "_preset": None}
     )
-    monkeypatch.setattr(cal, "cuda_measure", lambda plan, spec, steps: measure)
+    monkeypatch.setattr(cal, "cuda_measure", lambda plan, spec, steps, warmup_steps=1: measure)
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(tiny_plan().to_json()))
     return plan_path
@@ -403,6 +403,23 @@ def test_the_command_measures_under_expandable_segments_and_writes_the_file(monk
     assert written["complete"] and written["largest_micro_batch"] == 20
     assert written["allocator"]["alloc_conf"] == "expandable_segments:True"
     assert "allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in capsys.readouterr().out
+    assert written["config"]["steps"] == 3 and written["config"]["warmup_steps"] == 1
+
+
+def test_the_command_passes_its_warmup_steps_to_the_fitted_points_not_to_the_search(monkeypatch, tmp_path):
+    plan_path = fake_gpu_command(monkeypatch, tmp_path, oom_above(20))
+    asked = []
+
+    def cuda_measure(plan, spec, steps, warmup_steps=1):
+        asked.append((steps, warmup_steps))
+        return oom_above(20)
+
+    monkeypatch.setattr(cal, "cuda_measure", cuda_measure)
+    out = tmp_path / "c.json"
+    argv = ["--plan", str(plan_path), "--micro-batches", "4,8", "--steps", "6", "--warmup-steps", "3"]
+    assert cal.main([*argv, "--out", str(out)]) == 0
+    assert asked == [(6, 3), (1, 1)]  # the fitted points; the search's probes
+    assert json.loads(out.read_text())["config"]["warmup_steps"] == 3
 
 
 def test_the_command_leaves_no_file_when_too_few_micro_batches_fit(monkeypatch, tmp_path, capsys):
@@ -452,6 +469,18 @@ def test_a_vram_cap_that_is_no_size_or_not_below_the_card_is_refused_in_one_line
 def test_a_plan_from_before_the_matmul_mode_trains_fp32_with_tf32_and_mixed_at_its_precision():
     model = {"name": "DiT-custom", "resolution": 32, "depth": 2, "hidden": 32, "heads": 2, "patch": 2}
     assert tiny_plan().matmul == "tf32" and a_plan(model, 2, "bf16").matmul == "bf16"
+
+
+def test_warmup_steps_are_run_untimed_before_the_timed_ones(step_on_cpu, monkeypatch):
+    """--warmup-steps 3: three steps start the clock but are not timed (a slow 5 s one among them), then the
+    two timed steps (0.2 s, 0.4 s) give the point; the optimizer stepped five times."""
+    clock = iter([0.0, 1.0, 6.0, 10.0, 10.2, 20.0, 20.4])
+    monkeypatch.setattr(cal, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(clock))}))
+    plan = tiny_plan()
+    point = cal.cuda_measure(plan, plan.spec(), 2, warmup_steps=3)(2)
+    assert point.step_seconds == pytest.approx(0.3)
+    assert step_on_cpu["micro_steps"] == 5 * point.grad_accum
+    assert next(clock, None) is None  # every clock reading used: no step more, none less
 
 
 def test_a_points_step_time_is_the_median_of_its_timed_steps_not_the_slower_of_two(step_on_cpu, monkeypatch):

@@ -8,6 +8,7 @@ resumed step on (its `purge_step`, `trackers.start_trackers`)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -165,9 +166,18 @@ def plan_notes(plan: Plan) -> list[str]:
     ]
 
 
+DATA_WAIT_WARN_FRACTION = 0.1  # waiting for batches this share of a window's time: the GPUs idle, say so
+
+
 class StepLog:
-    """Every `log_every` steps: the mean loss since the last line, images/s, and the GPU's measured peak memory
-    beside the plan's, to the terminal, the rank logs, metrics.jsonl (main process) and the trackers.
+    """Every `log_every` steps: the mean loss since the last line, images/s, the share of the time the step
+    waited for its batches (the slowest rank's: every rank waits for it at the all-reduce), and the GPU's
+    measured peak memory beside the plan's, to the terminal, the rank logs, metrics.jsonl (main process) and
+    the trackers.
+
+    The step reads a loss and a gradient norm back from the GPU each step, so the GPU has no queued work left
+    while the loop waits in `next(batches)`: that wait is idle GPU time. One warning, the first window after
+    the first (whose wait includes the workers' start) in which it passes DATA_WAIT_WARN_FRACTION.
 
     The measured peaks are held to the plan's (`memory_over_plan`): max_memory_allocated to its tensors and
     cuBLAS's workspaces, max_memory_reserved to its reserved peak; one warning, the first time either is over.
@@ -184,7 +194,8 @@ class StepLog:
     ):
         self.metrics_path = run_dir / "metrics.jsonl"
         self.plan, self.accelerator, self.device, self.max_steps = plan, accelerator, device, max_steps
-        self.warned_memory = False
+        self.warned_memory = self.warned_data_wait = False
+        self.windows = 0
         if accelerator.is_main_process:  # one timeline in metrics.jsonl: the one this run continues
             moved = rewind_metrics(run_dir, resumed_from)
             if moved:
@@ -197,6 +208,16 @@ class StepLog:
 
     def _start_window(self) -> None:
         self.window_start, self.window_steps, self.window_losses = time.perf_counter(), 0, []
+        self.window_wait_s = 0.0
+
+    @contextlib.contextmanager
+    def waiting_for_data(self):
+        """Around `next(batches)`: its time counts as waiting for data."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_wait_s += time.perf_counter() - started
 
     def record(self, result) -> None:
         """One optimizer step's result (`step.StepResult`)."""
@@ -216,14 +237,16 @@ class StepLog:
             "grad_norm": result.grad_norm,
             "images_per_s": self.plan.global_batch * self.window_steps / elapsed,
             "step_time_s": elapsed / self.window_steps,
+            "data_wait_fraction": self._slowest_rank(self.window_wait_s / elapsed),
             "skipped_steps": skipped_steps,
         }
         memory_text = self._memory(metrics)
         log.info(
             f"step {step}/{self.max_steps} | loss {loss:.4f} | lr {result.lr:.3g} | grad norm "
             f"{result.grad_norm:.3g} | {metrics['images_per_s']:.1f} img/s | {metrics['step_time_s']:.3f} "
-            f"s/step | {memory_text}"
+            f"s/step | data wait {metrics['data_wait_fraction']:.0%} | {memory_text}"
         )
+        self._warn_data_wait(metrics["data_wait_fraction"], step, self.window_steps)
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if self.accelerator.is_main_process:
@@ -231,6 +254,22 @@ class StepLog:
                 handle.write(json.dumps(metrics) + "\n")
         self._start_window()
         return loss
+
+    def _slowest_rank(self, value: float) -> float:
+        if self.accelerator.num_processes == 1:
+            return value
+        tensor = torch.tensor(value, device=self.device, dtype=torch.float64)
+        return float(self.accelerator.reduce(tensor, reduction="max"))
+
+    def _warn_data_wait(self, fraction: float, step: int, steps: int) -> None:
+        self.windows += 1
+        if self.windows > 1 and fraction > DATA_WAIT_WARN_FRACTION and not self.warned_data_wait:
+            self.warned_data_wait = True
+            log.warning(
+                f"the step waited for its batches {fraction:.0%} of the time of steps {step - steps + 1}-{step} "
+                "(the slowest rank): the GPUs idle that long; raise --num-workers or train on precomputed latents "
+                "(`dit-accel doctor` times the decode against the plan: its `decode rate` row)"
+            )
 
     def _memory(self, metrics: dict) -> str:
         """The measured peak (max over ranks) beside the plan's, into `metrics`; warns once when over."""

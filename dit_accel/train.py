@@ -181,7 +181,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         loss_sum = 0.0
         for micro_step in range(d.grad_accum):
             watchdog.at(step, micro_step)
-            batch = next(batches)
+            with steplog.waiting_for_data():
+                batch = next(batches)
             with accelerator.accumulate(components.model):
                 assert accelerator.sync_gradients == (micro_step == d.grad_accum - 1), (
                     "accumulation out of step"

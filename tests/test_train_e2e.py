@@ -408,6 +408,34 @@ def test_plan_and_data_mismatches_are_one_line_errors(workspace, tmp_path, capsy
     assert "global batch 8" in err and "16" in err
 
 
+def test_a_step_that_waits_for_its_images_says_so_once(workspace, tmp_path):
+    """A pixel run on 2000 x 1500 JPEGs decoded in the main process (--num-workers 0): each step's 8 decodes
+    take far longer than the tiny network's step, so metrics.jsonl shows most of the time spent waiting for
+    data, and from the second logged window on (the first includes the workers' start) one warning says so."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(4):
+        (tmp_path / "photos" / f"class_{c}").mkdir(parents=True)
+        for i in range(2):  # smooth noise compresses like a photograph
+            small = rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)
+            photo = Image.fromarray(small).resize((2000, 1500), Image.BICUBIC)
+            photo.save(tmp_path / "photos" / f"class_{c}" / f"{i}.jpg", quality=90)
+    plan = json.loads(workspace["plan1"].read_text())
+    plan["decision"]["latents"], plan["model"]["resolution"] = "pixel", 8
+    (tmp_path / "pixel.json").write_text(json.dumps(plan))
+    out = tmp_path / "run"
+    argv = ["--plan", tmp_path / "pixel.json", "--data-path", tmp_path / "photos", "--output-dir", out]
+    assert run_in_process([*argv, *QUIET, "--no-tensorboard", "--max-steps", 4, "--checkpoint-every", 4]) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(0 <= line["data_wait_fraction"] <= 1 for line in lines)
+    assert all(line["data_wait_fraction"] > 0.5 for line in lines[1:]), lines
+    text = (out / "logs" / "rank0.log").read_text()
+    assert text.count("the step waited for its batches") == 1 and "of the time of steps 2-2" in text
+    assert "raise --num-workers" in text and "| data wait " in text
+
+
 def test_online_vae_and_pixel_modes_train(workspace, tmp_path):
     """The other two latent modes of a plan: images encoded by the VAE each step, and pixel space."""
     plan = json.loads(workspace["plan1"].read_text())

@@ -253,3 +253,27 @@ def test_the_doctor_refuses_an_encoder_for_a_plan_without_repa(caches, tmp_path,
     assert code == 2 and "the plan counts no REPA encoder" in rows["REPA encoder"]["reason"]
     code, rows = _doctor_rows(argv, capsys)
     assert code == 0 and "REPA encoder" not in rows and "decode rate" not in rows
+
+
+def test_an_online_repa_plan_checks_its_image_folder_even_beside_a_cache(caches, tmp_path, capsys):
+    """--latents beside --data-path means REPA's images only for a precomputed plan; an online plan trains on
+    the folder (and needs its --vae), so the folder is what the doctor checks."""
+    import json
+    from pathlib import Path
+
+    from test_repa import save_tiny_encoder
+
+    plan = _plan(tmp_path / "plan", "--repa", "dinov2-s", "--repa-projector-dim", "16")
+    online = tmp_path / "online.json"
+    document = json.loads(Path(plan).read_text())
+    document["decision"]["latents"] = "online"
+    online.write_text(json.dumps(document))
+    save_tiny_encoder(tmp_path / "enc.pth")
+    argv = ["--plan", online, "--data-path", caches["images"], "--latents", caches["folder"], "--vae"]
+    code, rows = _doctor_rows(
+        [*argv, caches["vae"], "--repa-encoder", tmp_path / "enc.pth", "--output-dir", tmp_path / "run"],
+        capsys,
+    )
+    assert rows["data vs plan"]["status"] == "PASS", rows["data vs plan"]
+    assert rows["image folder"]["status"] == "PASS" and "REPA images" not in rows
+    assert rows["decode rate"]["status"] == "PASS"

@@ -592,6 +592,9 @@ def test_no_decode_rate_for_a_latent_plan_and_a_pass_through_the_command(ready, 
     assert run(argv + ["--format", "json"], probes) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["checks"]}
     assert rows["decode rate"]["status"] == "PASS" and rows["decode rate"]["group"] == "data"
+    probes.environment = lambda: env(**CPU_MACHINE)  # the CPU demo: the plan's GPU rate is not this run's
+    run(argv + ["--format", "json"], probes)
+    assert "decode rate" not in {row["name"] for row in json.loads(capsys.readouterr().out)["checks"]}
 
 
 def save_tiny_vae(folder: Path, seed: int) -> str:

@@ -141,12 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list[Check]:
     config_path = args.accelerate_config or plan.path.parent / "accelerate_config.yaml"
-    checks = check_environment(plan, probes.environment(), config_path)
+    environment = probes.environment()
+    checks = check_environment(plan, environment, config_path)
     host = probes.host()
     workers = loader_workers(args.num_workers, plan.gpus_per_node, host.cpu_count)  # the trainer's own rule
     checks += check_host(plan, host, loader_facts(plan, workers))
     options = DatasetOptions(args.split, args.image_column, args.label_column)
-    budget = decode_budget(plan, host.cpu_count, workers)
+    # the plan's images/s are its GPUs': a CPU run (the demo) trains far slower than its workers decode
+    budget = decode_budget(plan, host.cpu_count, workers) if environment.cuda_available else None
     checks += check_data(plan, args.data_path, args.latents, args.vae, args.full, options, budget)
     checks += check_repa(plan, args.repa_encoder, args.latents, args.data_path, options, budget)
     if args.output_dir is None:

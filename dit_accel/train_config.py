@@ -44,7 +44,11 @@ def check_data_sources(data_path, latents, repa_encoder) -> None:
     """One of --data-path and --latents; both only for REPA from a latent cache, which reads its source
     images too (--data-path then says where they are now). The trainer's rule, and the doctor's."""
     if bool(data_path) == bool(latents) and not (data_path and latents and repa_encoder):
-        raise UserError("pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)")
+        raise UserError(
+            "pass exactly one of --data-path DIR (images) or --latents DIR (a latent cache)",
+            "both only for REPA from a latent cache (with --repa-encoder): --data-path then says where the "
+            "cache's images are",
+        )
 
 
 def _flag(name: str) -> str:

@@ -585,6 +585,26 @@ def test_the_decode_rate_is_timed_on_the_runs_images_against_the_plans_rate(tmp_
     assert "--latents precomputed" in starved.fix and "--cpus-per-task" in starved.fix
 
 
+def test_a_light_decode_on_a_node_with_no_spare_cpu_passes_and_a_bad_image_in_the_sample_warns(tmp_path):
+    """One CPU per rank leaves no worker (the trainer's rule), and decoding in the rank is fine while it costs
+    under 5% of the step; the fix never asks for more workers than the CPUs give; an image of the sample that
+    does not decode is named (the decoding row tries only each class's first)."""
+    from dit_accel.data.folder import validate_image_folder
+    from dit_accel.doctor.decode_rate import DecodeBudget, check_decode_rate, listing_pixels
+
+    root = make_folder(tmp_path / "images", size=32)
+    listing = validate_image_folder(root).listing
+    pixels = listing_pixels(listing, 32)
+    light = check_decode_rate(pixels, len(listing), DecodeBudget(100.0, ranks=2, workers_per_rank=0, cpus=2))
+    assert light.status is Status.PASS and "11 sampled" in light.reason and "--num-workers 0" in light.reason
+    heavy = check_decode_rate(pixels, len(listing), DecodeBudget(1e6, ranks=2, workers_per_rank=0, cpus=3))
+    assert heavy.status is Status.WARN and "--num-workers" not in heavy.fix and "precompute" in heavy.fix
+    (root / "class_1" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    bad = check_decode_rate(pixels, len(listing), DecodeBudget(100.0, ranks=2, workers_per_rank=1, cpus=8))
+    assert bad.status is Status.WARN and "1 more of the sample do not decode" in bad.reason
+    assert "class_1/3.png" in bad.reason and "--skip-bad-images" in bad.fix
+
+
 def test_no_decode_rate_for_a_latent_plan_and_a_pass_through_the_command(ready, capsys, tmp_path):
     latent_plan = load_plan(write_plan(tmp_path / "latent_plan"))
     assert decode_budget(latent_plan, 96, 4) is None  # precomputed latents: nothing decoded while training

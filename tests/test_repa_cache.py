@@ -215,7 +215,7 @@ def test_the_doctor_checks_a_repa_runs_encoder_and_the_caches_images(caches, tmp
         rows["REPA encoder"]["status"] == "WARN" and "no published DINOv2" in rows["REPA encoder"]["reason"]
     )
     assert rows["REPA images"]["status"] == "PASS" and "6 of the cache's 6" in rows["REPA images"]["reason"]
-    assert rows["decode rate"]["status"] == "PASS"
+    assert rows["decode rate"]["status"] == "PASS" and "5 sampled" in rows["decode rate"]["reason"]
 
     code, rows = _doctor_rows(base, capsys)
     assert code == 2 and rows["REPA encoder"]["status"] == "FAIL"
@@ -235,6 +235,7 @@ def test_the_doctor_checks_a_repa_runs_encoder_and_the_caches_images(caches, tmp
     (moved / caches["paths"][0]).unlink()
     code, rows = _doctor_rows([*base, *encoder, "--data-path", moved], capsys)
     assert code == 2 and "1 of 6 sampled source images" in rows["REPA images"]["reason"]
+    assert "restore those images" in rows["REPA images"]["fix"]  # the folder is right, one image is gone
 
 
 def test_the_doctor_refuses_an_encoder_for_a_plan_without_repa(caches, tmp_path, capsys):
@@ -255,9 +256,11 @@ def test_the_doctor_refuses_an_encoder_for_a_plan_without_repa(caches, tmp_path,
     assert code == 0 and "REPA encoder" not in rows and "decode rate" not in rows
 
 
-def test_an_online_repa_plan_checks_its_image_folder_even_beside_a_cache(caches, tmp_path, capsys):
+def test_a_cache_beside_an_online_repa_plans_images_is_refused_as_the_trainer_refuses_it(
+    caches, tmp_path, capsys
+):
     """--latents beside --data-path means REPA's images only for a precomputed plan; an online plan trains on
-    the folder (and needs its --vae), so the folder is what the doctor checks."""
+    the folder, and the cache would be silently unused: refused, by the trainer's check."""
     import json
     from pathlib import Path
 
@@ -274,6 +277,6 @@ def test_an_online_repa_plan_checks_its_image_folder_even_beside_a_cache(caches,
         [*argv, caches["vae"], "--repa-encoder", tmp_path / "enc.pth", "--output-dir", tmp_path / "run"],
         capsys,
     )
-    assert rows["data vs plan"]["status"] == "PASS", rows["data vs plan"]
-    assert rows["image folder"]["status"] == "PASS" and "REPA images" not in rows
-    assert rows["decode rate"]["status"] == "PASS"
+    assert code == 2 and rows["data vs plan"]["status"] == "FAIL" and "REPA images" not in rows
+    assert "--latents is given but the plan trains on online" in rows["data vs plan"]["reason"]
+    assert "drop --latents" in rows["data vs plan"]["fix"]  # the trainer's own refusal

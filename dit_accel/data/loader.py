@@ -38,6 +38,11 @@ def check_data_mode(plan: Plan, config: TrainConfig) -> None:
             f"the plan trains on {'images encoded online' if mode == 'online' else 'pixels'}",
             "pass --data-path DIR, or re-plan with `dit-plan --latents precomputed` to train on --latents",
         )
+    if mode in ("online", "pixel") and config.latents:  # REPA beside images: they are the encoder's already
+        raise UserError(
+            f"--latents is given but the plan trains on {mode} latents from --data-path",
+            "drop --latents, or re-plan with `dit-plan --latents precomputed` to train on the cache",
+        )
     if mode == "online" and not config.vae:
         raise UserError(
             "the plan encodes images online with a VAE",

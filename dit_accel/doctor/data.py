@@ -35,7 +35,7 @@ def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | Non
         output_dir="-",
         data_path=str(data_path) if data_path else None,
         latents=str(latents) if latents else None,
-        vae=vae if data_path and not (latents and plan.latents == "precomputed") else None,
+        vae=vae if data_path and not latents else None,
     )
     try:
         trainer_check(plan.plan, config)
@@ -217,8 +217,7 @@ def check_data(
     budget: DecodeBudget | None = None,
 ) -> list[Check]:
     checks = [check_data_mode(plan, data_path, latents, vae)]
-    # beside --latents of a precomputed plan, --data-path is where REPA's images are (`doctor.repa`)
-    if data_path is not None and not (latents is not None and plan.latents == "precomputed"):
+    if data_path is not None and latents is None:  # beside --latents: REPA's images (`doctor.repa`)
         checks += check_image_folder(plan, data_path, full, options, budget)
     if latents is not None:
         checks += check_latent_cache(plan, latents, vae, full)

@@ -51,30 +51,42 @@ def decode_budget(plan: PlanFacts, cpus: int, workers_per_rank: int) -> DecodeBu
 
 
 def spread(length: int, count: int = SAMPLE_IMAGES) -> list[int]:
-    """`count` entries spread over `length` (all of them when there are fewer)."""
-    step = max(1, length // count)
-    return list(range(step // 2, length, step))[:count]
+    """`count` entries spread evenly over `length` (all of them when there are fewer), each the middle of its
+    share."""
+    return (
+        [(2 * i + 1) * length // (2 * count) for i in range(count)] if length > count else list(range(length))
+    )
 
 
-def seconds_per_image(pixels: Callable[[int, bool], object], length: int) -> tuple[float, int] | None:
+@dataclass(frozen=True)
+class DecodeTiming:
+    seconds: float  # mean per image, on one core
+    timed: int
+    unreadable: list[str]  # UserError problems of sampled entries that did not read or decode
+
+
+def seconds_per_image(pixels: Callable[[int, bool], object], length: int) -> DecodeTiming | None:
     """Mean seconds of `pixels(index, mirrored)` (the workers' read, decode, crop and float of one entry) on one
-    core (a worker's torch runs one thread too), over entries spread across `length`; None when none reads."""
+    core (a worker's torch runs one thread too), over entries spread across `length`, the first that decodes
+    untimed (it warms the decoder's libraries up); None when fewer than two decode."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        elapsed_s, timed = 0.0, 0
+        elapsed_s, decoded, unreadable = 0.0, 0, []
         for position, index in enumerate(spread(length)):
             started = time.perf_counter()
             try:
                 pixels(index, bool(position % 2))
-            except UserError:
-                continue  # the decoding rows report unreadable images
-            if position:  # the first warms the decoder's libraries up
+            except UserError as error:
+                unreadable.append(error.problem)
+                continue
+            if decoded:
                 elapsed_s += time.perf_counter() - started
-                timed += 1
-        return (elapsed_s / timed, timed) if timed else None
+            decoded += 1
+        timed = decoded - 1
+        return DecodeTiming(elapsed_s / timed, timed, unreadable) if timed > 0 else None
     finally:
         torch.set_num_threads(threads)
 
@@ -86,34 +98,37 @@ def listing_pixels(listing, resolution: int) -> Callable[[int, bool], object]:
     return lambda index, mirrored: training_pixels(listing.load(index), resolution, mirrored)
 
 
+PRECOMPUTE = "precompute latents (`dit-accel extract-latents`, then a plan made with --latents precomputed)"
+
+
 def check_decode_rate(
     pixels: Callable[[int, bool], object], length: int, budget: DecodeBudget
 ) -> Check | None:
-    measured = seconds_per_image(pixels, length)
-    if measured is None:
+    timing = seconds_per_image(pixels, length)
+    if timing is None:
         return None
-    seconds, timed = measured
-    need = budget.images_per_s * seconds  # cores busy decoding, for the node's ranks together
-    workers = budget.ranks * budget.workers_per_rank
-    spare = budget.cpus - budget.ranks  # each rank's own process keeps a core busy driving its GPU
+    need = budget.images_per_s * timing.seconds  # cores busy decoding, for the node's ranks together
+    ranks, workers = budget.ranks, budget.ranks * budget.workers_per_rank
+    spare = budget.cpus - ranks  # each rank's own process keeps a core busy driving its GPU
     figures = (
-        f"{seconds * 1e3:.1f} ms per image on one core here (read, decode, crop; {timed} sampled): the plan's "
-        f"{budget.images_per_s:.0f} img/s per node needs {need:.1f} cores"
+        f"{timing.seconds * 1e3:.1f} ms per image on one core here (read, decode, crop; {timing.timed} "
+        f"sampled): the plan's {budget.images_per_s:.0f} img/s per node needs {need:.1f} cores"
     )
-    precompute = (
-        "precompute latents (`dit-accel extract-latents`, then a plan made with --latents precomputed)"
-    )
-    if need > spare:
+    if timing.unreadable:
         return warned(
             GROUP,
             NAME,
-            f"{figures}, more than the {max(spare, 0)} CPUs beside its {budget.ranks} ranks: the GPUs will "
-            "wait for images",
-            f"{precompute}, or more CPUs for the job (Slurm: --cpus-per-task)",
+            f"{figures}; {len(timing.unreadable)} more of the sample do not decode: {timing.unreadable[0]}",
+            "replace or delete them (`--full` finds every one), or train with --skip-bad-images",
         )
-    per_rank = math.ceil(need / budget.ranks)
+    # the most workers a rank can have beside the others without sharing cores (the `host / CPUs` rule)
+    most = budget.cpus // max(ranks, 1) - 1
+    wanted = math.ceil(need / ranks)
+    more_workers = (
+        f"use --num-workers {min(wanted, most)} (per rank), or " if most > budget.workers_per_rank else ""
+    )
     if workers == 0:
-        share = need / budget.ranks
+        share = need / ranks
         if share <= MAIN_PROCESS_SHARE:
             return passed(GROUP, NAME, f"{figures}; each rank decodes its own (--num-workers 0)")
         return warned(
@@ -121,13 +136,21 @@ def check_decode_rate(
             NAME,
             f"{figures}; with --num-workers 0 each rank decodes between its steps, adding about "
             f"{share:.0%} to each",
-            f"use --num-workers {per_rank} (per rank), or {precompute}",
+            more_workers + PRECOMPUTE,
+        )
+    if need > spare:
+        return warned(
+            GROUP,
+            NAME,
+            f"{figures}, more than the {max(spare, 0)} CPUs beside its {ranks} ranks: the GPUs will wait "
+            "for images",
+            f"{PRECOMPUTE}, or more CPUs for the job (Slurm: --cpus-per-task)",
         )
     if need > workers:
         return warned(
             GROUP,
             NAME,
-            f"{figures}, more than its {workers} workers ({budget.ranks} ranks x {budget.workers_per_rank})",
-            f"use --num-workers {per_rank} (per rank), or {precompute}",
+            f"{figures}, more than its {workers} workers ({ranks} ranks x {budget.workers_per_rank})",
+            more_workers + PRECOMPUTE,
         )
     return passed(GROUP, NAME, f"{figures} of its {workers} workers")

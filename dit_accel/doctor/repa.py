@@ -1,7 +1,8 @@
 """A REPA plan before the launch: the encoder weights the plan counted, and, from a latent cache, the clean
 images its workers read beside the latents (found where the manifest or --data-path says, decoded as the
-workers will, at the plan's rate). The trainer's own readers and refusals decide, so a PASS here is a
-launch that gets past them.
+workers will, at the plan's rate). The trainer's own readers and refusals decide. Not checked here: the
+run's --repa-projector-dim and --repa-depth (trainer flags the doctor is not given), and the images beyond
+the sample.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def check_cache_images(
         images = CacheImages(latents, manifest, str(data_path) if data_path else None, options)
     except UserError as error:
         return [from_user_error("REPA images", error)]
+    # timed first, while the files are not yet in the page cache: the workers read them from their mount
+    rate = check_decode_rate(images.pixels, len(images), budget) if budget else None
     sample = spread(len(images))
     unread = []
     for index in sample:
@@ -68,7 +71,9 @@ def check_cache_images(
                 "REPA images",
                 f"{len(unread)} of {len(sample)} sampled source images of latent cache {latents} cannot be "
                 f"read from {images.root}: {unread[0].problem}",
-                "pass --data-path with the image folder or dataset the cache was made from",
+                "pass --data-path with the image folder or dataset the cache was made from"
+                if len(unread) == len(sample)
+                else "restore those images, or extract the cache again from the images as they are now",
             )
         ]
     checks = [
@@ -78,7 +83,6 @@ def check_cache_images(
             f"{len(sample)} of the cache's {len(images)} source images read and decoded from {images.root}",
         )
     ]
-    rate = check_decode_rate(images.pixels, len(images), budget) if budget else None
     return checks + ([rate] if rate else [])
 
 

@@ -45,6 +45,11 @@ class Measurement:
         0  # total - free from cudaMemGetInfo at the peak: allocator + context + workspaces
     )
     grad_accum: int = 1
+    # the caching allocator's release-and-retry and its out-of-memory errors during the point (memory_stats'
+    # num_alloc_retries, num_ooms): ooms > 0 on a point that ran means a library caught one and went on (cuDNN
+    # takes an engine with a smaller workspace)
+    alloc_retries: int = 0
+    caught_ooms: int = 0
 
     @property
     def images_per_s(self) -> float:
@@ -238,6 +243,7 @@ def cuda_measure(plan: Plan, spec, steps: int, warmup_steps: int = 1) -> Callabl
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_stats()
             parts = build_step_parts(plan, spec, plan.decision.checkpointed_blocks, micro_batch, "cuda")
             durations, device_used = [], 0
             for step in range(warmup_steps + steps):  # the first warm kernels, cache and clocks up
@@ -258,6 +264,7 @@ def cuda_measure(plan: Plan, spec, steps: int, warmup_steps: int = 1) -> Callabl
                 step_seconds=statistics.median(durations),  # of an even count: the middle two's mean
                 device_used_bytes=device_used,
                 grad_accum=parts.grad_accum,
+                **allocator_events(before, torch.cuda.memory_stats()),
             )
         except RuntimeError as error:  # torch.cuda.OutOfMemoryError, cuBLAS's, a raw CUDA one, or a real bug
             if not is_out_of_memory(error):
@@ -272,6 +279,13 @@ def cuda_measure(plan: Plan, spec, steps: int, warmup_steps: int = 1) -> Callabl
         return result
 
     return measure
+
+
+def allocator_events(before: dict, after: dict) -> dict:
+    """The release-and-retries and out-of-memory errors between two `torch.cuda.memory_stats()` (cumulative
+    counters, which resetting the peaks leaves alone)."""
+    delta = lambda key: int(after.get(key, 0)) - int(before.get(key, 0))  # noqa: E731
+    return {"alloc_retries": delta("num_alloc_retries"), "caught_ooms": delta("num_ooms")}
 
 
 # ---------------------------------------------------------------------------------------------------

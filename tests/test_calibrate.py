@@ -289,6 +289,15 @@ def step_on_cpu(monkeypatch):
     for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *args: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", allocated)
+    calls = iter(
+        range(10**6)
+    )  # cumulative counters, as torch's: 2 more retries and 1 more caught OOM a reading
+
+    def memory_stats(*args):
+        k = next(calls)
+        return {"num_alloc_retries": 2 * k, "num_ooms": k, "allocated_bytes.all.current": 0}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *args: allocated() + 2 * MiB)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (TOTAL - allocated() - 500 * MiB, TOTAL))
     return state
@@ -479,6 +488,7 @@ def test_warmup_steps_are_run_untimed_before_the_timed_ones(step_on_cpu, monkeyp
     plan = tiny_plan()
     point = cal.cuda_measure(plan, plan.spec(), 2, warmup_steps=3)(2)
     assert point.step_seconds == pytest.approx(0.3)
+    assert (point.alloc_retries, point.caught_ooms) == (2, 1)  # the counters' change over the point
     assert step_on_cpu["micro_steps"] == 5 * point.grad_accum
     assert next(clock, None) is None  # every clock reading used: no step more, none less
 

@@ -236,6 +236,8 @@ def test_the_doctor_checks_a_repa_runs_encoder_and_the_caches_images(caches, tmp
     code, rows = _doctor_rows([*base, *encoder, "--data-path", moved], capsys)
     assert code == 2 and "1 of 6 sampled source images" in rows["REPA images"]["reason"]
     assert "restore those images" in rows["REPA images"]["fix"]  # the folder is right, one image is gone
+    code, rows = _doctor_rows([*base, *encoder, "--data-path", moved, "--full"], capsys)
+    assert code == 2 and "1 of 6 source images" in rows["REPA images"]["reason"]  # every entry read
 
 
 def test_the_doctor_refuses_an_encoder_for_a_plan_without_repa(caches, tmp_path, capsys):

@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--full",
         action="store_true",
-        help="decode every image (not one per class); with --latents, check every shard's sha256",
+        help="decode every image (not one per class); with --latents, check every shard's sha256 (and, for REPA, "
+        "read every source image)",
     )
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     parser.add_argument(
@@ -150,7 +151,7 @@ def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list
     # the plan's images/s are its GPUs': a CPU run (the demo) trains far slower than its workers decode
     budget = decode_budget(plan, host.cpu_count, workers) if environment.cuda_available else None
     checks += check_data(plan, args.data_path, args.latents, args.vae, args.full, options, budget)
-    checks += check_repa(plan, args.repa_encoder, args.latents, args.data_path, options, budget)
+    checks += check_repa(plan, args.repa_encoder, args.latents, args.data_path, options, budget, args.full)
     if args.output_dir is None:
         checks.append(
             warned(

@@ -41,9 +41,10 @@ def check_encoder(plan: PlanFacts, repa_encoder: str | None) -> Check:
 
 
 def check_cache_images(
-    latents: Path, data_path: Path | None, options, budget: DecodeBudget | None
+    latents: Path, data_path: Path | None, options, budget: DecodeBudget | None, full: bool = False
 ) -> list[Check]:
-    """The cache's source images, read for a sample of its entries as the workers will read them."""
+    """The cache's source images, read for a sample of its entries (every entry with `full`) as the workers
+    will read them."""
     from dit_accel.data.cache_images import CacheImages
     from dit_accel.data.latent_cache import read_manifest
 
@@ -57,7 +58,7 @@ def check_cache_images(
         return [from_user_error("REPA images", error)]
     # timed first, while the files are not yet in the page cache: the workers read them from their mount
     rate = check_decode_rate(images.pixels, len(images), budget) if budget else None
-    sample = spread(len(images))
+    sample = range(len(images)) if full else spread(len(images))
     unread = []
     for index in sample:
         try:
@@ -69,7 +70,8 @@ def check_cache_images(
             failed(
                 GROUP,
                 "REPA images",
-                f"{len(unread)} of {len(sample)} sampled source images of latent cache {latents} cannot be "
+                f"{len(unread)} of {len(sample)} {'' if full else 'sampled '}source images of latent cache "
+                f"{latents} cannot be "
                 f"read from {images.root}: {unread[0].problem}",
                 "pass --data-path with the image folder or dataset the cache was made from"
                 if len(unread) == len(sample)
@@ -80,7 +82,8 @@ def check_cache_images(
         passed(
             GROUP,
             "REPA images",
-            f"{len(sample)} of the cache's {len(images)} source images read and decoded from {images.root}",
+            f"{len(sample)} of the cache's {len(images)} source images read and decoded from {images.root}"
+            + ("" if full else " (--full reads every one)"),
         )
     ]
     return checks + ([rate] if rate else [])
@@ -93,11 +96,12 @@ def check_repa(
     data_path: Path | None,
     options,
     budget: DecodeBudget | None,
+    full: bool = False,
 ) -> list[Check]:
     """Nothing for a plan without REPA run without --repa-encoder."""
     if not plan.plan.decision.repa and not repa_encoder:
         return []
     checks = [check_encoder(plan, repa_encoder)]
     if plan.plan.decision.repa and plan.latents == "precomputed" and latents is not None:
-        checks += check_cache_images(latents, data_path, options, budget)
+        checks += check_cache_images(latents, data_path, options, budget, full)
     return checks

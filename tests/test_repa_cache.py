@@ -210,6 +210,9 @@ def test_the_doctor_checks_a_repa_runs_encoder_and_the_caches_images(caches, tmp
     cache = shutil.copytree(caches["folder"], tmp_path / "cache")
     base = ["--plan", plan, "--latents", cache, "--output-dir", tmp_path / "run"]
     code, rows = _doctor_rows([*base, "--repa-encoder", tmp_path / "enc.pth"], capsys)
+    assert code == 2 and "--repa-projector-dim 2048 but the plan counts a projector of width 16" in str(rows)
+    base += ["--repa-projector-dim", "16"]  # the plan's width, as the launch must pass it
+    code, rows = _doctor_rows([*base, "--repa-encoder", tmp_path / "enc.pth"], capsys)
     assert code == 0, rows
     assert (
         rows["REPA encoder"]["status"] == "WARN" and "no published DINOv2" in rows["REPA encoder"]["reason"]

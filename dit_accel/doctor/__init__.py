@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run's --repa-encoder (a REPA plan's DINOv2 weights: loaded and checked against the plan)",
     )
     parser.add_argument(
+        "--repa-projector-dim",
+        "--repa_projector_dim",
+        dest="repa_projector_dim",
+        type=positive_int,
+        default=defaults.repa_projector_dim,
+        help=f"the run's --repa-projector-dim (the trainer's default: {defaults.repa_projector_dim}; must be the "
+        "plan's)",
+    )
+    parser.add_argument(
         "--vae", help="the run's --vae (checked against the latent cache and the plan's latent mode)"
     )
     parser.add_argument(
@@ -151,7 +160,16 @@ def preflight(plan: PlanFacts, args: argparse.Namespace, probes: Probes) -> list
     # the plan's images/s are its GPUs': a CPU run (the demo) trains far slower than its workers decode
     budget = decode_budget(plan, host.cpu_count, workers) if environment.cuda_available else None
     checks += check_data(plan, args.data_path, args.latents, args.vae, args.full, options, budget)
-    checks += check_repa(plan, args.repa_encoder, args.latents, args.data_path, options, budget, args.full)
+    checks += check_repa(
+        plan,
+        args.repa_encoder,
+        args.repa_projector_dim,
+        args.latents,
+        args.data_path,
+        options,
+        budget,
+        args.full,
+    )
     if args.output_dir is None:
         checks.append(
             warned(

@@ -1,8 +1,8 @@
 """A REPA plan before the launch: the encoder weights the plan counted, and, from a latent cache, the clean
 images its workers read beside the latents (found where the manifest or --data-path says, decoded as the
 workers will, at the plan's rate). The trainer's own readers and refusals decide. Not checked here: the
-run's --repa-projector-dim and --repa-depth (trainer flags the doctor is not given), and the images beyond
-the sample.
+run's --repa-depth and --repa-coeff (which the plan does not count), and, without --full, the images
+beyond the sample.
 """
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
 
 
-def check_encoder(plan: PlanFacts, repa_encoder: str | None) -> Check:
+def check_encoder(plan: PlanFacts, repa_encoder: str | None, projector_dim: int) -> Check:
     from dit_accel.repa.encoder import load_encoder, weights_file
-    from dit_accel.repa.training import check_encoder_flag, published_backbone, token_grid
+    from dit_accel.repa.training import (
+        check_encoder_flag,
+        check_projector_width,
+        published_backbone,
+        token_grid,
+    )
 
     planned = plan.plan.decision.repa
     try:
         check_encoder_flag(planned, repa_encoder)
+        check_projector_width(projector_dim, plan.plan.decision.repa_projector_dim)
         encoder = load_encoder(repa_encoder, token_grid(plan.plan.spec()))
         found = published_backbone(encoder, planned)
         path = weights_file(repa_encoder)
@@ -37,7 +43,11 @@ def check_encoder(plan: PlanFacts, repa_encoder: str | None) -> Check:
             f"DINOv2 backbone; the plan counted {planned}",
             f"pass {planned}'s weights, or expect other memory and speed than planned",
         )
-    return passed(GROUP, "REPA encoder", f"{path}: {found.name} ({params:,} parameters), as planned")
+    return passed(
+        GROUP,
+        "REPA encoder",
+        f"{path}: {found.name} ({params:,} parameters), a projector of width {projector_dim}, as planned",
+    )
 
 
 def check_cache_images(
@@ -92,6 +102,7 @@ def check_cache_images(
 def check_repa(
     plan: PlanFacts,
     repa_encoder: str | None,
+    projector_dim: int,
     latents: Path | None,
     data_path: Path | None,
     options,
@@ -101,7 +112,7 @@ def check_repa(
     """Nothing for a plan without REPA run without --repa-encoder."""
     if not plan.plan.decision.repa and not repa_encoder:
         return []
-    checks = [check_encoder(plan, repa_encoder)]
+    checks = [check_encoder(plan, repa_encoder, projector_dim)]
     if plan.plan.decision.repa and plan.latents == "precomputed" and latents is not None:
         checks += check_cache_images(latents, data_path, options, budget, full)
     return checks

@@ -35,12 +35,7 @@ def build_for_run(model, config, plan, spec, device, encoder=None) -> Repa | Non
     check_encoder_flag(planned, config.repa_encoder)
     if not planned:
         return None
-    if config.repa_projector_dim != plan.decision.repa_projector_dim:
-        raise UserError(
-            f"--repa-projector-dim {config.repa_projector_dim} but the plan counts a projector of width "
-            f"{plan.decision.repa_projector_dim}",
-            "pass the plan's width, or re-plan with dit-plan --repa-projector-dim",
-        )
+    check_projector_width(config.repa_projector_dim, plan.decision.repa_projector_dim)
     repa = Repa.build(
         model,
         encoder if encoder is not None else config.repa_encoder,
@@ -65,6 +60,15 @@ def check_encoder_flag(planned: str, repa_encoder: str | None) -> None:
         raise UserError(
             "--repa-encoder is given but the plan counts no REPA encoder",
             "re-plan with dit-plan --repa ENCODER (e.g. dinov2-b) so its memory and compute are planned",
+        )
+
+
+def check_projector_width(width: int, planned_width: int) -> None:
+    """--repa-projector-dim must be the width the plan counted."""
+    if width != planned_width:
+        raise UserError(
+            f"--repa-projector-dim {width} but the plan counts a projector of width {planned_width}",
+            "pass the plan's width, or re-plan with dit-plan --repa-projector-dim",
         )
 
 

@@ -284,8 +284,8 @@ def cuda_measure(plan: Plan, spec, steps: int, warmup_steps: int = 1) -> Callabl
 def allocator_events(before: dict, after: dict) -> dict:
     """The release-and-retries and out-of-memory errors between two `torch.cuda.memory_stats()` (cumulative
     counters, which resetting the peaks leaves alone)."""
-    delta = lambda key: int(after.get(key, 0)) - int(before.get(key, 0))  # noqa: E731
-    return {"alloc_retries": delta("num_alloc_retries"), "caught_ooms": delta("num_ooms")}
+    counters = {"alloc_retries": "num_alloc_retries", "caught_ooms": "num_ooms"}
+    return {field: int(after.get(key, 0)) - int(before.get(key, 0)) for field, key in counters.items()}
 
 
 # ---------------------------------------------------------------------------------------------------

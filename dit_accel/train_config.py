@@ -31,13 +31,19 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def most_workers_per_rank(ranks_per_node: int, cpus: int) -> int:
+    """The DataLoader workers each rank can have without sharing cores: the node's CPUs split over its ranks,
+    less the rank's own process (may be 0 or less on a crowded node)."""
+    return cpus // max(ranks_per_node, 1) - 1
+
+
 def loader_workers(requested: int | None, ranks_per_node: int, cpus: int) -> int:
-    """DataLoader workers per rank: --num-workers as given; without it the default, but no more than the
-    node's CPUs leave each rank beside its own process (cpus // ranks - 1, at least 0), so that workers do not
-    starve the ranks (and the DataLoader does not warn about it)."""
+    """DataLoader workers per rank: --num-workers as given; without it the default, but no more than
+    `most_workers_per_rank` (at least 0), so that workers do not starve the ranks (and the DataLoader does not
+    warn about it)."""
     if requested is not None:
         return requested
-    return max(0, min(DEFAULT_NUM_WORKERS, cpus // max(ranks_per_node, 1) - 1))
+    return max(0, min(DEFAULT_NUM_WORKERS, most_workers_per_rank(ranks_per_node, cpus)))
 
 
 def check_data_sources(data_path, latents, repa_encoder) -> None:

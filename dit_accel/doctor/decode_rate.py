@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from dit_accel.doctor.checks import Check, passed, warned
 from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
+from dit_accel.train_config import most_workers_per_rank
 
 GROUP = "data"
 NAME = "decode rate"
@@ -121,8 +122,7 @@ def check_decode_rate(
             f"{figures}; {len(timing.unreadable)} more of the sample do not decode: {timing.unreadable[0]}",
             "replace or delete them (`--full` finds every one), or train with --skip-bad-images",
         )
-    # the most workers a rank can have beside the others without sharing cores (the `host / CPUs` rule)
-    most = budget.cpus // max(ranks, 1) - 1
+    most = most_workers_per_rank(ranks, budget.cpus)  # the `host / CPUs` row's rule, and the trainer's
     wanted = math.ceil(need / ranks)
     more_workers = (
         f"use --num-workers {min(wanted, most)} (per rank), or " if most > budget.workers_per_rank else ""

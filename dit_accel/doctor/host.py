@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
-from dit_accel.train_config import usable_cpus
+from dit_accel.train_config import most_workers_per_rank, usable_cpus
 from planner.units import count
 
 GROUP = "host"
@@ -206,7 +206,7 @@ def check_cpus(plan: PlanFacts, host: HostFacts, loader: LoaderFacts) -> Check:
         f"({count(loader.workers_per_rank, 'worker')} + 1) = {need}"
     )
     if host.cpu_count < need:
-        per_rank = host.cpu_count // max(plan.gpus_per_node, 1) - 1
+        per_rank = most_workers_per_rank(plan.gpus_per_node, host.cpu_count)
         fix = (
             f"use --num-workers {per_rank} (per rank)"
             if per_rank > 0

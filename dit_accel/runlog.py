@@ -237,7 +237,7 @@ class StepLog:
             "grad_norm": result.grad_norm,
             "images_per_s": self.plan.global_batch * self.window_steps / elapsed,
             "step_time_s": elapsed / self.window_steps,
-            "data_wait_fraction": self._slowest_rank(self.window_wait_s / elapsed),
+            "data_wait_fraction": self._max_over_ranks([self.window_wait_s / elapsed])[0],
             "skipped_steps": skipped_steps,
         }
         memory_text = self._memory(metrics)
@@ -255,11 +255,12 @@ class StepLog:
         self._start_window()
         return loss
 
-    def _slowest_rank(self, value: float) -> float:
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value's largest over the ranks (one all-reduce; none in one process)."""
         if self.accelerator.num_processes == 1:
-            return value
-        tensor = torch.tensor(value, device=self.device, dtype=torch.float64)
-        return float(self.accelerator.reduce(tensor, reduction="max"))
+            return values
+        tensor = torch.tensor(values, device=self.device, dtype=torch.float64)
+        return self.accelerator.reduce(tensor, reduction="max").tolist()
 
     def _warn_data_wait(self, fraction: float, step: int, steps: int) -> None:
         self.windows += 1
@@ -279,10 +280,7 @@ class StepLog:
         peak = measured_peak_bytes(self.device)
         text = "peak GPU memory n/a on CPU"
         if peak is not None:
-            peak_tensor = torch.tensor(peak, device=self.device, dtype=torch.float64)
-            if self.accelerator.num_processes > 1:
-                peak_tensor = self.accelerator.reduce(peak_tensor, reduction="max")
-            allocated, reserved = (int(v) for v in peak_tensor.tolist())
+            allocated, reserved = (int(v) for v in self._max_over_ranks(list(peak)))
             metrics.update(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved)
             text = f"peak GPU memory {gib(allocated)} allocated, {gib(reserved)} reserved"
             over = None if self.warned_memory else memory_over_plan(self.plan, allocated, reserved)

@@ -494,3 +494,27 @@ def test_tf32_is_on_as_the_plan_was_rated_and_as_asked(precision, requested, on)
     plan = parse_plan(make_plan(gpus=1, vram="80G", global_batch=32, precision=precision))
     assert plan.matmul == {"tf32": "tf32", "fp32": "ieee-fp32", "bf16": "bf16"}[precision]
     assert planned_tf32(requested, plan) is on
+
+
+def test_the_log_line_carries_the_measured_peaks_and_the_data_wait_of_a_gpu_run(tmp_path, monkeypatch):
+    """The GPU branch of the log line, on a CPU: the peaks torch.cuda reports (here faked) go to metrics.jsonl
+    beside the plan's, with the window's share of time spent waiting for batches."""
+    import time
+    from types import SimpleNamespace
+
+    import dit_accel.runlog as runlog
+    from planner.plan import make_plan
+    from planner.planfile import parse_plan
+
+    plan = parse_plan(make_plan(gpus=1, vram="80G", global_batch=32))
+    monkeypatch.setattr(runlog, "measured_peak_bytes", lambda device: (5 * 2**30, 6 * 2**30))
+    accelerator = SimpleNamespace(is_main_process=True, log_with=[], num_processes=1)
+    steplog = runlog.StepLog(tmp_path, plan, accelerator, torch.device("cpu"), max_steps=1)
+    with steplog.waiting_for_data():
+        time.sleep(0.05)
+    result = SimpleNamespace(applied=True, loss=0.5, lr=1e-4, grad_norm=1.0)
+    steplog.record(result)
+    steplog.write(1, result, skipped_steps=0)
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert (line["peak_allocated_bytes"], line["peak_reserved_bytes"]) == (5 * 2**30, 6 * 2**30)
+    assert 0 < line["data_wait_fraction"] <= 1

@@ -81,8 +81,7 @@ def check_cache_images(
                 GROUP,
                 "REPA images",
                 f"{len(unread)} of {len(sample)} {'' if full else 'sampled '}source images of latent cache "
-                f"{latents} cannot be "
-                f"read from {images.root}: {unread[0].problem}",
+                f"{latents} cannot be read from {images.root}: {unread[0].problem}",
                 "pass --data-path with the image folder or dataset the cache was made from"
                 if len(unread) == len(sample)
                 else "restore those images, or extract the cache again from the images as they are now",

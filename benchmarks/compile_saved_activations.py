@@ -1,7 +1,7 @@
 """What `torch.compile` (inductor) changes in the activations one DiT block saves for backward (issue 12).
 
-One transformer block of the trainer's network (dit_accel.model, the tied embedder) runs forward once eager and
-once compiled as the trainer compiles it (dit_accel.compile), on the CPU, under
+One transformer block of the trainer's network (dit_accel.models.dit, the tied embedder) runs forward once eager and
+once compiled as the trainer compiles it (dit_accel.models.compile), on the CPU, under
 `torch.autograd.graph.saved_tensors_hooks`: every tensor autograd keeps for the block's backward is seen by
 the pack hook, and its storage is counted once. Parameters are left out (they live anyway), so the figure is
 what the planner calls a block's saved activations. Regimes: fp32, bf16 autocast (CPU autocast's op lists,
@@ -12,7 +12,7 @@ sharded plans).
     python benchmarks/compile_saved_activations.py --shape xl --micro-batch 2
 
 prints one row per regime: eager bytes, compiled bytes, their ratio, and the planner's per-block figure
-(planner.memory.block_saved_bytes) for the same regime. Figures: docs/planner-accuracy.md, "Compiled blocks".
+(planner.activations.block_saved_bytes) for the same regime. Figures: docs/planner-accuracy.md, "Compiled blocks".
 What this cannot show: inductor's CUDA partitioner (min-cut rematerialisation) decides against CUDA's
 kernels and CUDA autocast's op lists; only a GPU run settles those.
 """
@@ -88,9 +88,9 @@ def saved_bytes(block, hidden, kwargs, autocast: bool) -> tuple[int, int]:
 
 
 def measure(shape: str, micro_batch: int, regime: str) -> dict:
-    from dit_accel.compile import compile_blocks
-    from dit_accel.model import build_model
-    from planner.memory import block_saved_bytes, element_bytes
+    from dit_accel.models.compile import compile_blocks
+    from dit_accel.models.dit import build_model
+    from planner.activations import block_saved_bytes, element_bytes
 
     spec = DiTSpec(**SHAPES[shape])
     torch.manual_seed(0)

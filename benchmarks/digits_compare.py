@@ -346,11 +346,11 @@ def equivalence_worker(argv: list[str]) -> None:
     from diffusion import create_diffusion  # from --original-dit, on PYTHONPATH
     from models import DiT
 
-    from dit_accel.diffusion import Diffusion
-    from dit_accel.ema import EMA
-    from dit_accel.model import as_model_fn
-    from dit_accel.optim import build_optimizer
-    from dit_accel.original_dit import load_original_dit, original_to_diffusers_state_dict
+    from dit_accel.diffusion.objective import Diffusion
+    from dit_accel.models.dit import as_model_fn
+    from dit_accel.models.original_dit import load_original_dit, original_to_diffusers_state_dict
+    from dit_accel.train.ema import EMA
+    from dit_accel.train.optim import build_optimizer
 
     data, out_path = Path(argv[0]), Path(argv[1])
     images, labels = read_folder(data)

@@ -8,7 +8,7 @@
 
 The summary runs after every stage, so a check stopped at any point still returns what it measured. The
 memory a run measured (metrics.jsonl: `torch.cuda.max_memory_allocated` / `max_memory_reserved`, logged by
-dit_accel.runlog) is set against the plan's tensors and peak; each calibration point against the planner's
+dit_accel.train.steplog) is set against the plan's tensors and peak; each calibration point against the planner's
 estimate at that micro-batch (planner.memory.step_memory, the function that made the plan).
 """
 
@@ -143,8 +143,8 @@ def run_summary(run_dir: Path, plan) -> dict | None:
 
 
 def plan_cluster(plan):
+    from planner.decision import Cluster
     from planner.hardware import gpu_preset
-    from planner.memory import Cluster
 
     return Cluster(
         nodes=plan.cluster.nodes,

@@ -19,8 +19,9 @@ from test_memtrace_grid import GRID, make_plan, point_id  # noqa: E402
 from dit_accel.memtrace import trace_events  # noqa: E402
 from dit_accel.memtrace.allocator import CachingAllocator, replay_steps  # noqa: E402
 from dit_accel.memtrace.comparison import planner_reserved_peak  # noqa: E402
+from planner.decision import Cluster
 from planner.hardware import Assumptions  # noqa: E402
-from planner.memory import Cluster, gradient_segment_bytes, largest_transient_bytes  # noqa: E402
+from planner.memory import gradient_segment_bytes, largest_transient_bytes  # noqa: E402
 
 MiB = 2**20
 

@@ -30,8 +30,9 @@ from dit_accel.memtrace.allocator import CachingAllocator, least_reserved, repla
 from dit_accel.memtrace.comparison import planner_least_reserved, planner_reserved_peak  # noqa: E402
 from planner import vae  # noqa: E402
 from planner.allocator import accumulating_encode_bytes  # noqa: E402
+from planner.decision import Cluster
 from planner.hardware import Assumptions  # noqa: E402
-from planner.memory import Cluster, accumulated_gradient_bytes, encoder_working_bytes  # noqa: E402
+from planner.memory import accumulated_gradient_bytes, encoder_working_bytes  # noqa: E402
 
 MiB = 2**20
 STATES = ("eager", "lazy")

@@ -8,8 +8,9 @@ planner arithmetic, no GPU; prints the three Markdown tables.
 
 from __future__ import annotations
 
+from planner.decision import Cluster, Decision
 from planner.hardware import Assumptions, gpu_preset
-from planner.memory import Cluster, Decision, step_memory
+from planner.memory import step_memory
 from planner.plan import make_plan
 from planner.search import estimate_throughput
 from planner.spec import model_spec

@@ -27,8 +27,8 @@ from dit_accel.memtrace.comparison import (  # noqa: E402
     planner_reserved_peak,
 )
 from planner import allocator  # noqa: E402
+from planner.activations import FP32_BYTES, buffer_bytes  # noqa: E402
 from planner.hardware import Assumptions  # noqa: E402
-from planner.memory import FP32_BYTES, buffer_bytes  # noqa: E402
 
 
 def persistent_bytes(spec, ema: bool, online: bool) -> int:

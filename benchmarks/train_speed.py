@@ -5,7 +5,7 @@
 The trainer: `build_components` (with an Accelerator, as the loop makes one), then per optimizer step
 `train_micro_step` and `optimizer_step`, on a step that neither logs nor saves (`measure_grad_norm=False`)
 and, for comparison, on one that does (the gradient norm measured, which every step paid before). The bare
-loop: the same seeded network (`dit_accel.model.build_model`), the same diffusion loss on the same batch,
+loop: the same seeded network (`dit_accel.models.dit.build_model`), the same diffusion loss on the same batch,
 `torch.optim.AdamW` and an EMA of `lerp_`s, with no accumulation context, vote or bookkeeping. Each repeat
 runs the three in turn (after one warm-up step each; each repeat starts with the next one), so a slow
 moment of a shared machine hits all three; the report gives each one's best and median step time, the
@@ -29,10 +29,10 @@ import time
 
 import torch
 
-from dit_accel.diffusion import Diffusion
-from dit_accel.model import as_model_fn, build_model, null_class
-from dit_accel.step import build_components, optimizer_step, train_micro_step
-from dit_accel.train_config import TrainConfig
+from dit_accel.diffusion.objective import Diffusion
+from dit_accel.models.dit import as_model_fn, build_model, null_class
+from dit_accel.train.config import TrainConfig
+from dit_accel.train.step import build_components, optimizer_step, train_micro_step
 from planner.planfile import parse_plan
 
 

@@ -13,22 +13,28 @@ import sys
 
 # name -> (module:function, one-line help)
 COMMANDS = {
-    "train": ("dit_accel.launch:main", "launch dit_accel.train with the plan's Accelerate config"),
+    "train": ("dit_accel.train.launch:main", "launch dit_accel.train with the plan's Accelerate config"),
     "extract-latents": ("dit_accel.data.latents:main", "encode an image folder into a latent cache"),
     "demo-data": ("dit_accel.data.demo:main", "write a small class-conditional image folder to learn on"),
-    "sample": ("dit_accel.sample:main", "class-conditional samples (PNG grid, or an .npz for FID)"),
-    "export": ("dit_accel.export:main", "a checkpoint as a diffusers DiTPipeline folder"),
+    "sample": ("dit_accel.sample.command:main", "class-conditional samples (PNG grid, or an .npz for FID)"),
+    "export": ("dit_accel.convert.export:main", "a checkpoint as a diffusers DiTPipeline folder"),
     "import-dit": (
-        "dit_accel.export:import_main",
+        "dit_accel.convert.imports:import_main",
         "an original DiT .pt checkpoint as a dit-accel checkpoint",
     ),
-    "import-sit": ("dit_accel.export:import_sit_main", "a SiT .pt checkpoint as a dit-accel flow checkpoint"),
+    "import-sit": (
+        "dit_accel.convert.imports:import_sit_main",
+        "a SiT .pt checkpoint as a dit-accel flow checkpoint",
+    ),
     "import-repa": (
-        "dit_accel.export:import_repa_main",
+        "dit_accel.convert.imports:import_repa_main",
         "a REPA .pt checkpoint as a dit-accel flow checkpoint",
     ),
     "verify": ("dit_accel.memtrace.report:main", "trace one real training step and compare it with the plan"),
-    "calibrate": ("dit_accel.calibrate:main", "measure the plan on a CUDA GPU and write a calibration file"),
+    "calibrate": (
+        "dit_accel.memtrace.calibrate:main",
+        "measure the plan on a CUDA GPU and write a calibration file",
+    ),
     "doctor": ("dit_accel.doctor:main", "preflight checks before a launch, or read a failed run's log"),
     "evaluate": ("dit_accel.evaluate.command:main", "FID, sFID, IS, precision and recall of a sample .npz"),
 }
@@ -36,7 +42,7 @@ COMMANDS = {
 # command -> the light module:function that builds its parser, where the command's own module is heavy
 FLAGS = {
     "extract-latents": "dit_accel.data.latents_args:build_parser",
-    "sample": "dit_accel.sample_args:build_parser",
+    "sample": "dit_accel.sample.args:build_parser",
 }
 
 

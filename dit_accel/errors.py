@@ -46,7 +46,7 @@ class TrainingStopped(Exception):
 
 
 class Preempted(Exception):
-    """A rank was asked to stop (dit_accel.preemption) and its step is saved: EXIT_PREEMPTED; the message says
+    """A rank was asked to stop (dit_accel.run.preemption) and its step is saved: EXIT_PREEMPTED; the message says
     how to go on."""
 
 
@@ -109,13 +109,13 @@ def exit_code_of_ranks(launcher_code: int, records: dict[int, dict]) -> int:
 def exit_command(main) -> None:
     """`sys.exit(main())` for a command's `__main__`, except in a process that made a process group: there it
     flushes what the process wrote and ends with os._exit, so that no teardown frees the group
-    (dit_accel.distributed.end_process_group says why). Imports no torch: `--help` stays light."""
+    (dit_accel.distributed.accelerator.end_process_group says why). Imports no torch: `--help` stays light."""
     try:
         code = main()
     except SystemExit as leaving:
         code = leaving.code
     dist = sys.modules.get("torch.distributed")
-    kept = getattr(sys.modules.get("dit_accel.distributed"), "_kept_groups", [])
+    kept = getattr(sys.modules.get("dit_accel.distributed.accelerator"), "_kept_groups", [])
     if dist is not None and dist.is_available() and dist.is_initialized():  # an error path that kept it
         kept.extend(dist.distributed_c10d._world.pg_map)
     if not kept:

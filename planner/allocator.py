@@ -292,7 +292,7 @@ def online_reserved_bytes(
 
     The first encode maps its footprint (ENCODER_FOOTPRINT x its working set, measured on empty caches) on top
     of the persistent tensors. With AdamW's state among them (the trainer makes it before the first step:
-    dit_accel.optim.create_states; a resumed run loads it there) everything after reuses that cache, growing
+    dit_accel.train.optim.create_states; a resumed run loads it there) everything after reuses that cache, growing
     it only where its own figure is larger.
 
     `lazy_states` (another codebase: the state made inside the first optimizer step) holds that step's

@@ -94,7 +94,7 @@ class MFUEntry:
     high: float
     source: str
     fallback: str | None = None  # why another family's or mode's figures stand in, if they do
-    # how much faster the step runs with its blocks compiled (torch.compile, dit_accel.compile) than eager,
+    # how much faster the step runs with its blocks compiled (torch.compile, dit_accel.models.compile) than eager,
     # which every figure is: measured on this family in this mode, else 1 (no credit without a measurement)
     compiled_speedup: float = 1.0
 

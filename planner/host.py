@@ -10,8 +10,9 @@ label arrays (`dataset_row_bytes` a row, as `dit-accel doctor` reports them).
 
 from __future__ import annotations
 
+from planner.activations import FP32_BYTES
+from planner.decision import Cluster, Decision
 from planner.hardware import Assumptions
-from planner.memory import FP32_BYTES, Cluster, Decision
 from planner.spec import DiTSpec
 from planner.units import count, format_bytes
 

@@ -12,8 +12,8 @@ import dataclasses
 import io
 import textwrap
 
+from planner.components import COMPONENTS
 from planner.errors import PlanError
-from planner.memory import COMPONENTS
 from planner.report.tables import PHASE_NAMES
 from planner.units import count, plural
 
@@ -42,8 +42,9 @@ LABELS = {"autocast_cache": "autocast cache", "peak": "peak (not split)"}
 def alternative_components(plan: dict, alternative: dict) -> dict[str, int] | None:
     """Every component of an alternative at its peak, recomputed from the plan's own inputs with the
     planner's memory model; None when the recomputation does not give the plan's recorded peak."""
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions, gpu_preset
-    from planner.memory import Cluster, Decision, step_memory
+    from planner.memory import step_memory
     from planner.planfile import spec_from_plan
 
     try:

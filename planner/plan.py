@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from planner.activations import element_bytes, saved_activation_bytes
 from planner.calibration import apply_calibration, check_calibration, load_calibration
+from planner.components import COMPONENTS
+from planner.decision import Cluster
 from planner.errors import PlanError
 from planner.hardware import Assumptions, gpu_preset
 from planner.host import DATA_SOURCES, host_estimate
-from planner.memory import COMPONENTS, Cluster, element_bytes, saved_activation_bytes
 from planner.planfile import SCHEMA
 from planner.repa import DEFAULT_PROJECTOR_DIM, encoder_spec
 from planner.rules import OBJECTIVES, PRECISIONS, SHARDING_MODES
@@ -140,7 +142,7 @@ def evaluation_time(
     world_size: int,
     throughput,
 ) -> dict | None:
-    """The sampling time of the trainer's --eval-every evaluations (dit_accel.train_eval), None without it.
+    """The sampling time of the trainer's --eval-every evaluations (dit_accel.train.evaluation), None without it.
 
     One evaluation samples `samples` images over every GPU; each image costs `sample_steps` x model calls per
     step (1 for DDPM, 2 for a flow model's Heun ODE) x 2 with guidance (cfg scale not 1: the conditional and
@@ -427,14 +429,14 @@ def make_plan(
             else DEFAULT_MAIN_PROCESS_PORT,
         },
         "global_batch": global_batch,
-        "objective": objective,  # what the trainer trains (dit_accel.step.run_objective)
+        "objective": objective,  # what the trainer trains (dit_accel.train.step.run_objective)
         "decision": {
             **dataclasses.asdict(decision),
             "matmul": matmul,  # bf16 | fp16 | tf32 | ieee-fp32 (--precision fp32: the trainer's --no-tf32)
             "mixed_precision": PRECISIONS[decision.precision].accelerate_mixed_precision,
             "fsdp_sharding_strategy": SHARDING_MODES[decision.sharding].fsdp1_strategy,
             "sync_each_batch": decision.sharded,  # FSDP: reduce-scatter every micro-step, grads stay sharded
-            # torch.compile per block on CUDA (dit_accel.compile); the memory model is the eager one, an upper
+            # torch.compile per block on CUDA (dit_accel.models.compile); the memory model is the eager one, an upper
             # bound on the CPU measurements (docs/planner-accuracy.md, "Compiled blocks")
             "compile": bool(compile),
         },
@@ -525,11 +527,12 @@ def _repa_encoder(name: str, projector_dim: int) -> str:
 
 def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
     """The activation and backward terms of the memory model, for plan.md's arithmetic and checks against traces."""
-    from planner import memory
+    from planner import activations
+    from planner.components import casts_weights
 
     eb = element_bytes(decision.precision, assumed.autocast_device, pure=decision.sharded)
     b, c = decision.micro_batch, decision.checkpointed_blocks
-    block = sum(memory.block_saved_bytes(spec, b, eb, assumed.attention).values())
+    block = sum(activations.block_saved_bytes(spec, b, eb, assumed.attention).values())
     return {
         "autocast_device": assumed.autocast_device,
         # sharded plans: FSDP2's bf16/fp16 parameters and no autocast, every op in the compute dtype
@@ -539,17 +542,17 @@ def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
         "stored_block_bytes": block,
         "bytes_per_token_hidden_block": block / (b * spec.tokens * spec.hidden),
         "checkpointed_blocks": c,
-        "checkpointed_block_bytes": memory.checkpointed_block_saved_bytes(spec, b, eb),
-        "head_and_tail_bytes": memory.head_and_tail_saved_bytes(spec, b, eb),
+        "checkpointed_block_bytes": activations.checkpointed_block_saved_bytes(spec, b, eb),
+        "head_and_tail_bytes": activations.head_and_tail_saved_bytes(spec, b, eb),
         "saved_bytes": saved_activation_bytes(spec, b, eb, c, assumed.attention),
-        "loss_bytes": memory.loss_saved_bytes(spec, b, assumed.loss_tensors),
-        "recompute_bytes": memory.recompute_bytes(spec, b, eb, assumed.attention) if c else 0,
-        "checkpointed_forward_bytes": memory.checkpointed_forward_working_bytes(
-            spec, b, eb, memory.casts_weights(decision)
+        "loss_bytes": activations.loss_saved_bytes(spec, b, assumed.loss_tensors),
+        "recompute_bytes": activations.recompute_bytes(spec, b, eb, assumed.attention) if c else 0,
+        "checkpointed_forward_bytes": activations.checkpointed_forward_working_bytes(
+            spec, b, eb, casts_weights(decision)
         )
         if c
         else 0,
-        "backward_temporary_bytes": memory.backward_temporary_bytes(spec, b, eb),
+        "backward_temporary_bytes": activations.backward_temporary_bytes(spec, b, eb),
     }
 
 

@@ -17,8 +17,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planner.components import COMPONENTS
+from planner.decision import Decision
 from planner.errors import PlanError
-from planner.memory import COMPONENTS, Decision
 from planner.repa import DEFAULT_PROJECTOR_DIM, ENCODERS
 from planner.rules import OBJECTIVES, PRECISIONS, SHARDING_MODES, Precision, ShardingMode, default_matmul
 from planner.spec import LATENT_MODES, NUM_CLASSES, DiTSpec, custom_spec, model_spec

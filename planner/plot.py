@@ -75,8 +75,8 @@ def sweep_chart(rows: list[dict], fmt: str = "png") -> bytes:
 
 
 def _cluster(plan: dict):
+    from planner.decision import Cluster
     from planner.hardware import gpu_preset
-    from planner.memory import Cluster
 
     c = plan["cluster"]
     return Cluster(

@@ -24,9 +24,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from planner import repa, vae
+from planner.activations import element_bytes
+from planner.decision import SHARDINGS, Cluster, Decision
 from planner.errors import PlanError
 from planner.hardware import Assumptions, matmul_mode, mfu_entry
-from planner.memory import SHARDINGS, Cluster, Decision, MemoryEstimate, element_bytes, step_memory
+from planner.memory import MemoryEstimate, step_memory
 from planner.repa import DEFAULT_PROJECTOR_DIM
 from planner.rules import default_matmul
 from planner.spec import DiTSpec

@@ -1,6 +1,6 @@
 """The DiT family: architecture hyper-parameters, token counts, exact parameter counts and forward FLOPs.
 
-This module is the single source of truth for the architecture: `dit_accel.model` builds the network
+This module is the single source of truth for the architecture: `dit_accel.models.dit` builds the network
 from a `DiTSpec`, and a test holds `params_trainable` equal to the built model's count.
 
 The counted network is diffusers' `DiTTransformer2DModel` with one conditioning embedder (timestep MLP +

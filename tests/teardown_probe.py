@@ -1,6 +1,6 @@
 """`python tests/teardown_probe.py MODULE ARGS...`: run MODULE as `python -m MODULE ARGS...` would, and say so on
 stderr if the interpreter's teardown then runs. A launched command must end without it
-(dit_accel.distributed.exit_command): the teardown frees the gloo process group, whose worker threads then
+(dit_accel.distributed.accelerator.exit_command): the teardown frees the gloo process group, whose worker threads then
 can abort the rank (SIGABRT) or, freed earlier, deadlock it. Imported, `teardowns` reads the lines back."""
 
 import atexit

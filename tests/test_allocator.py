@@ -341,8 +341,10 @@ def test_an_online_step_holds_what_its_first_encode_reserved_at_every_later_mome
     (reserved does not fall without a release); under pressure each moment may need less. A measured
     fragmentation (a calibration) replaces the allocator model, floor included: its share is the measured
     ratio plus cuBLAS's workspaces."""
+    from planner.components import ALLOCATED
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions
-    from planner.memory import ALLOCATED, Cluster, Decision, online_floor_bytes, phase_components, step_memory
+    from planner.memory import online_floor_bytes, phase_components, step_memory
     from planner.spec import model_spec
 
     spec, cluster = model_spec("DiT-XL/2", 256), Cluster(1, 1, 80 * 10**9)
@@ -369,8 +371,10 @@ def test_an_online_step_holds_what_its_first_encode_reserved_at_every_later_mome
 
 
 def test_the_search_fits_the_reserved_peak_and_the_overhead():
+    from planner.components import ALLOCATED
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions
-    from planner.memory import ALLOCATED, Cluster, Decision, step_memory
+    from planner.memory import step_memory
     from planner.spec import model_spec
 
     spec = model_spec("DiT-XL/2", 256)
@@ -479,9 +483,10 @@ def test_online_latents_with_a_lazy_adamw_state_map_the_second_encode_anew():
 
 
 def test_the_plan_of_a_lazy_adamw_state_reserves_more_with_online_latents_only():
+    from planner.decision import Cluster, Decision
     from planner.errors import PlanError
     from planner.hardware import Assumptions
-    from planner.memory import Cluster, Decision, step_memory
+    from planner.memory import step_memory
     from planner.spec import model_spec
 
     spec, cluster = model_spec("DiT-XL/2", 256), Cluster(1, 1, 80 * 10**9)
@@ -523,8 +528,9 @@ def test_fsdp_stream_pools_hold_what_the_default_stream_cannot_reuse():
     Fixed segments: 2 x 46 + 12 MiB (each >= 10 MiB rounded to 2 MiB) + one 20 MiB segment for the shard =
     124 MiB; expandable: 101.7 -> 120 MiB of pages + 20 = 140 MiB; the same at every moment (cached once the
     first step ran) and for zero2 (which gathers every unit once, two in flight too). DDP: none."""
+    from planner.components import stream_pool_bytes
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions
-    from planner.memory import Cluster, Decision, stream_pool_bytes
     from planner.spec import model_spec
 
     spec = model_spec("DiT-XL/2", 256)
@@ -542,8 +548,9 @@ def test_the_replayed_fsdp_side_streams_equal_the_planners_stream_pools():
     """DiT-XL/2 zero3 bf16 on 8 GPUs through `fsdp_like_events`: gathers G = 2 B (one unit in bf16) and the
     root 2 R on stream 1, the reduce-scatter output shard 2 B / 8 on stream 2. What the replay's side streams
     hold beyond the default stream's own peak is the planner's `stream_pool_bytes`, in both modes."""
+    from planner.components import stream_pool_bytes
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions
-    from planner.memory import Cluster, Decision, stream_pool_bytes
     from planner.spec import model_spec
 
     spec = model_spec("DiT-XL/2", 256)
@@ -600,8 +607,9 @@ def test_fixed_segments_hold_the_forward_and_the_gradients_own_segments():
     24 MiB adaLN gradients, so with fixed segments the reserved peak is the forward's reserve plus 24 blocks
     of 24 MiB (the replay of this grid point maps 608 MiB in its first backward); a release returns them, and
     expandable segments (which map pages where they are needed) have no such term."""
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions
-    from planner.memory import Cluster, Decision, gradient_segment_floor_bytes, phase_components, step_memory
+    from planner.memory import gradient_segment_floor_bytes, phase_components, step_memory
     from planner.spec import model_spec
 
     spec, cluster = model_spec("DiT-L/2", 256), Cluster(1, 1, 80 * 10**9)
@@ -671,8 +679,10 @@ def test_an_accumulating_online_plan_reserves_the_later_encodes_maps_and_keeps_t
     rest): the least the step runs in is the floor; expandable segments release as before. One micro-step:
     no term."""
     from planner.allocator import ENCODER_FOOTPRINT, TRANSIENT_FRAGMENTATION
+    from planner.components import ALLOCATED
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions
-    from planner.memory import ALLOCATED, Cluster, Decision, online_floor_bytes, phase_components, step_memory
+    from planner.memory import online_floor_bytes, phase_components, step_memory
     from planner.spec import model_spec
 
     spec, cluster = model_spec("DiT-B/4", 256), Cluster(1, 1, 80 * 10**9)
@@ -711,17 +721,10 @@ def test_the_gradients_a_later_encode_runs_beside_follow_where_they_live():
     projector's among them. Under zero3 on 8
     GPUs the plan's floor then holds the later encodes' term, and with fixed segments its least holds the
     floor at the encode (the flag changes neither)."""
+    from planner.components import moments, repa_projector_params
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions
-    from planner.memory import (
-        Cluster,
-        Decision,
-        accumulated_gradient_bytes,
-        moments,
-        online_floor_bytes,
-        phase_components,
-        repa_projector_params,
-        step_memory,
-    )
+    from planner.memory import accumulated_gradient_bytes, online_floor_bytes, phase_components, step_memory
     from planner.spec import model_spec
 
     spec = model_spec("DiT-XL/2", 256)

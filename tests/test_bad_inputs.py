@@ -58,7 +58,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 
 
 def _trainer(argv):
-    from dit_accel.train import main
+    from dit_accel.train.loop import main
 
     return main(argv)
 

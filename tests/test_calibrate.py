@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dit_accel import calibrate as cal
 from dit_accel.atomic import write_json_atomically
 from dit_accel.errors import UserError
+from dit_accel.memtrace import calibrate as cal
 from planner.hardware import CALIBRATABLE, Assumptions, gpu_preset
 from planner.planfile import Plan, parse_plan
 from planner.spec import model_spec

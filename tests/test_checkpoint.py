@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from dit_accel import checkpoint as ckpt
-from dit_accel.ema import EMA
 from dit_accel.errors import UserError
-from dit_accel.optim import build_optimizer, build_scheduler
+from dit_accel.run import checkpoint as ckpt
+from dit_accel.train.ema import EMA
+from dit_accel.train.optim import build_optimizer, build_scheduler
 
 
 @pytest.fixture

@@ -82,7 +82,7 @@ def _parsers_shown(call, monkeypatch) -> list[argparse.ArgumentParser]:
 @pytest.mark.parametrize("name", sorted(COMMANDS) + ["python -m dit_accel.train"])
 def test_every_flag_has_a_help_line_with_its_default(name, monkeypatch):
     from dit_accel.cli import main as dit_accel
-    from dit_accel.train import main as trainer
+    from dit_accel.train.loop import main as trainer
 
     call = (
         (lambda: trainer(["--help"])) if name.startswith("python") else (lambda: dit_accel([name, "--help"]))
@@ -102,7 +102,7 @@ def test_every_flag_has_a_help_line_with_its_default(name, monkeypatch):
 
 
 def test_defaults_are_shown_as_typed():
-    from dit_accel.train_config import build_parser
+    from dit_accel.train.config import build_parser
 
     text = " ".join(build_parser().format_help().split())  # the lines as one, unwrapped
     assert "(default: 0.9 0.999)" in text and "(default: 400000)" in text and "(default: off)" in text

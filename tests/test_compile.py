@@ -1,4 +1,4 @@
-"""Compiled blocks (dit_accel.compile): `torch.compile` per transformer block, on the CPU with inductor.
+"""Compiled blocks (dit_accel.models.compile): `torch.compile` per transformer block, on the CPU with inductor.
 
 Compiled and eager training of the same plan and samples agree: one process in-process (one checkpointed
 block of two, micro-batch 4 x accumulation 2), and two processes launched over gloo with a zero2
@@ -23,8 +23,8 @@ from equivalence import has_true_gradient
 from test_train_e2e import run_in_process
 from test_train_fsdp import QUIET, TINY, _assert_close, _finish, _losses, _start, _weights
 
-from dit_accel.compile import compile_blocks, compiled_blocks, resolve_compile
-from dit_accel.train_config import parse_config
+from dit_accel.models.compile import compile_blocks, compiled_blocks, resolve_compile
+from dit_accel.train.config import parse_config
 from planner.planfile import parse_plan
 
 WEIGHTS_ATOL = 1e-5  # 10x the measured difference, 300x below one AdamW step (lr 3e-3)
@@ -35,7 +35,7 @@ DYNAMO_PROBE = """
 import json, os, sys
 from pathlib import Path
 from torch._dynamo.utils import counters
-from dit_accel.train import main
+from dit_accel.train.loop import main
 code = main(sys.argv[1:])
 stats = {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 Path(__file__).with_name(f"dynamo_{Path(sys.argv[sys.argv.index('--output-dir') + 1]).name}_rank"
@@ -81,7 +81,7 @@ def test_plans_record_compile_and_older_plans_read_as_eager(tmp_path):
 
 @pytest.mark.slow  # torch.compile imports dynamo and inductor: seconds, though nothing is compiled
 def test_compiling_keeps_names_and_marks_every_block():
-    from dit_accel.model import build_model, checkpointed_blocks, set_checkpointed_blocks
+    from dit_accel.models.dit import build_model, checkpointed_blocks, set_checkpointed_blocks
     from planner.spec import DiTSpec
 
     spec = DiTSpec(name="DiT-S/2", depth=2, hidden=32, heads=2, patch=2, resolution=32, latents="pixel")

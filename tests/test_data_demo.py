@@ -88,7 +88,7 @@ def test_vae_writes_a_loadable_autoencoder_whose_scaled_latents_have_unit_std(tm
     import torch
     from diffusers import AutoencoderKL
 
-    from dit_accel.data.vae import encode_posterior
+    from dit_accel.models.vae import encode_posterior
 
     assert (
         main([str(tmp_path / "d"), "--per-class", "4", "--resolution", "16", "--vae", str(tmp_path / "v")])

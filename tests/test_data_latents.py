@@ -22,8 +22,8 @@ from teardown_probe import SCRIPT, teardowns
 from dit_accel.data.demo import write_demo_data
 from dit_accel.data.latent_cache import LatentCache, check_cache_matches, read_manifest, verify_cache
 from dit_accel.data.latents import ExtractConfig, build_parser, extract_latents, main
-from dit_accel.data.vae import load_vae
 from dit_accel.errors import UserError
+from dit_accel.models.vae import load_vae
 
 RESOLUTION = 32
 CLASSES, PER_CLASS = 3, 6  # 18 images; shard_size 4 -> 5 shards, the last one short
@@ -215,7 +215,7 @@ HUB_ID_RUN = """
 import sys, time
 import dit_accel.data.latents  # torch, safetensors: imported before the clock starts
 from dit_accel.cli import main
-from dit_accel.data.vae import load_vae
+from dit_accel.models.vae import load_vae
 if sys.argv[1] == "load":
     print(load_vae(sys.argv[2])[1]["source"])
 else:

@@ -9,20 +9,22 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, DiTPipeline, DPMSolverMultistepScheduler
 
-from dit_accel.diffusion import (
+from dit_accel.diffusion.objective import (
     DIT_SCHEDULER_CONFIG,
     Diffusion,
+    discretized_gaussian_log_likelihood,
+    normal_kl,
+)
+from dit_accel.diffusion.sampling import (
     classifier_free_guidance,
     ddim_sample,
     ddpm_sample,
-    discretized_gaussian_log_likelihood,
-    normal_kl,
     respaced,
     sample_with_scheduler,
     spaced_timesteps,
 )
 from dit_accel.errors import UserError
-from dit_accel.model import as_model_fn, build_model
+from dit_accel.models.dit import as_model_fn, build_model
 from planner.spec import custom_spec
 
 T = 1000

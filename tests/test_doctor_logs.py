@@ -145,7 +145,7 @@ CUDA_OOM = (
     "fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
 )
 RANK_TRACEBACK = """[rank1]: Traceback (most recent call last):
-[rank1]:   File "/work/dit_accel/train.py", line 712, in train
+[rank1]:   File "/work/dit_accel/train/loop.py", line 712, in train
 [rank1]:     loss = train_micro_step(components, batch, loss_multiplier)
 [rank1]:   File "/opt/conda/lib/python3.11/site-packages/torch/_tensor.py", line 648, in backward
 [rank1]:     torch.autograd.backward(
@@ -446,7 +446,7 @@ def test_the_trainers_nan_stop():
 
 
 def test_a_hung_rank_named_by_the_watchdog_is_the_root_cause_not_the_gloo_timeouts():
-    """The watchdog's line (dit_accel.watchdog) wins over the collective errors it leaves on other ranks."""
+    """The watchdog's line (dit_accel.run.watchdog) wins over the collective errors it leaves on other ranks."""
     line = (
         "rank 1 stuck at step 2 for 4 s before a collective (micro-step 1 of 2); other ranks are at step 2, "
         "waiting for it in the collective (rank 0); ended after --collective-timeout-s 4; exit 5 (check that "

@@ -858,7 +858,7 @@ def test_the_readmes_cpu_plan_is_ready_on_this_cpu_machine(tmp_path, capsys, mon
     the real machine (no GPU): exit 0, a warning that the run is a CPU run, and the loader workers the
     trainer itself would pick for these CPUs (`train_config.loader_workers`), not the default 4."""
     from dit_accel.data.demo import write_demo_data
-    from dit_accel.train_config import loader_workers, usable_cpus
+    from dit_accel.train.config import loader_workers, usable_cpus
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     if probe_environment().driver_version is not None or torch.cuda.is_available():

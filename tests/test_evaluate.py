@@ -422,7 +422,7 @@ def write_tiny_pixel_workspace(root) -> None:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A 1-block pixel-space DiT at 16 px, trained one step on demo images: a real run folder to sample."""
-    from dit_accel.train import main as train
+    from dit_accel.train.loop import main as train
 
     root = tmp_path_factory.mktemp("tiny_run")
     write_tiny_pixel_workspace(root)
@@ -441,7 +441,7 @@ def tiny_run(tmp_path_factory):
 
 
 def _sample(run, *argv) -> int:
-    from dit_accel.sample import main
+    from dit_accel.sample.command import main
 
     common = ["--checkpoint", run, "--num-samples", 5, "--batch-size", 5, "--steps", 2, "--no-ema"]
     with fresh_accelerate_state():

@@ -8,12 +8,14 @@ import pytest
 import torch
 from diffusers import DiTPipeline
 
-from dit_accel import sample
+from dit_accel.convert.export import main as export_main
+from dit_accel.convert.export import write_pipeline
+from dit_accel.convert.imports import import_main
 from dit_accel.data.demo import demo_vae
-from dit_accel.export import import_main, write_pipeline
-from dit_accel.export import main as export_main
-from dit_accel.model import build_model, conditioning_embedder, timestep_freq_shift
-from dit_accel.original_dit import load_original_dit
+from dit_accel.models.dit import build_model, conditioning_embedder, timestep_freq_shift
+from dit_accel.models.original_dit import load_original_dit
+from dit_accel.sample import command as sample
+from dit_accel.sample.generate import sample_generators, sample_latents
 from planner.spec import custom_spec
 
 RESOLUTION = 64  # 8x8 latents through a 4-level VAE
@@ -80,24 +82,22 @@ def test_exported_pipeline_gives_the_same_latents_as_dit_accel_sample(vae_dir, t
     labels, indices, seed, steps = [0, 3, 1], [0, 1, 2], 7, 8
     spec = sample.load_source(out).spec  # the exported folder also reads back as a dit-accel source
     for cfg in (4.0, 1.0):
-        theirs, their_images = pipeline_latents(
-            pipe, labels, sample.sample_generators(seed, indices), steps, cfg
-        )
+        theirs, their_images = pipeline_latents(pipe, labels, sample_generators(seed, indices), steps, cfg)
         settings = sample.SampleSettings(cfg_scale=cfg, steps=steps, sampler="ddim", seed=seed)
-        ours = sample.sample_latents(model, model.dit_spec, labels, indices, settings)
+        ours = sample_latents(model, model.dit_spec, labels, indices, settings)
         scale = ours.abs().max()
         assert torch.allclose(ours, theirs, atol=1e-5 * scale, rtol=0), (ours - theirs).abs().max()
         decoder = sample.load_decoder(spec, str(out / "vae"), "cpu")
         assert torch.allclose((decoder(ours) + 1) / 2, their_images, atol=1e-4)
     # Guidance is live: the guided and unguided latents differ.
-    unguided = sample.sample_latents(
+    unguided = sample_latents(
         model,
         model.dit_spec,
         labels,
         indices,
         sample.SampleSettings(cfg_scale=1.0, steps=steps, sampler="ddim", seed=seed),
     )
-    guided = sample.sample_latents(
+    guided = sample_latents(
         model,
         model.dit_spec,
         labels,

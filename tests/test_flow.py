@@ -197,7 +197,7 @@ def test_flow_trains_with_accumulation_over_two_processes_as_one_process(flow_ru
 def test_a_resumed_flow_run_is_the_straight_run_and_records_its_objective(flow_runs):
     from test_train_e2e import assert_same_state
 
-    from dit_accel.diffusion.flow import recorded_objective
+    from dit_accel.run.weights import recorded_objective
 
     last = "checkpoints/step_00000006"
     assert_same_state(flow_runs["one"] / last, flow_runs["resumed"] / last)  # bit for bit

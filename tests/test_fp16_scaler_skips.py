@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_train_e2e import QUIET, make_workspace, run_in_process
 
-from dit_accel import checkpoint as ckpt
-from dit_accel.step import NON_FINITE, SCALER_OVERFLOW
+from dit_accel.run import checkpoint as ckpt
+from dit_accel.train.step import NON_FINITE, SCALER_OVERFLOW
 
 HUGE_SCALE = 2.0**126
 FP16_MAX = torch.finfo(torch.float16).max
@@ -28,7 +28,7 @@ def workspace(tmp_path_factory):
 
 
 def _with_cpu_grad_scaler(monkeypatch):
-    import dit_accel.distributed as distributed  # train() imports make_accelerator from here when it runs
+    import dit_accel.distributed.accelerator as distributed  # train() imports make_accelerator from here when it runs
 
     real = distributed.make_accelerator
 
@@ -54,7 +54,7 @@ def _with_cpu_grad_scaler(monkeypatch):
 def test_scaler_skips_are_logged_and_do_not_stop_the_run(workspace, tmp_path, monkeypatch):
     _with_cpu_grad_scaler(monkeypatch)
     results = []
-    import dit_accel.step as step  # train() imports optimizer_step from here when it runs
+    import dit_accel.train.step as step  # train() imports optimizer_step from here when it runs
 
     real_step = step.optimizer_step
 

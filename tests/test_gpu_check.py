@@ -367,7 +367,7 @@ def test_calibration_points_are_set_against_the_planner_also_when_the_run_stoppe
     h200_plan, tmp_path
 ):
     """A calibration stopped after its requested micro-batches (complete: false) is reported as such."""
-    from dit_accel import calibrate as cal
+    from dit_accel.memtrace import calibrate as cal
     from planner.planfile import read_plan
 
     plan = read_plan(h200_plan / "plan" / "plan.json")

@@ -7,13 +7,12 @@ import pytest
 import torch
 from test_model import original_state_dict, reference_dit_forward
 
-from dit_accel.checkpoint import load_for_inference
-from dit_accel.diffusion.flow import recorded_objective
-from dit_accel.export import import_repa_main, import_sit_main
-from dit_accel.export import main as export_main
-from dit_accel.model import as_model_fn
-from dit_accel.original_sit import time_reversal_matrix
-from dit_accel.sample import sampler_for
+from dit_accel.convert.export import main as export_main
+from dit_accel.convert.imports import import_repa_main, import_sit_main
+from dit_accel.models.dit import as_model_fn
+from dit_accel.models.original_sit import time_reversal_matrix
+from dit_accel.run.weights import load_for_inference, recorded_objective
+from dit_accel.sample.generate import sampler_for
 
 X = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(3))
 T = torch.tensor([0.05, 0.5, 0.93])  # dit-accel's time: 0 data, 1 noise
@@ -84,9 +83,9 @@ def _a_ddpm_run_refuses_to_start_from_it(run):
     import dataclasses
 
     from dit_accel.errors import UserError
-    from dit_accel.resume import read_init_weights
-    from dit_accel.step import build_components
-    from dit_accel.train_config import TrainConfig
+    from dit_accel.train.config import TrainConfig
+    from dit_accel.train.resume import read_init_weights
+    from dit_accel.train.step import build_components
     from planner.planfile import read_plan
 
     plan = read_plan(run / "plan.json")

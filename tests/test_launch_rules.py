@@ -32,7 +32,7 @@ from accelerate.utils.launch import (
 from ports import launch_port
 from torch.distributed.fsdp import OffloadPolicy
 
-from dit_accel.distributed import check_launch, fsdp_plugin_for
+from dit_accel.distributed.accelerator import check_launch, fsdp_plugin_for
 from dit_accel.doctor.checks import Status
 from dit_accel.doctor.environment import check_accelerate_config
 from dit_accel.doctor.plan import load_plan

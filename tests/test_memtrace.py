@@ -152,7 +152,7 @@ def test_the_trace_of_dit_xl2_holds_exactly_the_architectures_states():
     plan = parse_plan(plan)
     result = trace_training_step(plan, autocast_device="cpu")
     spec = model_spec("DiT-XL/2", 256)
-    from dit_accel.model import build_model
+    from dit_accel.models.dit import build_model
 
     with torch.device("meta"):
         tensors = len(list(build_model(spec, init="torch").parameters()))
@@ -195,8 +195,10 @@ def test_the_planners_moments_of_a_checkpointed_step_equal_the_traced_ones(micro
     block's forward the peak is at the GELU, or, with few tokens (4 x 16 here, hidden 64), at the MLP's output
     linear, whose uncached weight copy is then alive; the cache holds only the patch conv's and the embedder's."""
 
+    from planner.activations import checkpointed_forward_peak, element_bytes
+    from planner.decision import Cluster, Decision
     from planner.hardware import Assumptions
-    from planner.memory import Cluster, Decision, checkpointed_forward_peak, element_bytes, step_memory
+    from planner.memory import step_memory
 
     plan = tiny_plan(depth=3, checkpointed_blocks=3, precision="bf16", micro_batch=micro_batch)
     spec = plan.spec()
@@ -337,7 +339,7 @@ def test_verify_refuses_a_missing_or_foreign_plan_in_one_line(tmp_path, capsys):
 
 def test_the_traced_step_is_the_trainers_own(monkeypatch):
     """verify must run the trainer's step functions, not a copy: count the calls it makes into them."""
-    from dit_accel import step as train
+    from dit_accel.train import step as train
 
     calls = {"build_components": 0, "train_micro_step": 0, "check_step": 0, "apply_step": 0}
     for name in calls:
@@ -359,8 +361,8 @@ def test_only_the_steps_decision_reads_a_value_so_fake_tensors_run_the_trainer_a
     two needs a value, and there a fake tensor refuses."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from dit_accel import step as train
-    from dit_accel.train_config import TrainConfig
+    from dit_accel.train import step as train
+    from dit_accel.train.config import TrainConfig
 
     plan = tiny_plan(depth=1, precision="fp16")
     config = TrainConfig(plan="p", output_dir="o", latents="l")

@@ -1,6 +1,6 @@
 """The planner held to a trace of the trainer's real step, over a grid of 26 configurations.
 
-Each point traces the trainer's own step (`dit_accel.step`) on fake tensors (CPU autocast, shallow depths extrapolated
+Each point traces the trainer's own step (`dit_accel.train.step`) on fake tensors (CPU autocast, shallow depths extrapolated
 per block, which test_memtrace.py shows is exact) and asks the planner's CPU-autocast variant for the same
 step as one process would run it. Tolerances (issue 5): the traceable peak within 2% in fp32 and 5% in
 bf16/fp16; every component within 5% of its traced bytes. A component smaller than 1% of the peak is held
@@ -146,7 +146,7 @@ def test_planner_matches_the_trace(point):
 @pytest.mark.parametrize("segments", ["expandable", "fixed"])
 def test_online_steps_reuse_the_first_encodes_cache_as_the_planner_says(segments):
     """The grid's DiT-S/2 online point traced at full depth and replayed through the allocator model. AdamW's
-    state exists before the first step (dit_accel.optim.create_states), so nothing after the first step's
+    state exists before the first step (dit_accel.train.optim.create_states), so nothing after the first step's
     encode maps memory the first step did not (before it did: the states pinned the encoder's freed maps
     and the second encode mapped up to its whole footprint anew, +8.6% expandable). The planner's rule
     (planner/allocator.py `online_reserved_bytes`) is within 3% (+0.8% expandable, -1.3% fixed when written)."""

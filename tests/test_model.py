@@ -21,8 +21,8 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dit_accel.errors import UserError
-from dit_accel.model import (
-    SIDECAR_NAME,
+from dit_accel.models.diffusers_format import SIDECAR_NAME, export_diffusers, load_model, save_model
+from dit_accel.models.dit import (
     as_model_fn,
     build_model,
     checkpointed_blocks,
@@ -30,16 +30,13 @@ from dit_accel.model import (
     count_trainable_params,
     drop_labels,
     embedders_tied,
-    export_diffusers,
-    load_model,
     null_class,
-    save_model,
     set_checkpointed_blocks,
     spec_from_config,
     spec_from_model,
     timestep_freq_shift,
 )
-from dit_accel.original_dit import load_original_dit
+from dit_accel.models.original_dit import load_original_dit
 from planner.spec import FAMILY, PATCH_SIZES, custom_spec, model_spec
 
 TINY = dict(depth=2, hidden=64, heads=4, patch=2, resolution=64)  # 8x8 latents, 16 tokens
@@ -401,7 +398,7 @@ def test_stock_untied_folder_and_pipeline_folder_load_tied(tmp_path):
 
 def test_deduplicated_state_dict_loads(tmp_path):
     """Accelerate's save_state drops shared tensors: only one block keeps the embedder."""
-    from dit_accel.model import load_diffusers_state_dict
+    from dit_accel.models.diffusers_format import load_diffusers_state_dict
 
     source, target = tiny_model(seed=0), tiny_model(seed=1)
     state = {

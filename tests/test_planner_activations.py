@@ -13,7 +13,7 @@ import torch
 from diffusers import DiTTransformer2DModel
 from torch.utils.checkpoint import checkpoint
 
-from planner.memory import (
+from planner.activations import (
     block_matrix_params,
     element_bytes,
     outer_matrix_params,

@@ -1,4 +1,4 @@
-"""`dit-plan --calibration FILE`: a file written by the real `dit_accel.calibrate` writer from recorded
+"""`dit-plan --calibration FILE`: a file written by the real `dit_accel.memtrace.calibrate` writer from recorded
 measurements of an H200 replaces the planner's assumed overheads, fragmentation and MFU; mismatched files are
 refused or partly used, as planner/calibration.py documents."""
 
@@ -22,7 +22,7 @@ H200_BYTES = 141 * GiB
 def recorded_h200(tokens: int):
     """What an H200 would report for DiT-XL/2 @256 bf16: a linear allocator peak, 8% fragmentation, a fixed
     context outside the allocator, a saturating speed."""
-    from dit_accel import calibrate as cal
+    from dit_accel.memtrace import calibrate as cal
 
     def measure(micro_batch: int):
         allocated = FIXED + PER_SAMPLE * micro_batch
@@ -40,8 +40,8 @@ def recorded_h200(tokens: int):
 
 @pytest.fixture(scope="module")
 def calibration_file(tmp_path_factory):
-    from dit_accel import calibrate as cal
     from dit_accel.atomic import write_json_atomically
+    from dit_accel.memtrace import calibrate as cal
 
     spec = model_spec("DiT-XL/2", 256)
     plan = {

@@ -6,19 +6,18 @@ import pytest
 import torch
 
 from planner import vae
-from planner.errors import PlanError
-from planner.hardware import CALIBRATABLE, Assumptions, gpu_preset, gpu_presets
-from planner.memory import (
-    ALLOCATED,
-    Cluster,
-    Decision,
+from planner.activations import (
     backward_temporary_bytes,
     block_matrix_params,
     block_saved_bytes,
     element_bytes,
     saved_activation_bytes,
-    step_memory,
 )
+from planner.components import ALLOCATED
+from planner.decision import Cluster, Decision
+from planner.errors import PlanError
+from planner.hardware import CALIBRATABLE, Assumptions, gpu_preset, gpu_presets
+from planner.memory import step_memory
 from planner.spec import model_spec
 from planner.units import format_bytes, parse_bytes, parse_headroom
 

@@ -207,7 +207,7 @@ def test_memory_png_is_written_with_the_plan(tmp_path, capsys):
 
 
 def test_the_chart_shows_every_alternative_by_component(plans):
-    from planner.memory import COMPONENTS
+    from planner.components import COMPONENTS
     from planner.memorychart import alternative_components
 
     for plan in plans:

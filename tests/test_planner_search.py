@@ -6,9 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from planner.decision import Cluster, Decision
 from planner.errors import PlanError
 from planner.hardware import Assumptions
-from planner.memory import Cluster, Decision, step_memory
+from planner.memory import step_memory
 from planner.plan import make_plan
 from planner.search import (
     SearchSpace,

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from planner.cli import main
+from planner.decision import Cluster, Decision
 from planner.errors import PlanError
 from planner.hardware import Assumptions, gpu_preset, gpu_presets, mfu_entry, mfu_table
-from planner.memory import Cluster, Decision
 from planner.plan import make_plan
 from planner.search import (
     estimate_throughput,

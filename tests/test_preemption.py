@@ -18,8 +18,8 @@ import test_train_e2e as e2e
 from ports import launch_port
 from test_train_e2e import QUIET, _env, assert_same_rng, assert_same_state, make_workspace
 
-from dit_accel import checkpoint as ckpt
 from dit_accel.errors import EXIT_HUNG, EXIT_PREEMPTED, EXIT_USER
+from dit_accel.run import checkpoint as ckpt
 
 COMMON = [*QUIET, "--no-tensorboard", "--collective-timeout-s", "60"]
 
@@ -298,7 +298,7 @@ def test_a_rank_stuck_before_a_collective_ends_the_run_naming_it(workspace, tmp_
     backward: the waiting rank and the sleeping one are at the same micro-step, and only the forward mark
     tells which one is behind. Both ranks name rank 1, so does `doctor --log`, and the lock is released."""
     from dit_accel.doctor.logs import find_hang
-    from dit_accel.runlock import LOCK_NAME
+    from dit_accel.run.lock import LOCK_NAME
 
     plan = e2e._make_plan(tmp_path / "plan_accum1", gpus=2, micro_batch=4, grad_accum=1)
     out = tmp_path / "hang"
@@ -372,7 +372,7 @@ def test_a_bad_image_only_rank_1_reads_is_shown_on_the_console_and_exits_2(works
 
 
 def test_a_set_up_error_through_the_wrapper_is_one_line_and_exit_2(workspace, tmp_path, capsys):
-    from dit_accel.launch import main
+    from dit_accel.train.launch import main
 
     code = main(["--plan", str(workspace["plan2"]), "--num-processes", "1", "--latents", "x"])
     err = capsys.readouterr().err.strip().splitlines()

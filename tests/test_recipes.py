@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from dit_accel.errors import UserError
-from dit_accel.recipe import read_recipe
-from dit_accel.train_config import TrainConfig, parse_config
+from dit_accel.train.config import TrainConfig, parse_config
+from dit_accel.train.recipe import read_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "configs" / "recipes"
 FIELDS = [name for name in TrainConfig.__dataclass_fields__]
@@ -138,8 +138,8 @@ def test_keys_take_either_spelling_and_bad_files_are_one_line(tiny_plan, tmp_pat
 
 
 def test_a_shipped_recipe_resolves_by_name_from_any_folder(tiny_plan, tmp_path, monkeypatch):
-    from dit_accel.launch import check_trainer_flags, launch_command
-    from dit_accel.recipe import recipe_file, shipped_recipes
+    from dit_accel.train.launch import check_trainer_flags, launch_command
+    from dit_accel.train.recipe import recipe_file, shipped_recipes
 
     monkeypatch.chdir(tmp_path)  # no configs/ here
     assert sorted(shipped_recipes()) == sorted(p.stem for p in RECIPES.glob("*.yaml"))
@@ -160,8 +160,8 @@ def test_a_shipped_recipe_resolves_by_name_from_any_folder(tiny_plan, tmp_path, 
 
 
 def test_the_trainer_command_exits_2_on_an_unknown_key(tiny_plan, tmp_path, capsys):
-    from dit_accel.launch import launch_command
-    from dit_accel.train import main
+    from dit_accel.train.launch import launch_command
+    from dit_accel.train.loop import main
 
     recipe = tmp_path / "typo.yaml"
     recipe.write_text("description: a typo\nema-decy: 0.9\n")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dit_accel.errors import UserError
-from dit_accel.model import build_model, set_checkpointed_blocks
+from dit_accel.models.dit import build_model, set_checkpointed_blocks
 from dit_accel.repa.align import (
     PROJECTOR_PREFIX,
     Repa,
@@ -26,6 +26,7 @@ from dit_accel.repa.encoder import (
     load_encoder,
     preprocess,
 )
+from dit_accel.run.weights import load_for_inference
 from planner.repa import ENCODERS, encoder_by_shape, projector_params
 from planner.spec import DiTSpec
 
@@ -174,7 +175,7 @@ def test_the_projector_is_the_papers_mlp_and_sampling_weights_leave_it_out():
 
 
 def test_the_ema_and_the_inference_weights_are_the_dit_alone():
-    from dit_accel.ema import EMA
+    from dit_accel.train.ema import EMA
 
     torch.manual_seed(0)
     model = build_model(SPEC)
@@ -232,9 +233,9 @@ def _repa_plan(**overrides) -> dict:
 
 
 def test_the_micro_step_adds_coeff_times_the_alignment_to_the_objectives_loss(tmp_path, caplog):
-    from dit_accel.model import as_model_fn
-    from dit_accel.step import build_components, train_micro_step
-    from dit_accel.train_config import TrainConfig
+    from dit_accel.models.dit import as_model_fn
+    from dit_accel.train.config import TrainConfig
+    from dit_accel.train.step import build_components, train_micro_step
     from planner.planfile import parse_plan
 
     save_tiny_encoder(tmp_path / "enc.pth")
@@ -329,7 +330,7 @@ def _projector(checkpoint) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     from test_train_fsdp import _dcp
 
-    from dit_accel import checkpoint as ckpt
+    from dit_accel.run import checkpoint as ckpt
 
     if (checkpoint / ckpt.SHARDED_MODEL).is_dir():
         state = _dcp(checkpoint / ckpt.SHARDED_MODEL)
@@ -401,7 +402,7 @@ def test_a_resumed_repa_run_is_the_straight_run_and_its_ema_is_the_dit_alone(lau
     from safetensors.torch import load_file
     from test_train_fsdp import _dcp
 
-    from dit_accel import checkpoint as ckpt
+    from dit_accel.run import checkpoint as ckpt
 
     straight, resumed = (launched[name] / "checkpoints" / "step_00000004" for name in ("two", "resumed"))
     for folder in (ckpt.SHARDED_MODEL, "optimizer_0"):
@@ -411,7 +412,7 @@ def test_a_resumed_repa_run_is_the_straight_run_and_its_ema_is_the_dit_alone(lau
     ema, resumed_ema = load_file(str(straight / ckpt.EMA_WEIGHTS)), load_file(str(resumed / ckpt.EMA_WEIGHTS))
     assert ema.keys() == resumed_ema.keys() and all(torch.equal(ema[k], resumed_ema[k]) for k in ema)
     assert not any(PROJECTOR_PREFIX in k for k in ema)
-    model, _spec, info = ckpt.load_for_inference(straight)  # sampling's network: the DiT alone
+    model, _spec, info = load_for_inference(straight)  # sampling's network: the DiT alone
     assert info["weights"] == "ema" and not hasattr(model, "repa_projector")
 
 

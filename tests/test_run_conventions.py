@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 from test_train_e2e import make_workspace, run_in_process
 
-from dit_accel import checkpoint as ckpt
+from dit_accel.run import checkpoint as ckpt
+from dit_accel.run.weights import load_for_inference
 
 BASE = ["--num-workers", "0", "--lr", "3e-3", "--no-progress-bar"]
 
@@ -100,7 +101,7 @@ NO_TENSORBOARD = """
 import sys
 for name in ("tensorboard", "tensorboardX", "torch.utils.tensorboard"):
     sys.modules[name] = None  # an environment without either package: importing one fails
-from dit_accel.train import main
+from dit_accel.train.loop import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -147,7 +148,7 @@ def test_progress_in_a_log_is_whole_lines(tracked):
 
 
 def test_resume_latest_is_auto(workspace, tracked, tmp_path):
-    from dit_accel.train_config import parse_config
+    from dit_accel.train.config import parse_config
 
     config = parse_config([str(a) for a in _args(workspace, tmp_path / "x", "--resume", "latest")])
     assert config.resume == "auto"
@@ -189,7 +190,7 @@ def test_a_resume_continues_with_the_runs_recorded_flags(workspace, tmp_path):
 
 
 def test_what_a_resume_inherits_and_what_it_never_does(tmp_path):
-    from dit_accel.train_config import parse_config
+    from dit_accel.train.config import parse_config
 
     run = tmp_path / "run"
     run.mkdir()
@@ -301,9 +302,10 @@ def test_hflip_follows_the_cache_is_recorded_and_held_on_resume(workspace, tmp_p
 
 def test_fine_tune_from_an_exported_pipeline_round_trip(workspace, tmp_path, capsys):
     """train -> export (class table padded to 1,000 for DiTPipeline) -> train --init-from the pipeline."""
-    from dit_accel.export import main as export_main
-    from dit_accel.model import conditioning_embedder, load_model
-    from dit_accel.resume import read_init_weights
+    from dit_accel.convert.export import main as export_main
+    from dit_accel.models.diffusers_format import load_model
+    from dit_accel.models.dit import conditioning_embedder
+    from dit_accel.train.resume import read_init_weights
     from planner.planfile import read_plan
 
     source = tmp_path / "source"
@@ -321,7 +323,7 @@ def test_fine_tune_from_an_exported_pipeline_round_trip(workspace, tmp_path, cap
 
     spec = read_plan(workspace["plan1"]).spec()
     init = read_init_weights(str(pipe), spec)
-    ema, _, _ = ckpt.load_for_inference(source, use_ema=True)
+    ema, _, _ = load_for_inference(source, use_ema=True)
     for name, param in ema.named_parameters():  # the run's own EMA, its 5-row class table back
         assert torch.equal(init.parameters[name], param), name
 
@@ -336,7 +338,7 @@ def test_fine_tune_from_an_exported_pipeline_round_trip(workspace, tmp_path, cap
     table = conditioning_embedder(exported).class_embedder.embedding_table.weight
     with torch.no_grad():
         table[7] += 1.0
-    from dit_accel.model import save_model
+    from dit_accel.models.diffusers_format import save_model
 
     save_model(exported, tmp_path / "edited")
     err = _one_line(
@@ -351,8 +353,8 @@ def test_sample_every_under_fsdp_gathers_the_sharded_ema(tmp_path):
 
     from dit_accel.data.demo import write_demo_data
     from dit_accel.images import make_grid
-    from dit_accel.sample import SampleSettings, sample_images
-    from dit_accel.train_samples import SAMPLES_PER_CLASS
+    from dit_accel.sample.generate import SampleSettings, sample_images
+    from dit_accel.train.samples import SAMPLES_PER_CLASS
 
     write_demo_data(tmp_path / "images", classes=4, per_class=2, resolution=32, seed=0)
     plan_dir = _plan(tmp_path / "plan", "--sharding", "zero3", "--precision", "fp32")
@@ -374,7 +376,7 @@ def test_sample_every_under_fsdp_gathers_the_sharded_ema(tmp_path):
     grid = np.asarray(Image.open(run / "samples" / "step_2.png"))
 
     # The same grid from the checkpoint's EMA (saved full) in this one process: what the sharded run sampled.
-    model, spec, info = ckpt.load_for_inference(run, use_ema=True)
+    model, spec, info = load_for_inference(run, use_ema=True)
     assert info["weights"] == "ema" and info["step"] == 2
     labels = [1, 1, 2, 2]
     settings = SampleSettings(cfg_scale=4.0, steps=3, seed=0)

@@ -19,9 +19,11 @@ import pytest
 import test_train_e2e as e2e
 import torch
 
-from dit_accel import checkpoint as ckpt
-from dit_accel import faults, lineage, runlock
 from dit_accel.errors import UserError
+from dit_accel.run import checkpoint as ckpt
+from dit_accel.run import faults, lineage
+from dit_accel.run import lock as runlock
+from dit_accel.run.weights import load_weights
 
 workspace = e2e.workspace
 COMMON = ["--no-tensorboard"]
@@ -299,7 +301,8 @@ def test_sample_export_and_init_from_check_the_manifest_too(workspace, tmp_path,
     """One byte of the newest ema.safetensors flipped: the very checkpoint --resume auto skips. Sampling,
     exporting or fine-tuning from it exits 2 in one line (it once sampled with no warning); a run folder gives
     its newest intact checkpoint, and says which it skipped."""
-    from dit_accel import export, sample
+    from dit_accel.convert import export
+    from dit_accel.sample import command as sample
 
     run = tmp_path / "run"
     assert e2e.run_in_process(_single(workspace, run, "--max-steps", 2, "--checkpoint-every", 1)) == 0
@@ -318,12 +321,12 @@ def test_sample_export_and_init_from_check_the_manifest_too(workspace, tmp_path,
     )
     assert named in e2e._one_line_error(capsys, init)
 
-    model, _spec, info = ckpt.load_weights(run)  # what sample, export and --init-from read of a run folder
+    model, _spec, info = load_weights(run)  # what sample, export and --init-from read of a run folder
     assert info["checkpoint"] == str(run / "checkpoints" / "step_00000001")
     err = capsys.readouterr().err
     assert "warning: skipping damaged checkpoint step_00000002" in err and "reading step_00000001" in err
     # The raw weights are intact: reading them is not refused.
-    assert ckpt.load_weights(newest, use_ema=False)[2]["checkpoint"] == str(newest)
+    assert load_weights(newest, use_ema=False)[2]["checkpoint"] == str(newest)
 
 
 @pytest.mark.parametrize("marker", ["old-style", "garbage"])
@@ -438,7 +441,7 @@ def test_a_killed_runs_lock_is_taken_over(workspace, tmp_path):
 def _hold_lock(run: Path, then: str, pid: int | None = None) -> subprocess.Popen:
     """A real process that takes RUN/run.lock, says `held`, then runs `then` (os._exit(0): dies holding it).
     With `pid`: in a PID namespace of its own (`unshare`, as a container has), where its pid is `pid`."""
-    code = "import os, sys, time; from dit_accel import runlock; "
+    code = "from dit_accel.run import lock as runlock; "
     code += f"runlock.acquire({str(run)!r}); print('held', flush=True); {then}"
     command = [sys.executable, "-c", code]
     if pid is not None:  # the namespace's next pid is chosen through ns_last_pid; `; true` keeps bash forking

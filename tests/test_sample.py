@@ -21,8 +21,9 @@ from PIL import Image
 from ports import launch_port
 from teardown_probe import SCRIPT, teardowns
 
-from dit_accel import sample
 from dit_accel.images import make_grid
+from dit_accel.sample import command as sample
+from dit_accel.sample.generate import balanced_labels, sample_generators, sample_latents, sample_seed
 
 RESOLUTION, CLASSES = 64, 4
 # A few hundred steps of sampling work in total per test; few steps keep it fast, enough to be non-trivial.
@@ -55,7 +56,7 @@ def run(tmp_path_factory):
     """A real run folder: 6 trainer steps of a 2-block DiT on latents of demo images (tiny VAE)."""
     from dit_accel.data.demo import demo_vae, write_demo_data
     from dit_accel.data.latents import ExtractConfig, extract_latents
-    from dit_accel.train import main as train
+    from dit_accel.train.loop import main as train
     from planner.cli import main as dit_plan
 
     root = tmp_path_factory.mktemp("sample_run")
@@ -141,17 +142,17 @@ def read_png(path) -> np.ndarray:
 
 
 def test_labels_are_balanced_and_fixed_by_the_seed():
-    labels = sample.balanced_labels(1003, 10, seed=0)
+    labels = balanced_labels(1003, 10, seed=0)
     counts = np.bincount(labels, minlength=10)
     assert counts.sum() == 1003 and counts.max() - counts.min() == 1
     assert list(np.flatnonzero(counts == 101)) == [0, 1, 2]  # the remainder goes to the first classes
-    assert np.array_equal(labels, sample.balanced_labels(1003, 10, seed=0))
-    assert not np.array_equal(labels, sample.balanced_labels(1003, 10, seed=1))
+    assert np.array_equal(labels, balanced_labels(1003, 10, seed=0))
+    assert not np.array_equal(labels, balanced_labels(1003, 10, seed=1))
     assert labels[:20].tolist() != sorted(labels[:20].tolist())  # shuffled, not class by class
     # Distinct (seed, index) pairs give distinct generators; the same pair the same noise.
-    seeds = {sample.sample_seed(s, i) for s in range(3) for i in range(1000)}
+    seeds = {sample_seed(s, i) for s in range(3) for i in range(1000)}
     assert len(seeds) == 3000
-    a, b = sample.sample_generators(0, [5, 5])
+    a, b = sample_generators(0, [5, 5])
     assert torch.equal(torch.randn(4, generator=a), torch.randn(4, generator=b))
 
 
@@ -254,7 +255,7 @@ def test_grid_and_singles_are_written_and_deterministic(run, tmp_path, capsys):
 def test_guidance_modes_and_samplers_differ_and_bad_input_is_one_line(run, tmp_path, capsys):
     source = sample.load_source(run / "run", use_ema=False)
     labels, indices = [1, 3], [0, 1]
-    run_with = lambda **kw: sample.sample_latents(
+    run_with = lambda **kw: sample_latents(
         source.model, source.spec, labels, indices, sample.SampleSettings(**{"steps": 5, **kw})
     )
     guided_all, guided_first3 = run_with(guidance="all"), run_with(guidance="first3")
@@ -311,7 +312,7 @@ def test_npz_is_the_fid_evaluator_format_with_balanced_labels(run, reference_npz
         images, labels = result["arr_0"], result["arr_1"]
     assert images.shape == (10, RESOLUTION, RESOLUTION, 3) and images.dtype == np.uint8
     assert np.bincount(labels).tolist() == [3, 3, 2, 2]
-    assert labels.tolist() == sample.balanced_labels(10, CLASSES, seed=0).tolist()
+    assert labels.tolist() == balanced_labels(10, CLASSES, seed=0).tolist()
     assert not (reference_npz.parent / "samples.npz.parts").exists()
     assert len({img.tobytes() for img in images}) == 10
 
@@ -401,7 +402,7 @@ def test_two_processes_make_the_same_array_as_one(run, reference_npz, tmp_path):
 
 
 def test_the_run_records_its_vae_and_class_names(run):
-    from dit_accel.export import run_class_names
+    from dit_accel.class_names import run_class_names
 
     source = sample.load_source(run / "run")
     assert Path(sample.default_vae_path(source)).resolve() == (run / "vae").resolve()

@@ -8,10 +8,10 @@ import pytest
 import torch
 from test_train_units import ONE_BLOCK_PLAN
 
-from dit_accel import step as step_module
-from dit_accel.faults import Faults
-from dit_accel.step import NON_FINITE, build_components, optimizer_step, train_micro_step
-from dit_accel.train_config import TrainConfig
+from dit_accel.run.faults import Faults
+from dit_accel.train import step as step_module
+from dit_accel.train.config import TrainConfig
+from dit_accel.train.step import NON_FINITE, build_components, optimizer_step, train_micro_step
 from planner.planfile import parse_plan
 
 
@@ -160,7 +160,7 @@ def test_the_loop_measures_the_gradient_norm_only_where_it_logs_or_saves_it(work
 
     from test_train_e2e import QUIET, run_in_process
 
-    import dit_accel.step as step  # train() imports optimizer_step from here when it runs
+    import dit_accel.train.step as step  # train() imports optimizer_step from here when it runs
 
     measured = []
     real_step = step.optimizer_step

@@ -17,7 +17,8 @@ from equivalence import has_true_gradient
 from ports import launch_port
 from safetensors.torch import load_file
 
-from dit_accel import checkpoint as ckpt
+from dit_accel.run import checkpoint as ckpt
+from dit_accel.run.weights import load_for_inference
 
 TINY_MODEL = [
     "--model",
@@ -120,7 +121,7 @@ def run_in_process(argv: list[str], env: dict | None = None) -> int:
     process then repeats the same float computation, whatever the CPU's kernels split across threads."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from dit_accel.train import main
+    from dit_accel.train.loop import main
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -285,11 +286,11 @@ def test_exact_resume_one_process_and_a_killed_checkpoint_is_never_loaded(worksp
 
     # A resumed run that is already at --max-steps does nothing; load_for_inference reads the EMA weights.
     assert run_in_process([*common, "--output-dir", straight, "--resume", "auto"]) == 0
-    model, spec, info = ckpt.load_for_inference(straight)
+    model, spec, info = load_for_inference(straight)
     assert (spec.depth, spec.hidden, info["step"], info["weights"]) == (2, 32, 4, "ema")
     ema = load_file(str(straight / "checkpoints" / "step_00000004" / ckpt.EMA_WEIGHTS))
     assert all(torch.equal(p, ema[n]) for n, p in model.named_parameters())
-    raw, _, raw_info = ckpt.load_for_inference(straight / "checkpoints" / "step_00000004", use_ema=False)
+    raw, _, raw_info = load_for_inference(straight / "checkpoints" / "step_00000004", use_ema=False)
     assert raw_info["weights"] == "model"
     assert not torch.equal(raw.proj_out_2.weight, model.proj_out_2.weight)  # EMA lags the weights
 
@@ -560,7 +561,7 @@ def test_two_processes_train_in_step_resume_exactly_and_match_one_process(worksp
         atol=1e-5,
         layouts_differ=True,
     )
-    from dit_accel.checkpoint import load_for_inference
+    from dit_accel.run.weights import load_for_inference
 
     model, _spec, _info = load_for_inference(single, use_ema=False)
     order = [name for name, param in model.named_parameters() if param.requires_grad]  # AdamW's state order
@@ -580,7 +581,7 @@ def test_two_processes_train_in_step_resume_exactly_and_match_one_process(worksp
 def test_a_finished_rank_ends_without_the_teardown_that_frees_its_process_group(workspace, tmp_path):
     """A rank that trained and saved must exit 0, not hang or abort: freeing the gloo group joins its workers
     under the GIL (a deadlock when one still drops its last tensors), and the interpreter's teardown, which
-    frees it otherwise, aborts such a worker (SIGABRT). dit_accel.distributed.end_process_group keeps the
+    frees it otherwise, aborts such a worker (SIGABRT). dit_accel.distributed.accelerator.end_process_group keeps the
     group, and exit_command ends the rank with os._exit: the probe's atexit line never prints."""
     from teardown_probe import SCRIPT, teardowns
 
@@ -628,7 +629,7 @@ def _imported_original(tmp_path: Path) -> Path:
     """An original-repository DiT state dict of the plans' tiny network, through `dit-accel import-dit`."""
     from test_export import HEADS, original_state_dict
 
-    from dit_accel.export import import_main
+    from dit_accel.convert.imports import import_main
 
     torch.save(original_state_dict(num_classes=4, seed=3), tmp_path / "DiT-tiny.pt")
     assert (
@@ -648,10 +649,11 @@ def _imported_original(tmp_path: Path) -> Path:
 
 
 def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
-    from dit_accel.model import build_model, read_sidecar, save_model, timestep_freq_shift
-    from dit_accel.resume import read_init_weights
-    from dit_accel.step import build_components
-    from dit_accel.train_config import TrainConfig
+    from dit_accel.models.diffusers_format import read_sidecar, save_model
+    from dit_accel.models.dit import build_model, timestep_freq_shift
+    from dit_accel.train.config import TrainConfig
+    from dit_accel.train.resume import read_init_weights
+    from dit_accel.train.step import build_components
     from planner.planfile import read_plan, spec_from_plan
 
     imported = _imported_original(tmp_path)
@@ -702,7 +704,7 @@ def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
         assert read_sidecar(checkpoint)["timestep_freq_shift"] == 0
         assert str(imported) in ckpt.read_train_state(checkpoint)["init_from"]
     # After one step the EMA moved (1 - decay) of the way from the imported weights to the trained ones.
-    raw, spec, _ = ckpt.load_for_inference(first, use_ema=False)
+    raw, spec, _ = load_for_inference(first, use_ema=False)
     ema = load_file(str(first / ckpt.EMA_WEIGHTS))
     for name, param in raw.named_parameters():
         expected = original[name] + (param - original[name]) * (1 - 0.9999)
@@ -711,7 +713,7 @@ def test_fine_tune_from_an_imported_original_dit(workspace, tmp_path, capsys):
 
     # load_for_inference gives the fine-tuned network with the original's shift: the same outputs as those
     # weights under shift 0, and not those of shift 1.
-    tuned, _, _ = ckpt.load_for_inference(run, use_ema=False)
+    tuned, _, _ = load_for_inference(run, use_ema=False)
     x, t, y = (
         torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)),
         torch.tensor([3, 900]),

@@ -1,4 +1,4 @@
-"""`--eval-every`: FID and IS of the EMA while training (dit_accel.train_eval), in process on a 1-block
+"""`--eval-every`: FID and IS of the EMA while training (dit_accel.train.evaluation), in process on a 1-block
 pixel-space DiT at 16 px and a random Inception at 75 px (tests/test_evaluate.py's), against what
 `dit-accel sample --evaluate` computes from the checkpoints of the same steps."""
 
@@ -109,7 +109,7 @@ def test_evaluating_changes_nothing_the_run_trains(evaluated, workspace, tmp_pat
 
 def _sample_evaluate(checkpoint, workspace, results) -> dict:
     """`dit-accel sample --evaluate` with the run's evaluation settings, on one thread as the run sampled."""
-    from dit_accel.sample import main as sample
+    from dit_accel.sample.command import main as sample
 
     argv = [
         "--checkpoint",

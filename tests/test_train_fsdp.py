@@ -19,8 +19,9 @@ from equivalence import has_true_gradient, layout_atol
 from ports import launch_port
 from safetensors.torch import load_file
 
-from dit_accel import checkpoint as ckpt
 from dit_accel.errors import UserError
+from dit_accel.run import checkpoint as ckpt
+from dit_accel.run.weights import load_for_inference
 
 TINY = [
     "--model",
@@ -106,7 +107,7 @@ def record_block(module, args):
         module.attn1.to_q.register_forward_pre_hook(record_linear)
 
 register_module_forward_pre_hook(record_block)
-from dit_accel.train import main
+from dit_accel.train.loop import main
 code = main(sys.argv[1:])
 Path(__file__).with_name(f"probe_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(records))
 sys.exit(code)
@@ -119,9 +120,9 @@ INIT_PROBE = """
 import os, sys
 from pathlib import Path
 from safetensors.torch import save_file
-import dit_accel.step as step
-import dit_accel.train as train
-from dit_accel.distributed import full_tensor
+import dit_accel.train.step as step
+import dit_accel.train.loop as train
+from dit_accel.distributed.fsdp import full_tensor
 build_components = step.build_components
 
 def build_and_record(*args, **kwargs):
@@ -210,7 +211,7 @@ def _dcp(folder: Path) -> dict:
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    model, _, info = ckpt.load_for_inference(checkpoint, use_ema=False)
+    model, _, info = load_for_inference(checkpoint, use_ema=False)
     assert info["weights"] == "model"
     return {name: param.detach() for name, param in model.named_parameters()}
 
@@ -293,7 +294,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.launched
 def test_a_zero2_bf16_block_computes_in_pure_bf16_without_autocast(runs):
-    """What the planner's pure low-precision model of sharded plans rests on (planner.memory.element_bytes with
+    """What the planner's pure low-precision model of sharded plans rests on (planner.activations.element_bytes with
     pure=True): under FSDP2's MixedPrecisionPolicy a block's input and its gathered parameters are bf16 and no
     autocast is on, so nothing is cast and there is no autocast cache. Recorded in the launched zero2 bf16 run."""
     for rank in (0, 1):
@@ -413,9 +414,9 @@ def test_init_from_a_ddp_checkpoint_under_a_sharded_plan(runs):
 
 @pytest.mark.launched
 def test_load_for_inference_reads_a_sharded_checkpoint(runs):
-    from dit_accel.model import embedders_tied
+    from dit_accel.models.dit import embedders_tied
 
-    model, spec, info = ckpt.load_for_inference(runs["zero3"])
+    model, spec, info = load_for_inference(runs["zero3"])
     assert (info["weights"], info["step"], spec.depth) == ("ema", STEPS, 2)
     assert embedders_tied(model) and not any(hasattr(p, "to_local") for p in model.parameters())
     ema = load_file(str(runs["zero3"] / "checkpoints" / "step_00000004" / ckpt.EMA_WEIGHTS))
@@ -435,8 +436,8 @@ def test_load_for_inference_reads_a_sharded_checkpoint(runs):
 
 
 def test_block_units_leave_the_shared_embedder_to_the_root():
-    from dit_accel.distributed import _children_without
-    from dit_accel.model import build_model, conditioning_embedder
+    from dit_accel.distributed.fsdp import _children_without
+    from dit_accel.models.dit import build_model, conditioning_embedder
     from planner.spec import custom_spec
 
     model = build_model(
@@ -477,7 +478,7 @@ def _fsdp_env(monkeypatch, plan_dir: Path) -> None:
 
 @pytest.mark.parametrize("sharding, reshard", [("zero2", False), ("zero3", True)])
 def test_launch_env_from_the_yaml_gives_the_planned_fsdp2_plugin(tmp_path, monkeypatch, sharding, reshard):
-    from dit_accel.distributed import fsdp_plugin_for
+    from dit_accel.distributed.accelerator import fsdp_plugin_for
     from planner.planfile import read_plan
 
     plan_dir = _plan(tmp_path / sharding, "--sharding", sharding)
@@ -514,7 +515,7 @@ def test_launch_env_from_the_yaml_gives_the_planned_fsdp2_plugin(tmp_path, monke
 
 
 def test_a_ddp_plan_refuses_an_fsdp_launch(tmp_path, monkeypatch):
-    from dit_accel.distributed import fsdp_plugin_for
+    from dit_accel.distributed.accelerator import fsdp_plugin_for
     from planner.planfile import read_plan
 
     plan = read_plan(_plan(tmp_path / "ddp", "--sharding", "ddp") / "plan.json")
@@ -525,8 +526,8 @@ def test_a_ddp_plan_refuses_an_fsdp_launch(tmp_path, monkeypatch):
 
 
 def test_tf32_flag_and_switch():
-    from dit_accel.distributed import set_tf32
-    from dit_accel.train_config import parse_config
+    from dit_accel.distributed.accelerator import set_tf32
+    from dit_accel.train.config import parse_config
 
     required = ["--plan", "p", "--output-dir", "o", "--latents", "l"]
     assert parse_config(required).tf32 is True

@@ -19,8 +19,8 @@ from test_train_e2e import run_in_process
 from test_train_fsdp import LR, TINY, _assert_close, _dcp, _finish, _losses, _weights
 from test_train_fsdp import _start as start_launch
 
-from dit_accel import checkpoint as ckpt
 from dit_accel.errors import UserError
+from dit_accel.run import checkpoint as ckpt
 
 NODES, GPUS_PER_NODE = 2, 2
 CLUSTER = ["--nodes", str(NODES), "--gpus-per-node", str(GPUS_PER_NODE)]
@@ -49,8 +49,8 @@ QUIET = [
 MESH_PROBE = """
 import json, os, sys
 from pathlib import Path
-import dit_accel.step as step
-import dit_accel.train as train
+import dit_accel.train.step as step
+import dit_accel.train.loop as train
 build_components = step.build_components
 
 def build_and_record(*args, **kwargs):
@@ -185,7 +185,7 @@ def test_the_hsdp_yaml_launches_the_planned_mesh(tmp_path, monkeypatch):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from dit_accel.distributed import fsdp_plugin_for, parallelism_config_for
+    from dit_accel.distributed.accelerator import fsdp_plugin_for, parallelism_config_for
     from planner.planfile import read_plan
 
     plan_dir = _plan(tmp_path / "hsdp", "hsdp")

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from dit_accel.data.order import KeyedSamples, SampleNoise, SampleOrder, seeded_global_rngs
-from dit_accel.ema import EMA
 from dit_accel.errors import UserError
-from dit_accel.optim import build_optimizer, build_scheduler, create_states, effective_lr
-from dit_accel.train_config import TrainConfig, parse_config
+from dit_accel.train.config import TrainConfig, parse_config
+from dit_accel.train.ema import EMA
+from dit_accel.train.optim import build_optimizer, build_scheduler, create_states, effective_lr
 
 ONE_BLOCK_PLAN = {  # a 1-block fp32 DDP plan on one process, for step-level tests
     "schema": "dit-plan/1",
@@ -283,7 +283,7 @@ def test_ema_warmup_copies_first_then_ramps_to_the_decay_as_diffusers_does():
 
 
 def test_sample_warns_when_the_ema_is_still_mostly_its_initial_weights(tmp_path, capsys):
-    from dit_accel.sample import warn_if_ema_is_mostly_initial
+    from dit_accel.sample.generate import warn_if_ema_is_mostly_initial
 
     (tmp_path / "train_state.json").write_text(json.dumps({"step": 325, "applied_steps": 325}))
     share = warn_if_ema_is_mostly_initial(tmp_path, {"ema_decay": 0.9999})
@@ -308,7 +308,7 @@ def test_sample_says_nothing_of_initial_weights_when_the_ema_started_from_traine
 ):
     """An imported checkpoint's EMA is the published EMA, and an --init-from run's EMA started from trained
     weights: few updates there do not mean an untrained network."""
-    from dit_accel.sample import warn_if_ema_is_mostly_initial
+    from dit_accel.sample.generate import warn_if_ema_is_mostly_initial
 
     (tmp_path / "train_state.json").write_text(json.dumps(state))
     assert warn_if_ema_is_mostly_initial(tmp_path, {"ema_decay": 0.9999}) is None
@@ -316,7 +316,7 @@ def test_sample_says_nothing_of_initial_weights_when_the_ema_started_from_traine
 
 
 def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):
-    from dit_accel.launch import launch_command, main
+    from dit_accel.train.launch import launch_command, main
 
     plan = tmp_path / "plan" / "plan.json"
     plan.parent.mkdir()
@@ -369,7 +369,7 @@ def test_dit_accel_train_launches_with_the_plans_config(tmp_path, capsys):
 
 
 def test_loader_workers_default_is_capped_by_the_nodes_cpus_and_an_explicit_count_is_obeyed():
-    from dit_accel.data.loader import loader_workers
+    from dit_accel.train.data import loader_workers
 
     assert (
         parse_config(["--plan", "p", "--output-dir", "o", "--latents", "l"]).num_workers is None
@@ -390,8 +390,8 @@ def test_loader_workers_default_is_capped_by_the_nodes_cpus_and_an_explicit_coun
 def test_optimizer_step_applies_a_finite_step_and_leaves_everything_as_it_was_on_a_non_finite_one():
     """check_step + the all-finite decision + apply_step: a skipped step moves no weight, AdamW moment, EMA
     or lr-schedule position, and both paths end with the gradients cleared."""
-    from dit_accel.faults import Faults
-    from dit_accel.step import build_components, optimizer_step, train_micro_step
+    from dit_accel.run.faults import Faults
+    from dit_accel.train.step import build_components, optimizer_step, train_micro_step
     from planner.planfile import parse_plan
 
     plan = parse_plan(ONE_BLOCK_PLAN)
@@ -432,7 +432,7 @@ def test_optimizer_step_applies_a_finite_step_and_leaves_everything_as_it_was_on
 
 
 def test_cuda_runs_use_expandable_segments_unless_the_user_chose_an_allocator_config():
-    from dit_accel.distributed import ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, use_expandable_segments
+    from dit_accel.distributed.accelerator import ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, use_expandable_segments
 
     env = {}
     assert use_expandable_segments(env) is True and env == {ALLOCATOR_ENV: EXPANDABLE_SEGMENTS}
@@ -445,7 +445,7 @@ def test_cuda_runs_use_expandable_segments_unless_the_user_chose_an_allocator_co
 def test_the_measured_peaks_are_held_to_the_plans_tensors_with_cublas_workspaces_and_its_reserved_peak():
     """max_memory_allocated counts cuBLAS's workspaces, which the plan puts in its allocator share: an exact
     plan must not warn for them; a byte over either figure does."""
-    from dit_accel.runlog import memory_over_plan
+    from dit_accel.train.steplog import memory_over_plan
     from planner.hardware import Assumptions
     from planner.plan import make_plan
     from planner.planfile import parse_plan
@@ -459,12 +459,12 @@ def test_the_measured_peaks_are_held_to_the_plans_tensors_with_cublas_workspaces
 
 
 def test_a_fresh_run_has_adamw_state_before_its_first_step(caplog):
-    """dit_accel.resume.restore, the trainer's start: a fresh run makes AdamW's state (zero moments, step 0)
+    """dit_accel.train.resume.restore, the trainer's start: a fresh run makes AdamW's state (zero moments, step 0)
     before any step, where a resumed run loads it, so both run in the same memory layout; a plan made for a
     lazily made state (another codebase's order) is told so."""
     from types import SimpleNamespace
 
-    from dit_accel.resume import Start, restore
+    from dit_accel.train.resume import Start, restore
 
     model = nn.Linear(4, 3)
     plan = SimpleNamespace(assumptions={"adamw_state": "lazy"})
@@ -487,7 +487,7 @@ def test_a_fresh_run_has_adamw_state_before_its_first_step(caplog):
 def test_tf32_is_on_as_the_plan_was_rated_and_as_asked(precision, requested, on):
     """An IEEE fp32 plan (dit-plan --precision fp32) was estimated with TF32 off: the trainer and calibrate
     train it so, without --no-tf32; --no-tf32 turns it off on any plan."""
-    from dit_accel.distributed import planned_tf32
+    from dit_accel.distributed.accelerator import planned_tf32
     from planner.plan import make_plan
     from planner.planfile import parse_plan
 
@@ -502,7 +502,7 @@ def test_the_log_line_carries_the_measured_peaks_and_the_data_wait_of_a_gpu_run(
     import time
     from types import SimpleNamespace
 
-    import dit_accel.runlog as runlog
+    import dit_accel.train.steplog as runlog
     from planner.plan import make_plan
     from planner.planfile import parse_plan
 

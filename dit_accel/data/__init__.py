@@ -1,6 +1,10 @@
-"""Data for dit-accel: ImageNet-layout image folders (`folder`), the latent cache (written by `latents`,
-read by `latent_cache`), the frozen VAE (`vae`), a small demo folder (`demo`), and what a training run
-reads (`loader`, `order`). See docs/data.md.
+"""Data for dit-accel: ImageNet-layout image folders (`folder`) and Hugging Face datasets (`hf_source`,
+`source_kind`), the latent cache (written by `latents` and `stream_latents`, read by `latent_cache`, its
+source images by `cache_images`), a small demo folder (`demo`), and which samples each rank reads with each
+sample's own randomness (`order`). See docs/data.md.
+
+Imports: the foundations, `models` (the VAE that makes latents), `diffusion` (a sample's noise and time),
+`run` (stop signals during extraction) and the planner; the trainer's DataLoader is `train.data`.
 
 The names below are imported on first use, so `python -m dit_accel.data.latents` (what `accelerate
 launch -m` runs) does not import its own module twice, and `import dit_accel.data` stays cheap."""
@@ -22,7 +26,6 @@ _EXPORTS = {
     ],
     "latents": ["ExtractConfig", "extract_latents"],
     "latent_cache": ["LatentCache", "check_cache_matches", "read_manifest", "verify_cache"],
-    "vae": ["load_vae", "vae_identity"],
     "demo": ["write_demo_data"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

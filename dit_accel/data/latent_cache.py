@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dit_accel.data.vae import load_vae
 from dit_accel.errors import UserError
+from dit_accel.models.vae import load_vae
 
 FORMAT = "dit-accel-latents/1"
 MANIFEST_NAME = "manifest.json"

@@ -53,9 +53,9 @@ from dit_accel.data.folder import (
 from dit_accel.data.hf_source import DatasetOptions, validate_image_source
 from dit_accel.data.latent_cache import FORMAT, MANIFEST_NAME
 from dit_accel.data.latents_args import STORAGE_DTYPE_NAMES, build_parser
-from dit_accel.data.vae import encode_posterior, load_vae, sha256_json
 from dit_accel.errors import EXIT_PREEMPTED, UserError, exit_command, exits_cleanly
-from dit_accel.preemption import StopRequest, WorkerShield, signal_name
+from dit_accel.models.vae import encode_posterior, load_vae, sha256_json
+from dit_accel.run.preemption import StopRequest, WorkerShield, signal_name
 
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

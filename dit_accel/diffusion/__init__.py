@@ -1,35 +1,6 @@
-"""DiT's objective (objective.py) and samplers (sampling.py); see docs/model.md for the formulas."""
+"""How a network learns to denoise and how it samples: DiT's diffusion (`objective`, `sampling`) and the flow
+objective of SiT and REPA (`flow`, `flow_sampling`); `names`, the choices their flags take, without torch.
+See docs/model.md for the formulas.
 
-from dit_accel.diffusion.objective import (
-    DIT_SCHEDULER_CONFIG,
-    Diffusion,
-    ModelFn,
-    discretized_gaussian_log_likelihood,
-    mean_flat,
-    normal_kl,
-)
-from dit_accel.diffusion.sampling import (
-    GUIDANCE_CHANNELS,
-    classifier_free_guidance,
-    ddim_sample,
-    ddpm_sample,
-    respaced,
-    sample_with_scheduler,
-    spaced_timesteps,
-)
-
-__all__ = [
-    "DIT_SCHEDULER_CONFIG",
-    "Diffusion",
-    "GUIDANCE_CHANNELS",
-    "ModelFn",
-    "classifier_free_guidance",
-    "ddim_sample",
-    "ddpm_sample",
-    "discretized_gaussian_log_likelihood",
-    "mean_flat",
-    "normal_kl",
-    "respaced",
-    "sample_with_scheduler",
-    "spaced_timesteps",
-]
+Imports: the foundations only (errors, progress); never a network, a run folder or the trainer: a sampler
+is handed a model function, an objective is handed tensors."""

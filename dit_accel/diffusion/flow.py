@@ -22,10 +22,10 @@ import math
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from dit_accel.diffusion.names import FLOW_PATHS as PATHS
+from dit_accel.diffusion.names import TIME_SAMPLINGS
 from dit_accel.diffusion.objective import ModelFn, mean_flat
 from dit_accel.errors import UserError
-from dit_accel.train_config import FLOW_PATHS as PATHS
-from dit_accel.train_config import TIME_SAMPLINGS
 
 
 def path_coefficients(path: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -164,21 +164,3 @@ def objective_from_description(description: dict | None):
         description.get("path", "linear"),
         description.get("time_sampling", "uniform"),
     )
-
-
-def recorded_objective(folder) -> dict:
-    """The objective recorded beside a model's weights (the `dit_accel.json` of a checkpoint, a run's newest
-    checkpoint, or a diffusers transformer/pipeline folder); {"name": "ddpm"} where none is (DiT's)."""
-    from pathlib import Path
-
-    from dit_accel.model import SIDECAR_NAME, read_sidecar
-
-    folder = Path(folder)
-    if (folder / "checkpoints").is_dir():  # a run folder: its newest complete checkpoint
-        from dit_accel.checkpoint import resolve_checkpoint
-
-        folder = resolve_checkpoint(folder)
-    for candidate in (folder, folder / "transformer"):
-        if (candidate / SIDECAR_NAME).is_file():
-            return read_sidecar(candidate).get("objective") or {"name": "ddpm"}
-    return {"name": "ddpm"}

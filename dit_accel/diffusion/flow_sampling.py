@@ -27,9 +27,9 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from dit_accel.diffusion.flow import FlowMatching
+from dit_accel.diffusion.names import DIFFUSION_FORMS, ODE_SOLVERS
 from dit_accel.diffusion.objective import ModelFn
 from dit_accel.errors import UserError
-from dit_accel.sample_args import DIFFUSION_FORMS, ODE_SOLVERS
 
 LAST_STEP_SIZE = 0.04  # SiT's and REPA's default: the noiseless last step of the SDE
 SBDM_START = 1e-3  # SBDM's w(t) = alpha-ratio form is infinite at t = 1: its grid starts just below

@@ -1,7 +1,7 @@
 """Sampling primitives: DDPM ancestral sampling with the learned variance and DDIM, both on respaced chains;
 classifier-free guidance; and a sampler that reproduces diffusers' DiTPipeline latents.
 
-Every sampler takes a `model_fn(x_t, t, y) -> output` (see `dit_accel.model.as_model_fn`), calls it with the
+Every sampler takes a `model_fn(x_t, t, y) -> output` (see `dit_accel.models.dit.as_model_fn`), calls it with the
 ORIGINAL timestep indices, draws all its noise from the given torch.Generator (so a seed fixes the result),
 and returns the final x_0 (latents, or pixels for a pixel-space DiT) without any scaling.
 

@@ -7,6 +7,9 @@ run's log.
 Each check is a row (PASS, WARN or FAIL, the reason, the fix). Exit code: 0 when nothing failed
 (warnings allowed), 1 on warnings with --strict, 2 on a failure or on bad flags / an unreadable plan.
 The facts about this machine come from `Probes`, which tests replace to build any failing situation.
+
+Imports: everything the trainer checks, from the trainer's own rules (`train.config`, `train.data`),
+`data`, `repa`, `run` and `distributed`; nothing imports the doctor but the CLI.
 """
 
 from __future__ import annotations
@@ -33,12 +36,7 @@ from dit_accel.doctor.plan import PlanFacts, load_plan
 from dit_accel.doctor.repa import check_repa
 from dit_accel.doctor.report import render
 from dit_accel.errors import UserError, exits_cleanly
-from dit_accel.train_config import (
-    DEFAULT_NUM_WORKERS,
-    TrainConfig,
-    check_data_sources,
-    loader_workers,
-)
+from dit_accel.train.config import DEFAULT_NUM_WORKERS, TrainConfig, check_data_sources, loader_workers
 
 PROG = "dit-accel doctor"
 

@@ -26,8 +26,8 @@ def from_user_error(name: str, error: UserError) -> Check:
 
 def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | None, vae: str | None) -> Check:
     """What was passed (images or a latent cache) must be what the plan's latent mode trains on."""
-    from dit_accel.data.loader import check_data_mode as trainer_check
-    from dit_accel.train_config import TrainConfig
+    from dit_accel.train.config import TrainConfig
+    from dit_accel.train.data import check_data_mode as trainer_check
 
     # with a latent cache, --vae names the VAE to compare the cache with, not one the trainer loads
     config = TrainConfig(
@@ -245,7 +245,7 @@ def check_latent_cache(plan: PlanFacts, latents: Path, vae: str | None, full: bo
     ]
     try:  # the trainer's own check: resolution, latent shape, classes against the plan's model
         from dit_accel.data.latent_cache import LatentCache
-        from dit_accel.data.loader import check_latent_cache as trainer_check
+        from dit_accel.train.data import check_latent_cache as trainer_check
 
         trainer_check(LatentCache(latents), plan.plan.spec(), str(latents))
         checks.append(

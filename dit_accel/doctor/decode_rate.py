@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from dit_accel.doctor.checks import Check, passed, warned
 from dit_accel.doctor.plan import PlanFacts
 from dit_accel.errors import UserError
-from dit_accel.train_config import most_workers_per_rank
+from dit_accel.train.config import most_workers_per_rank
 
 GROUP = "data"
 NAME = "decode rate"

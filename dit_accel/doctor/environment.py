@@ -477,7 +477,7 @@ def check_accelerate_config(plan: PlanFacts, config_path: Path) -> Check:
 
 def check_trainer_runs_plan(plan: PlanFacts) -> Check:
     """The trainer's own launch check (e.g. it refuses sharded plans it cannot run yet), before the launch."""
-    from dit_accel.distributed import check_launch
+    from dit_accel.distributed.accelerator import check_launch
 
     try:
         check_launch(plan.plan, plan.world_size, str(plan.path))

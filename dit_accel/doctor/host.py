@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dit_accel.doctor.checks import Check, failed, gib, passed, warned
 from dit_accel.doctor.plan import PlanFacts
-from dit_accel.train_config import most_workers_per_rank, usable_cpus
+from dit_accel.train.config import most_workers_per_rank, usable_cpus
 from planner.units import count
 
 GROUP = "host"

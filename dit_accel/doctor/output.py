@@ -41,7 +41,7 @@ def check_disk(
     name = "disk space"
     where = _existing_ancestor(output_dir)
     free_bytes = disk_usage(str(where)).free
-    from dit_accel.checkpoint import complete_checkpoints
+    from dit_accel.run.checkpoint import complete_checkpoints
 
     one = checkpoint_bytes(plan)
     # the trainer commits the new checkpoint before rotating, so keep_last + 1 exist for a moment;

@@ -15,6 +15,10 @@ same storages. What a tensor trace cannot see is listed in `UNSEEN` and printed 
     extrapolate   per-block extrapolation from shallow traces
     comparison    the planner's estimate of the same step, at the same moment
     report        the tables and `dit-accel verify`
+    calibrate     `dit-accel calibrate`: the planned step measured on a real GPU, as a calibration file
+
+Imports: the trainer's parts (`train.step`, `train.optim`, `train.config`), `repa`, `distributed` and the
+planner; nothing imports memtrace but the CLI.
 """
 
 import importlib

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.memory import ALLOCATED
+from planner.components import ALLOCATED
 from planner.planfile import Plan
 
 if TYPE_CHECKING:  # annotations only: the comparison itself needs no torch
@@ -33,7 +33,7 @@ ABSOLUTE_TOLERANCE_BYTES = 64 * 2**20
 
 
 def traced_optimizer_kind(plan: Plan, device: str) -> str:
-    """The AdamW implementation the trainer gets on `device` (dit_accel.optim.build_optimizer): the plan's
+    """The AdamW implementation the trainer gets on `device` (dit_accel.train.optim.build_optimizer): the plan's
     (default fused) on CUDA; on a CPU always PyTorch's default there, the per-tensor loop ("single": its
     temporaries are a few copies of one parameter, which the planner does not model)."""
     return plan.decision.adamw or "fused" if device == "cuda" else "single"
@@ -53,8 +53,9 @@ def planner_step_memory(
 ):
     """`planner_phases`'s whole estimate (planner.memory.MemoryEstimate): its phases and what the allocator
     releases at each under pressure."""
+    from planner.decision import Cluster
     from planner.hardware import Assumptions
-    from planner.memory import Cluster, step_memory
+    from planner.memory import step_memory
 
     decision = dataclasses.replace(
         plan.decision, sharding=sharding, adamw=traced_optimizer_kind(plan, autocast_device)

@@ -241,7 +241,7 @@ def build_step_parts(
     vae_config: dict | None = None,
     sharded_world_size: int = 0,
 ) -> StepParts:
-    """The trainer's components (`dit_accel.step.build_components`, bare device, no Accelerator, the plan's
+    """The trainer's components (`dit_accel.train.step.build_components`, bare device, no Accelerator, the plan's
     own precision) and its step for `spec` (which may be shallower than the plan's network): the micro-step
     is `train_micro_step`; the optimizer step is `check_step` then `apply_step`, the path of a finite step,
     with no value read (`optimizer_step` only adds the decision between them and the numbers it logs).
@@ -250,9 +250,9 @@ def build_step_parts(
 
     `sharded_world_size` > 0: one rank's compute of a sharded plan instead (`make_sharded`).
     """
-    from dit_accel import step
-    from dit_accel.optim import create_states
-    from dit_accel.train_config import TrainConfig
+    from dit_accel.train import step
+    from dit_accel.train.config import TrainConfig
+    from dit_accel.train.optim import create_states
 
     online = plan.decision.latents == "online"
     # the VAE of online latents comes from `vae_config` below, not from a weights folder
@@ -302,7 +302,7 @@ def build_step_parts(
         del check, loss_sum
         losses.clear()
 
-    # as the trainer's fresh run does (dit_accel.resume.restore), unless the plan models a codebase whose AdamW
+    # as the trainer's fresh run does (dit_accel.train.resume.restore), unless the plan models a codebase whose AdamW
     # makes it in the first step (--assume adamw_state=lazy); a sharded trace adds the state's shards itself
     if not sharded_world_size and plan.assumptions.get("adamw_state", "eager") == "eager":
         create_states(components.optimizer)
@@ -339,7 +339,7 @@ def make_sharded(parts: StepParts, precision: str, world_size: int, losses: list
     AdamW state and EMA are not traced (`compare_sharded` adds them from the traced sizes), nor is the
     optimizer step, which only drops the gradient shards here.
     """
-    from dit_accel.step import compute_dtype as dtype_of
+    from dit_accel.train.step import compute_dtype as dtype_of
 
     compute_dtype = dtype_of(precision) or torch.float32
     for param in parts.model.parameters():

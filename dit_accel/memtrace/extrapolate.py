@@ -114,7 +114,7 @@ def _block_of_role(role: Hashable, checkpointed: list) -> Hashable:
 
 
 def planner_moment(window: Hashable, components: dict[str, int], depth: int) -> str:
-    """The planner's moment (planner.memory.PHASES) that a traced peak in `window` is, or "" if none.
+    """The planner's moment (planner.components.PHASES) that a traced peak in `window` is, or "" if none.
 
     The final layer's window runs the loss and then starts backward: before backward nothing is a temporary.
     """

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from planner.memory import ALLOCATED
+from planner.components import ALLOCATED
 
 # Components in the order they are printed: the planner's (plan.json's memory keys) that a trace sees,
 # then the trace's own two (the batch; buffers, which the planner counts in its weights).
@@ -184,7 +184,7 @@ class TraceResult:
     # a sharded plan is traced as ONE rank's compute (`driver.make_sharded`); "ddp": the whole unsharded step
     sharding: str = "ddp"
     world_size: int = 1
-    peak_moment: str = ""  # sharded: the planner's moment (planner.memory.PHASES) that the traced peak is
+    peak_moment: str = ""  # sharded: the planner's moment (planner.components.PHASES) that the traced peak is
     # the step's allocations and frees replayed through the caching-allocator model (`allocator_peaks`),
     # by mode; `allocator_depths`: "traced" (replayed at the plan's depth) or "not replayed" (an extrapolated
     # trace without `replay_at_depth`: reserved bytes do not extrapolate per block)

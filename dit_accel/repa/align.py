@@ -103,7 +103,7 @@ class Repa:
     """One run's alignment: the frozen encoder, the capture on the network, the weight of the term.
 
     `build` attaches the projector to the unwrapped network, so call it before the optimizer and before
-    DDP/FSDP2 see the parameters (dit_accel.step.build_components does)."""
+    DDP/FSDP2 see the parameters (dit_accel.train.step.build_components does)."""
 
     def __init__(self, encoder: nn.Module, capture: TokenCapture, coeff: float, grid: int):
         self.encoder, self.capture, self.coeff, self.grid = encoder, capture, coeff, grid

@@ -1,6 +1,6 @@
 """REPA in the trainer: the alignment built for a run from its flags, and the clean images it needs.
 
-Kept out of dit_accel.step so the step reads the same with and without it: `build_for_run` (None without
+Kept out of dit_accel.train.step so the step reads the same with and without it: `build_for_run` (None without
 --repa-encoder) before the optimizer exists, `encoder_targets` before the network's forward (the encoder's
 working set is freed before the network's activations grow), `Repa.loss` after it.
 """
@@ -16,7 +16,7 @@ from dit_accel.errors import UserError
 from dit_accel.repa.align import Repa
 from planner.repa import encoder_by_shape
 
-log = logging.getLogger("dit_accel.train")  # the run log (dit_accel.runlog)
+log = logging.getLogger("dit_accel.train")  # the run log (dit_accel.train.steplog)
 
 
 def token_grid(spec) -> int:

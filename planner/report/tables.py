@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from planner.calibration import describe as calibration_line
-from planner.memory import COMPONENTS
+from planner.components import COMPONENTS
 from planner.rules import SHARDING_MODES
 from planner.units import count, format_bytes, gib, plural
 

@@ -30,7 +30,6 @@ def _parts(accelerator, seed=0):
     optimizer = build_optimizer(model, lr=1e-2)
     scheduler = build_scheduler(optimizer, warmup_steps=3)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     ema = EMA(accelerator.unwrap_model(model), decay=0.9)
     return model, optimizer, scheduler, ema
 
@@ -45,13 +44,14 @@ def _train_steps(model, optimizer, scheduler, ema, steps):
         optimizer.zero_grad()
 
 
-def _save(accelerator, run_dir, step, ema, keep_last=2, **kwargs):
+def _save(accelerator, run_dir, step, ema, keep_last=2, scheduler=None, **kwargs):
     state = {"step": step, "world_size": 1, "global_batch": 5}
     return ckpt.save_checkpoint(
         accelerator,
         run_dir,
         step,
         ema=ema,
+        scheduler=scheduler or build_scheduler(build_optimizer(nn.Linear(1, 1), lr=1e-2), warmup_steps=3),
         train_state=state,
         plan={"schema": "x"},
         config={"lr": 1},
@@ -72,7 +72,7 @@ def test_commit_rotate_and_layout(accelerator, tmp_path):
     assert {
         "model.safetensors",
         "optimizer.bin",
-        "custom_checkpoint_0.pkl",
+        "lr_scheduler.json",
         "random_states_0.pkl",
         "ema.safetensors",
         "train_state.json",
@@ -105,7 +105,9 @@ def test_interrupted_write_is_never_loaded_and_old_ones_survive(accelerator, tmp
     with pytest.raises(UserError, match="incomplete"):
         ckpt.resolve_checkpoint(tmp_path / "checkpoints" / "step_00000009")
     with pytest.raises(UserError, match="incomplete"):
-        ckpt.load_checkpoint(accelerator, tmp_path / "checkpoints" / "step_00000002.tmp", ema=ema)
+        ckpt.load_checkpoint(
+            accelerator, tmp_path / "checkpoints" / "step_00000002.tmp", ema=ema, scheduler=scheduler
+        )
     # The next successful save clears the leftovers.
     _save(accelerator, tmp_path, 3, ema, keep_last=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003", "step_00000009"]
@@ -123,7 +125,7 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
 def test_restore_is_exact(accelerator, tmp_path):
     model, optimizer, scheduler, ema = _parts(accelerator)
     _train_steps(model, optimizer, scheduler, ema, 2)
-    saved = _save(accelerator, tmp_path, 2, ema)
+    saved = _save(accelerator, tmp_path, 2, ema, scheduler=scheduler)
     rng_after_save = torch.get_rng_state()
     _train_steps(model, optimizer, scheduler, ema, 2)
     expected = (
@@ -137,7 +139,7 @@ def test_restore_is_exact(accelerator, tmp_path):
         for p in model.parameters():
             p.add_(1.0)
     torch.manual_seed(123)
-    state = ckpt.load_checkpoint(accelerator, saved, ema=ema)
+    state = ckpt.load_checkpoint(accelerator, saved, ema=ema, scheduler=scheduler)
     assert state["step"] == 2
     assert torch.equal(torch.get_rng_state(), rng_after_save)
     _train_steps(model, optimizer, scheduler, ema, 2)
@@ -178,7 +180,7 @@ def test_old_markers_without_a_manifest_still_load(accelerator, tmp_path):
     (old / ckpt.COMPLETE).write_text(json.dumps({"step": 1, "world_size": 1}))  # as versions before manifests
     (old / ckpt.TRAIN_STATE).write_text(json.dumps({"step": 1, "world_size": 1, "global_batch": 5}))
     assert ckpt.resolve_resume("auto", tmp_path) == old  # unverifiable, so taken as intact
-    assert ckpt.load_checkpoint(accelerator, old, ema=ema)["step"] == 1
+    assert ckpt.load_checkpoint(accelerator, old, ema=ema, scheduler=scheduler)["step"] == 1
     new = _save(accelerator, tmp_path, 2, ema)  # continues the old timeline
     assert json.loads((new / ckpt.COMPLETE).read_text())["parent"] == "step_00000001"
     assert [n.path for n in ckpt.current_lineage(tmp_path)] == [new, old]

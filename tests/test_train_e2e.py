@@ -327,7 +327,7 @@ def test_nan_aborts_naming_the_step_and_the_last_good_checkpoint(workspace, tmp_
     assert (state["step"], state["applied_steps"], state["skipped_steps"]) == (4, 3, 1)
     optimizer = torch.load(final / "optimizer.bin", weights_only=False)
     assert all(s["step"].item() == 3 for s in optimizer["state"].values())
-    scheduler = torch.load(final / "custom_checkpoint_0.pkl", weights_only=False)
+    scheduler = json.loads((final / "lr_scheduler.json").read_text())
     assert scheduler["last_epoch"] == 3
     assert (
         run_in_process(

@@ -9,6 +9,7 @@ the other two.
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -430,6 +431,46 @@ def test_load_for_inference_reads_a_sharded_checkpoint(runs):
             class_labels=torch.tensor([0, 3]),
         ).sample
     assert out.shape == (2, spec.out_channels, 32, 32) and torch.isfinite(out).all()
+
+
+@pytest.mark.launched
+def test_a_crafted_sharded_index_runs_nothing_on_resume_sample_or_init(runs, tmp_path):
+    """torch.distributed.checkpoint reads a sharded save's `.metadata` with plain pickle.load: a copy of the
+    zero3 run whose index calls os.system, its manifest rewritten, is refused in one line by the launched
+    resume and by every reader of the raw weights, and the command never runs (tests/test_untrusted_checkpoint.py
+    has the other pickles)."""
+    import shutil
+
+    from test_untrusted_checkpoint import SystemPayload, _revouch
+
+    from dit_accel.run.pickles import check_before_load
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["zero3"], run)
+    newest = run / "checkpoints" / "step_00000004"
+    marker = tmp_path / "PWNED"
+    for folder in (ckpt.SHARDED_MODEL, "optimizer_0"):
+        copy = tmp_path / f"{folder}.copy"
+        shutil.copytree(newest / folder, copy)
+        (newest / folder / ".metadata").write_bytes(pickle.dumps(SystemPayload(marker)))
+        _revouch(newest)
+        with pytest.raises(UserError, match=rf"{folder}/\.metadata asks for posix\.system"):
+            check_before_load(newest, 0)
+        if folder == ckpt.SHARDED_MODEL:
+            with pytest.raises(UserError, match=r"\.metadata asks for posix\.system"):
+                load_for_inference(run, use_ema=False)  # sample, export and --init-from read it so
+            started = _start(
+                runs["plans"]["zero3"], runs["root"] / "images", run, "--resume", "auto", "--max-steps", 5
+            )
+            output, _ = started[1].communicate(timeout=300)
+            assert (
+                started[1].returncode != 0 and "Traceback" not in output.split("torch/distributed/elastic")[0]
+            )
+            assert f"{newest / folder / '.metadata'} asks for posix.system" in output, output[-3000:]
+        shutil.rmtree(newest / folder)
+        shutil.move(copy, newest / folder)
+        _revouch(newest)
+    assert not marker.exists()
 
 
 # --- in-process: the units, the YAML and the launch-config checks --------------------------------------------

@@ -122,7 +122,14 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
             state.update(load_file(str(folder / shard)))
         return state
     if legacy.exists():
-        return torch.load(legacy, map_location="cpu", weights_only=True)
+        try:  # weights-only: a received folder's pickle never runs code
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise UserError(
+                f"{legacy} cannot be read as plain tensors ({type(error).__name__}): refused, since weights "
+                "never run code when read",
+                "use the folder's diffusion_pytorch_model.safetensors, or re-save the model from a trusted copy",
+            ) from None
     raise UserError(
         f"{folder} has no {WEIGHTS_NAME} (nor a sharded index or a .bin): the weights are missing"
     )

@@ -14,12 +14,15 @@ path and stops with one line naming the disk and the space needed.
 Layout of one checkpoint folder (see docs/training.md):
 
     model.safetensors          the trained weights (accelerate's save_state)
-    optimizer.bin              AdamW state (accelerate)
+    optimizer.bin              AdamW state (accelerate; read back with torch's weights-only unpickler)
     pytorch_model_fsdp_0/      sharded plans (FSDP2) instead of the two above: weights and AdamW state as
     optimizer_0/               torch.distributed.checkpoint folders, each rank writing its own shards
-    custom_checkpoint_0.pkl    the lr scheduler (registered with accelerate; never prepared, see optim.py)
+    lr_scheduler.json          the lr scheduler's state (not registered with accelerate, which would pickle it
+                               and unpickle it with weights_only=False: run.pickles; older checkpoints hold
+                               custom_checkpoint_0.pkl instead, read weights-only)
     scaler.pt                  the fp16 grad scaler, only with fp16 (accelerate)
     random_states_R.pkl        python/numpy/torch RNG states of rank R, and accelerate's micro-step counter
+                               (each rank reads its own weights-only before the load: run.pickles)
     ema.safetensors            fp32 EMA weights, keyed like the unwrapped model's parameters (full tensors
                                even when sharded: gathered at save time, so sampling needs no process group)
     train_state.json           step, applied/skipped steps, data position, world size, global batch
@@ -45,10 +48,19 @@ import shutil
 import uuid
 from pathlib import Path
 
-from dit_accel.atomic import replace_folder, write_json_atomically
+from dit_accel.atomic import replace_folder, write_bytes_atomically, write_json_atomically
 from dit_accel.distributed.consensus import agreed, gathered, main_decides
 from dit_accel.errors import UserError
 from dit_accel.run import lineage
+from dit_accel.run.pickles import (
+    LEGACY_SCHEDULER_STATE,
+    SCHEDULER_STATE,
+    check_before_load,
+    load_scheduler_state,
+    refused,
+    scheduler_state_json,
+)
+from planner.filemode import permissions
 
 log = logging.getLogger("dit_accel.train")
 
@@ -202,7 +214,9 @@ def commit(tmp_dir: Path, final_dir: Path, marker: dict, parent: str | None = No
     """Make a fully written tmp folder a checkpoint: hash and fsync every file, write the marker (lineage and
     manifest added to `marker`), rename. Main process only. Returns the marker."""
     nodes = lineage.nodes(complete_checkpoints(final_dir.parent.parent))
-    for root, _dirs, _files in os.walk(tmp_dir):
+    for root, _dirs, files in os.walk(tmp_dir):
+        for name in files:  # safetensors' save_file makes its file 0600: the group could not read weights
+            os.chmod(Path(root) / name, permissions(0o666))
         _fsync(root)
     marker = dict(
         lineage.new_marker(
@@ -290,6 +304,7 @@ def save_checkpoint(
     step: int,
     *,
     ema,
+    scheduler,
     train_state: dict,
     plan: dict,
     config: dict,
@@ -321,12 +336,13 @@ def save_checkpoint(
             shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover from a crash at this very step
             tmp_dir.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        # Model, optimizer, registered scheduler, scaler on the main process; RNG states on every rank.
+        # Model, optimizer, scaler on the main process; RNG states on every rank.
         accelerator.save_state(output_dir=str(tmp_dir))
         if ema is not None and (ema.sharded or accelerator.is_main_process):
             # sharded: every rank joins the gather
             ema.save(tmp_dir / EMA_WEIGHTS, write=accelerator.is_main_process)
         if accelerator.is_main_process:
+            write_bytes_atomically(tmp_dir / SCHEDULER_STATE, scheduler_state_json(scheduler).encode())
             write_json_atomically(tmp_dir / TRAIN_STATE, train_state)
             write_json_atomically(tmp_dir / PLAN, plan)
             write_json_atomically(tmp_dir / TRAIN_CONFIG, config)
@@ -412,6 +428,7 @@ class Checkpointer:
         run_dir: Path,
         *,
         ema,
+        scheduler,
         plan: dict,
         config: dict,
         keep_last: int,
@@ -423,6 +440,7 @@ class Checkpointer:
         self.parent = marker_id(Path(parent)) if parent is not None else None
         self.settings = dict(
             ema=ema,
+            scheduler=scheduler,
             plan=plan,
             config=config,
             keep_last=keep_last,
@@ -455,12 +473,44 @@ def _names(paths: list[Path]) -> str:
     return ", ".join(path.name for path in paths)
 
 
-def load_checkpoint(accelerator, checkpoint: str | Path, *, ema) -> dict:
-    """Restore everything `save_checkpoint` wrote, on every rank; returns the train state."""
+class _AlreadyRead:
+    """Stands in for the lr scheduler while Accelerate reads an older checkpoint's custom_checkpoint_0.pkl."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def load_checkpoint(accelerator, checkpoint: str | Path, *, ema, scheduler) -> dict:
+    """Restore everything `save_checkpoint` wrote, on every rank; returns the train state. Nothing read runs
+    code (run.pickles): the pickles Accelerate reads are checked or read weights-only, the scheduler is JSON."""
+    import pickle
+
     checkpoint = Path(checkpoint)
     if not is_complete(checkpoint):
         raise UserError(f"checkpoint {checkpoint} is incomplete (no {COMPLETE} marker): use another one")
-    accelerator.load_state(str(checkpoint))
+    check_before_load(checkpoint, accelerator.process_index)
+    scheduler_state = load_scheduler_state(checkpoint)
+    # An older checkpoint holds the scheduler as custom_checkpoint_0.pkl, and Accelerate refuses a folder whose
+    # count of such files differs from its registered objects: a stand-in takes the file, already read
+    # weights-only above (so Accelerate's own weights_only=False read of it meets nothing but plain data).
+    legacy = (checkpoint / LEGACY_SCHEDULER_STATE).is_file() and not (checkpoint / SCHEDULER_STATE).is_file()
+    stand_in = _AlreadyRead()
+    if legacy:
+        accelerator.register_for_checkpointing(stand_in)
+    try:
+        accelerator.load_state(str(checkpoint))
+    except pickle.UnpicklingError as error:  # the one pickle left unread: AdamW's state, read weights-only
+        asked = re.search(r"GLOBAL ([\w.]+)", str(error))
+        raise refused(
+            checkpoint / "optimizer.bin", f"asks for {asked.group(1) if asked else 'a Python object'}"
+        ) from None
+    finally:
+        if legacy:
+            accelerator._custom_objects.remove(stand_in)  # later saves write lr_scheduler.json only
+    scheduler.load_state_dict(scheduler_state)
     if ema is not None:
         ema.load(checkpoint / EMA_WEIGHTS)
     return read_train_state(checkpoint)

@@ -123,6 +123,9 @@ def read_sharded_model(folder: Path, model) -> dict:
     into `model`'s layout: no process group needed."""
     import torch.distributed.checkpoint as dcp
 
+    from dit_accel.run.pickles import check_dcp_metadata
+
+    check_dcp_metadata(folder)  # torch.distributed.checkpoint unpickles it with plain pickle.load
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
     return state

@@ -66,7 +66,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         optimizer_step,
         train_micro_step,
     )
-    from dit_accel.train.steplog import StepLog, parameter_checksum, tracker_config
+    from dit_accel.train.steplog import StepLog, parameter_checksum, tracker_config, weights_layout
     from dit_accel.train.trackers import chosen_trackers, start_trackers
     from planner.planfile import read_plan
     from planner.units import count
@@ -127,6 +127,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
         accelerator,
         run_dir,
         ema=components.ema,
+        scheduler=components.scheduler,
         plan=plan.to_json(),
         config=config.to_json(),
         keep_last=config.keep_last,
@@ -137,13 +138,9 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     steplog = StepLog(run_dir, plan, accelerator, components.device, config.max_steps, start.checkpoint)
     last_good = start.checkpoint
 
-    layout = (
-        "replicated (DDP)"
-        if not plan.sharding.uses_fsdp
-        else f"sharded {d.sharding} (FSDP2, reshard after forward: {plan.sharding.reshard_after_forward})"
-    )
     log.info(
-        f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters, {layout}; "
+        f"{spec.name}: {sum(p.numel() for p in components.raw_model.parameters()):,} parameters, "
+        f"{weights_layout(plan, world_size)}; "
         f"TF32 {tf32_text}; world size {world_size} x micro-batch {d.micro_batch} x accumulation "
         f"{d.grad_accum} = global batch {plan.global_batch}; precision {d.precision} on "
         f"{components.device.type}; checkpointed blocks {d.checkpointed_blocks}/{spec.depth}; {len(dataset)} "

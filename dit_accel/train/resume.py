@@ -230,7 +230,11 @@ def restore(start: Start, accelerator, components, dataset_size: int, seed: int)
         set_seed(seed + accelerator.process_index)  # anything not keyed per sample
         create_states(components.optimizer)  # now, as a resumed run loads it: the same memory layout
         return state
-    state.update(ckpt.load_checkpoint(accelerator, start.checkpoint, ema=components.ema))
+    state.update(
+        ckpt.load_checkpoint(
+            accelerator, start.checkpoint, ema=components.ema, scheduler=components.scheduler
+        )
+    )
     if components.ema is not None:
         components.ema.updates = state.get("applied_steps", state["step"])  # one EMA update per applied step
     for change in apply_recipe_changes(components, start.checkpoint, state["step"] + 1):

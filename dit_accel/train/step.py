@@ -115,11 +115,11 @@ def build_components(
 ) -> Components:
     """Model, EMA, optimizer, lr schedule and objective, exactly as the plan says.
 
-    The model is built on its device (`with device:`), seeded: no CPU copy to move over, and the same
-    weights on every rank (each device type draws its own seeded stream: a CUDA run starts from other
-    weights than a CPU run of the same seed). With an `accelerator`, the model and optimizer are prepared
-    (DDP or FSDP2, mixed precision); the scheduler is NOT (see optim.py) and is registered for
-    checkpointing instead. With one, the blocks are compiled when the run compiles (dit_accel.models.compile:
+    The model is built on its device (`with device:`), seeded: no CPU copy to move over, and the same weights
+    on every rank (each device type draws its own seeded stream: a CUDA run starts from other weights than a
+    CPU run of the same seed). With an `accelerator`, the model and optimizer are prepared (DDP or FSDP2,
+    mixed precision); the scheduler is NOT (see optim.py), nor registered for checkpointing (its state is JSON
+    in each checkpoint: run.pickles). With one, the blocks are compiled when the run compiles (models.compile:
     --compile, or the plan's on CUDA), after checkpointing is set and before sharding and wrapping, as
     torchtitan orders them. Under FSDP the blocks are sharded here (`shard_blocks`) before the optimizer sees
     the parameters, and `prepare` adds the root unit; the EMA is then made of each rank's shards.
@@ -173,7 +173,6 @@ def build_components(
     autocast_dtype = None
     if accelerator is not None:
         model, optimizer = accelerator.prepare(model, optimizer)
-        accelerator.register_for_checkpointing(scheduler)
     else:
         if precision is None:
             precision = resolve_precision(decision.precision, device.type)

@@ -47,6 +47,14 @@ def parameter_checksum(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def weights_layout(plan: Plan, world_size: int) -> str:
+    """How the weights sit on the ranks, for the run's first line: sharded (FSDP2), replicated (DDP), or one
+    process's own."""
+    if plan.sharding.uses_fsdp:
+        return f"sharded {plan.decision.sharding} (FSDP2, reshard after forward: {plan.sharding.reshard_after_forward})"
+    return "replicated (DDP)" if world_size > 1 else "one process"
+
+
 def tracker_config(config, plan: Plan) -> dict:
     """The run's settings as TensorBoard hparams, which take scalars only."""
     scalars = (int, float, str, bool)

@@ -36,7 +36,7 @@ from planner.search import (
     memory_bandwidth,
     nearest_valid_global_batches,
 )
-from planner.spec import model_spec
+from planner.spec import OPTIONS, model_spec
 from planner.units import UNIT_RULE, format_bytes, parse_bytes, parse_headroom
 
 DEFAULT_MAIN_PROCESS_PORT = 29500
@@ -413,6 +413,9 @@ def make_plan(
             "heads": spec.heads,
             "patch": spec.patch,
             "num_classes": spec.num_classes,
+            "family": spec.family,
+            "tokenizer": spec.tokenizer,
+            **({key: getattr(spec, key) for key in OPTIONS} if spec.family != "dit" else {}),
             "params_trainable": spec.params_trainable,
             "fwd_flops_per_image": spec.fwd_flops_per_image,
         },

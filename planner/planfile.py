@@ -22,7 +22,16 @@ from planner.decision import Decision
 from planner.errors import PlanError
 from planner.repa import DEFAULT_PROJECTOR_DIM, ENCODERS
 from planner.rules import OBJECTIVES, PRECISIONS, SHARDING_MODES, Precision, ShardingMode, default_matmul
-from planner.spec import LATENT_MODES, NUM_CLASSES, DiTSpec, custom_spec, model_spec
+from planner.spec import (
+    FAMILIES,
+    LATENT_MODES,
+    NUM_CLASSES,
+    OPTIONS,
+    TOKENIZERS,
+    DiTSpec,
+    custom_spec,
+    model_spec,
+)
 from planner.units import count
 
 SCHEMA = "dit-plan/1"
@@ -43,6 +52,9 @@ class PlanModel:
     num_classes: int | None = None
     params_trainable: int | None = None
     fwd_flops_per_image: float | None = None
+    family: str = "dit"  # written since LightningDiT; older plans are DiT's
+    tokenizer: str = ""  # "" = the family's
+    options: dict = field(default_factory=dict)  # LightningDiT's block switches (planner.spec.OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -227,6 +239,9 @@ def parse_plan(data: dict, origin: str = "plan.json") -> Plan:
         num_classes=m.get("num_classes", int, None, minimum=1),
         params_trainable=m.get("params_trainable", int, None, minimum=1),
         fwd_flops_per_image=m.get("fwd_flops_per_image", float, None),
+        family=m.get("family", str, "dit", choices=FAMILIES),
+        tokenizer=m.get("tokenizer", str, "", choices=("", *TOKENIZERS)),
+        options={key: m.get(key, bool) for key in OPTIONS if key in m.data},
     )
     c = top.section("cluster")
     cluster = PlanCluster(
@@ -356,6 +371,9 @@ def spec_from_plan(plan: Plan | dict) -> DiTSpec:
             latents=latents,
             num_classes=model.num_classes or inputs.get("num_classes") or NUM_CLASSES,
             name=model.name,
+            family=model.family,
+            tokenizer=model.tokenizer,
+            **model.options,
         )
     overrides = {
         key: inputs.get(key) for key in ("depth", "hidden", "heads", "num_classes") if inputs.get(key)

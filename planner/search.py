@@ -607,7 +607,7 @@ def leanest(
 def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: Candidate) -> str:
     """One line: the least memory needed, and what would fit (a flag, more GPUs, a larger GPU, a smaller model)."""
     from planner.hardware import gpu_presets
-    from planner.spec import FAMILY, model_spec
+    from planner.spec import PREFIX, SIZES, model_spec
     from planner.units import format_bytes
 
     def fits(spec_=spec, space_=space, cluster_=cluster, assumptions_=assumptions):
@@ -657,11 +657,13 @@ def nothing_fits_message(spec, space, cluster, assumptions, budget_bytes, lean: 
     )
     if larger:
         ideas.append(f"a larger GPU (--gpu {larger[0].name}, {format_bytes(larger[0].memory_bytes)})")
-    sizes = list(FAMILY)
-    size = spec.name[4:].split("/")[0] if spec.name.startswith("DiT-") and "custom" not in spec.name else None
+    prefix = PREFIX[spec.family] + "-"
+    sizes = list(SIZES[spec.family])
+    size = spec.name.removeprefix(prefix).split("/")[0] if "custom" not in spec.name else None
     for smaller in reversed(sizes[: sizes.index(size)] if size in sizes else []):
-        if fits(spec_=model_spec(f"DiT-{smaller}/{spec.patch}", spec.resolution, spec.latents)):
-            ideas.append(f"a smaller model (--model DiT-{smaller}/{spec.patch})")
+        name = f"{prefix}{smaller}/{spec.patch}"
+        if fits(spec_=model_spec(name, spec.resolution, spec.latents)):
+            ideas.append(f"a smaller model (--model {name})")
             break
     return (
         message

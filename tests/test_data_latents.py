@@ -88,7 +88,11 @@ def test_stored_mean_and_std_are_the_vae_posterior(assets, tmp_path, dtype, flip
     manifest = read_manifest(tmp_path / "cache")
     assert manifest["latent_shape"] == [4, RESOLUTION // 2, RESOLUTION // 2]
     assert manifest["views"] == (2 if flip else 1) and manifest["dtype"] == dtype
-    assert manifest["scale_factor"] == pytest.approx(0.18215)
+    assert manifest["latent_norm"] == {
+        "kind": "scale",
+        "shift": [0.0] * 4,
+        "scale": [pytest.approx(0.18215)] * 4,
+    }
     assert [s["count"] for s in manifest["shards"]] == [4, 4, 4, 4, 2]
     assert manifest["images_per_class"] == {name: PER_CLASS for name in manifest["classes"]}
 
@@ -116,7 +120,7 @@ def test_reader_draws_scaled_posterior_samples(assets, tmp_path):
     cache = LatentCache(tmp_path / "cache", flip=False)
     mean, std = cache.posterior(5, 0)
     draws = torch.stack([cache[5][0] for _ in range(800)])
-    scale = cache.scale_factor
+    scale = cache.latent_norm.scale[0]
     # latent = (mean + std * noise) * scale: the draws' moments, within 5 standard errors
     assert (draws.mean(0) - scale * mean).abs().max() < 5 * (scale * std).max() / 800**0.5
     assert torch.allclose(draws.std(0), scale * std, rtol=0.25)
@@ -134,7 +138,7 @@ def test_seeded_reads_are_reproducible_across_workers_and_flip_at_random(assets,
     assert not torch.equal(cache[0][0], in_process[0])
 
     def nearer_to_mirror(latent, index):
-        mean0, mean1 = (cache.posterior(index, view)[0] * cache.scale_factor for view in (0, 1))
+        mean0, mean1 = (cache.posterior(index, view)[0] * cache.latent_norm.scale[0] for view in (0, 1))
         return (latent - mean1).norm() < (latent - mean0).norm()
 
     mirrored = sum(nearer_to_mirror(latent, i) for i, latent in enumerate(in_process))

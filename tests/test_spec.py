@@ -65,8 +65,24 @@ def test_custom_tiny_network_count():
 
 @pytest.mark.parametrize("name", ["DiT-XL/2", "XL/2", "dit-xl-2", "xl2", "DiT_S/8"])
 def test_model_names_parse(name):
-    size, patch = parse_model_name(name)
-    assert size in FAMILY and patch in PATCH_SIZES
+    family, size, patch = parse_model_name(name)
+    assert family == "dit" and size in FAMILY and patch in PATCH_SIZES
+
+
+@pytest.mark.parametrize("name", ["LightningDiT-XL/1", "lightningdit-b-2", "Lightning_DiT-L/1"])
+def test_lightningdit_names_parse_to_their_own_family(name):
+    family, size, patch = parse_model_name(name)
+    assert family == "lightningdit" and size in ("B", "L", "XL") and patch in (1, 2)
+    spec = model_spec(name, 256)
+    assert spec.tokenizer == "va-vae" and spec.in_channels == 32 and spec.latent_size == 16
+    assert spec.rope and spec.rmsnorm and spec.swiglu and not spec.learn_sigma
+
+
+def test_a_lightningdit_name_the_release_does_not_have_suggests_one():
+    with pytest.raises(PlanError, match="did you mean LightningDiT-XL/2"):
+        model_spec("LightningDiT-XL/4")
+    with pytest.raises(PlanError, match="multiple of 16 .16 x patch for LightningDiT-XL/1.: use 240 or 256"):
+        model_spec("LightningDiT-XL/1", 250)
 
 
 def test_unknown_model_suggests_the_closest():

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dit_accel.errors import UserError
-from dit_accel.models.vae import load_vae
+from dit_accel.models.vae import LatentNorm, load_vae
 
 FORMAT = "dit-accel-latents/1"
 MANIFEST_NAME = "manifest.json"
@@ -112,11 +112,20 @@ def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | No
             )
 
 
+def manifest_latent_norm(manifest: dict) -> LatentNorm:
+    """How the cache's latents are normalised: its `latent_norm`, or (caches made before it was recorded) the
+    VAE's scale and shift factors."""
+    if "latent_norm" in manifest:
+        return LatentNorm.from_json(manifest["latent_norm"])
+    channels = manifest["latent_shape"][0]
+    return LatentNorm.of_factors(manifest["scale_factor"], manifest.get("shift_factor") or 0.0, channels)
+
+
 class LatentCache(torch.utils.data.Dataset):
     """Latents for the trainer: `cache[i] -> (latent, label)`, and `image` third when `images` is set.
 
-    latent: float32 [C, h, w] = (mean + std * noise - shift_factor) * scale_factor, i.e. a fresh draw from
-            the VAE posterior, already scaled for diffusion (the trainer does not scale again).
+    latent: float32 [C, h, w] = (mean + std * noise - shift) * scale per channel (`latent_norm`), i.e. a
+            fresh draw from the VAE posterior, already normalised for diffusion (the trainer does not again).
             With `flip` (default) the stored mirror image is chosen with probability 1/2; without, or for a
             cache made with --no-flip, always the image itself. One entry per image: the mirror image is
             an augmentation, not a second sample, so an epoch has as many steps as with pixels.
@@ -134,8 +143,7 @@ class LatentCache(torch.utils.data.Dataset):
         self.manifest = read_manifest(self.dir)
         self.classes: list[str] = self.manifest["classes"]
         self.latent_shape = tuple(self.manifest["latent_shape"])
-        self.scale_factor = float(self.manifest["scale_factor"])
-        self.shift_factor = float(self.manifest.get("shift_factor") or 0.0)
+        self.latent_norm = manifest_latent_norm(self.manifest)
         self.views = int(self.manifest["views"])
         self.flip = flip and self.views == 2
         self.seed = seed
@@ -218,9 +226,9 @@ class LatentCache(torch.utils.data.Dataset):
             arrays = self._shard(int(shard))
             means[picked] = arrays["mean"][rows[picked], views[picked]]
             stds[picked] = arrays["std"][rows[picked], views[picked]]
-        latents = (
-            torch.from_numpy(means).float() + torch.from_numpy(stds).float() * noise - self.shift_factor
-        ) * self.scale_factor
+        latents = self.latent_norm.normalize(
+            torch.from_numpy(means).float() + torch.from_numpy(stds).float() * noise
+        )
         entries = self._starts[shards] + rows
         labels = self.labels[torch.from_numpy(entries)]
         if self.images is not None:  # the image each latent was encoded from, mirrored with its view

@@ -16,7 +16,8 @@ shard in progress is dropped, the complete ones are kept, no manifest is written
 (`preemption.WorkerShield`), so they do not fail the rank first.
 
 Reading (dit_accel.data.latent_cache): `LatentCache(CACHE)` memory-maps the safetensors shards with numpy and yields
-`(latent, label)` with latent = (mean + std * noise - shift_factor) * scale_factor.
+`(latent, label)` with latent = (mean + std * noise - shift) * scale per channel (`models.vae.LatentNorm`:
+the VAE's factors, or a VA-VAE's per-channel statistics over this cache, recorded in the manifest).
 
 On disk (CACHE/):
     manifest.json                 everything below, plus the VAE identity and per-shard sha256
@@ -54,7 +55,7 @@ from dit_accel.data.hf_source import DatasetOptions, validate_image_source
 from dit_accel.data.latent_cache import FORMAT, MANIFEST_NAME
 from dit_accel.data.latents_args import STORAGE_DTYPE_NAMES, build_parser
 from dit_accel.errors import EXIT_PREEMPTED, UserError, exit_command, exits_cleanly
-from dit_accel.models.vae import encode_posterior, load_vae, sha256_json
+from dit_accel.models.vae import LatentNorm, encode_posterior, load_vae, sha256_json
 from dit_accel.run.preemption import StopRequest, WorkerShield, signal_name
 
 STORAGE_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE_NAMES}
@@ -160,6 +161,7 @@ def _shard_record(shard: int, payload: bytes, metadata: dict[str, str]) -> dict:
         "rank": int(metadata["rank"]),
         "world_size": int(metadata["world_size"]),
         "skipped": json.loads(metadata["skipped"]),
+        "channel_sums": json.loads(metadata["channel_sums"]) if "channel_sums" in metadata else None,
     }
 
 
@@ -495,8 +497,46 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
                 "world_size": str(layout.world_size),
                 "skipped": json.dumps(parts["skipped"]),
                 "sources": json.dumps(parts["sources"]),
+                "channel_sums": json.dumps(channel_sums(tensors["mean"], tensors["std"])),
             }
             yield _write_shard(layout.out, shard, tensors, metadata)
+
+
+def channel_sums(mean: torch.Tensor, std: torch.Tensor) -> dict:
+    """Per channel, over every entry's first view and position: the count, and the sums of the posterior's
+    mean, its square and its variance (float64): what `channel_statistics` combines over the shards."""
+    m, s = mean[:, 0].double(), std[:, 0].double()
+    dims = (0, 2, 3)
+    return {
+        "count": int(m.shape[0] * m.shape[2] * m.shape[3]) if m.ndim == 4 else 0,
+        "mean": m.sum(dims).tolist() if m.numel() else [],
+        "mean_sq": (m * m).sum(dims).tolist() if m.numel() else [],
+        "var": (s * s).sum(dims).tolist() if s.numel() else [],
+    }
+
+
+def channel_statistics(records: list[dict], channels: int) -> tuple[list[float], list[float]]:
+    """Each channel's mean and std of a posterior sample over the whole cache: E[z] = E[mean], and
+    Var[z] = E[mean^2] + E[std^2] - E[mean]^2 (exact, no sample drawn)."""
+    count, total, squares, variances = 0, [0.0] * channels, [0.0] * channels, [0.0] * channels
+    for record in records:
+        sums = record.get("channel_sums")
+        if sums is None:  # kept from a version before per-channel statistics
+            raise UserError(
+                f"shard {record['file']} records no channel sums", "extract again with --overwrite"
+            )
+        if not sums["count"]:
+            continue
+        count += sums["count"]
+        for c in range(channels):
+            total[c] += sums["mean"][c]
+            squares[c] += sums["mean_sq"][c]
+            variances[c] += sums["var"][c]
+    if not count:
+        raise UserError("no image was encoded: per-channel statistics need at least one latent")
+    mean = [value / count for value in total]
+    std = [max((squares[c] + variances[c]) / count - mean[c] ** 2, 0.0) ** 0.5 for c in range(channels)]
+    return mean, std
 
 
 def _write_manifest(
@@ -522,8 +562,7 @@ def _write_manifest(
         "vae": identity,
         "resolution": config.resolution,
         "latent_shape": layout.latent_shape,
-        "scale_factor": float(vae_config.scaling_factor),
-        "shift_factor": float(getattr(vae_config, "shift_factor", None) or 0.0),
+        "latent_norm": _latent_norm(identity, records, vae_config, layout.latent_shape[0]).to_json(),
         "dtype": config.dtype,
         "flip": config.flip,
         "views": layout.views,
@@ -538,6 +577,13 @@ def _write_manifest(
     }
     write_json_atomically(layout.out / MANIFEST_NAME, manifest)
     return manifest
+
+
+def _latent_norm(identity: dict, records: list[dict], vae_config, channels: int) -> LatentNorm:
+    """The Stable Diffusion VAE's factors, or for a VA-VAE the cache's own per-channel statistics."""
+    if identity.get("latent_norm") == "channel":
+        return LatentNorm.of_statistics(*channel_statistics(records, channels))
+    return LatentNorm.of_vae_config(vae_config, channels)
 
 
 @exits_cleanly("dit-accel extract-latents")

@@ -6,6 +6,9 @@ other way, see docs/model.md for the mapping). For a path (alpha_t, sigma_t):
     x_t    = alpha_t x0 + sigma_t noise
     target = d/dt x_t = alpha'_t x0 + sigma'_t noise         (the velocity)
     loss   = mean over dims of (v_pred - target)^2
+             + w (1 - cos(v_pred, target))                  (LightningDiT's velocity-direction term, w = 1
+                                                             there, 0 by default: the cosine over channels at
+                                                             each position, averaged over positions)
 
     linear  alpha_t = 1 - t,          sigma_t = t            (SiT's and REPA's default)
     gvp     alpha_t = cos(pi t / 2),  sigma_t = sin(pi t / 2) (SiT's GVP; REPA's "cosine")
@@ -60,6 +63,12 @@ def draw_time(time_sampling: str, path: str, generator: torch.Generator) -> torc
     raise UserError(f"--time-sampling must be one of {', '.join(TIME_SAMPLINGS)}, got {time_sampling!r}")
 
 
+def cosine_distance(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per sample, 1 - the cosine similarity of the two velocities over channels at each position, averaged
+    over the positions (LightningDiT's term: it rewards the right direction whatever the length)."""
+    return mean_flat(1 - torch.nn.functional.cosine_similarity(predicted, target, dim=1))
+
+
 def _like(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t.to(x.dtype).view(-1, *([1] * (x.ndim - 1)))
 
@@ -71,18 +80,21 @@ class FlowMatching:
 
     name = "flow"
 
-    def __init__(self, path: str = "linear", time_sampling: str = "uniform"):
+    def __init__(self, path: str = "linear", time_sampling: str = "uniform", cosine_weight: float = 0.0):
+        if not (math.isfinite(cosine_weight) and cosine_weight >= 0):
+            raise UserError(f"--cosine-loss-weight must be a finite number >= 0, got {cosine_weight}")
         if path not in PATHS:
             raise UserError(f"the flow path must be one of {', '.join(PATHS)}, got {path!r}")
         if time_sampling not in TIME_SAMPLINGS:
             raise UserError(
                 f"--time-sampling must be one of {', '.join(TIME_SAMPLINGS)}, got {time_sampling!r}"
             )
-        self.path, self.time_sampling = path, time_sampling
+        self.path, self.time_sampling, self.cosine_weight = path, time_sampling, float(cosine_weight)
 
     def describe(self) -> dict:
         """What a checkpoint records so that sample/export rebuild this objective unasked."""
-        return {"name": self.name, "path": self.path, "time_sampling": self.time_sampling}
+        described = {"name": self.name, "path": self.path, "time_sampling": self.time_sampling}
+        return described | ({"cosine_loss_weight": self.cosine_weight} if self.cosine_weight else {})
 
     def coefficients(self, t: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(alpha, sigma, alpha', sigma') at t, in `like`'s dtype, shaped to broadcast over (N, C, H, W)."""
@@ -102,11 +114,16 @@ class FlowMatching:
     def loss_terms(
         self, model_output: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """Per-sample terms (N,) in float32: the velocity MSE of the first C output channels."""
+        """Per-sample terms (N,) in float32: the velocity MSE of the first C output channels, and with a
+        cosine weight the direction term (`cosine_distance`) added to it."""
         x0, noise = x0.float(), noise.float()
         velocity = model_output[:, : x0.shape[1]].float()
-        mse = mean_flat((velocity - self.velocity_target(x0, t, noise)) ** 2)
-        return {"mse": mse, "loss": mse}
+        target = self.velocity_target(x0, t, noise)
+        mse = mean_flat((velocity - target) ** 2)
+        if not self.cosine_weight:
+            return {"mse": mse, "loss": mse}
+        distance = cosine_distance(velocity, target)
+        return {"mse": mse, "cosine": distance, "loss": mse + self.cosine_weight * distance}
 
     def training_losses(
         self,
@@ -140,14 +157,20 @@ class FlowMatching:
         return -noise / sigma
 
 
-def build_objective(name: str = "ddpm", path: str = "linear", time_sampling: str = "uniform"):
+def build_objective(
+    name: str = "ddpm", path: str = "linear", time_sampling: str = "uniform", cosine_weight: float = 0.0
+):
     """The training objective a run's settings name: DiT's diffusion ("ddpm") or FlowMatching ("flow")."""
     from dit_accel.diffusion.objective import Diffusion
 
     if name == "ddpm":
+        if cosine_weight:
+            raise UserError(
+                "--cosine-loss-weight is a flow objective's term: use --objective flow, or drop it"
+            )
         return Diffusion.linear()
     if name == "flow":
-        return FlowMatching(path, time_sampling)
+        return FlowMatching(path, time_sampling, cosine_weight)
     raise UserError(f"--objective must be ddpm or flow, got {name!r}")
 
 
@@ -163,4 +186,5 @@ def objective_from_description(description: dict | None):
         description.get("name", "ddpm"),
         description.get("path", "linear"),
         description.get("time_sampling", "uniform"),
+        description.get("cosine_loss_weight", 0.0),
     )

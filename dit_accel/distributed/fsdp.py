@@ -46,10 +46,11 @@ def uses_fsdp(accelerator) -> bool:
 def shard_blocks(model: nn.Module, plugin) -> None:
     """One FSDP2 unit per transformer block, holding the block's own layers but NOT its conditioning embedder.
 
-    Every block's `norm1.emb` is the same CombinedTimestepLabelEmbeddings, and a parameter that two FSDP units
+    Every DiT block's `norm1.emb` is the same CombinedTimestepLabelEmbeddings, and a parameter that two FSDP units
     see is an error; `fully_shard` on a list of modules makes them one unit (one all-gather, one
     reduce-scatter per block, as the planner counts), so each block's unit is its layers minus the embedder,
     and the embedder, patch embedding and final layer stay in the root unit that `accelerator.prepare` adds.
+    A LightningDiT block holds no embedder (its conditioning is made before the blocks): its unit is all of it.
     Activation checkpointing (set_checkpointed_blocks) wraps the block's forward, outside these units: the
     recompute in backward runs the units' hooks again and gathers their parameters as the first pass did.
     """
@@ -65,7 +66,9 @@ def shard_blocks(model: nn.Module, plugin) -> None:
         "mesh": fsdp_mesh(),
     }
     for block in model.transformer_blocks:
-        embedder = block.norm1.emb
+        embedder = getattr(
+            getattr(block, "norm1", None), "emb", None
+        )  # DiT's shared one; LightningDiT has none
         layers = [
             module for module in _children_without(block, embedder) if any(True for _ in module.parameters())
         ]
@@ -85,7 +88,7 @@ def fsdp_mesh():
     return mesh[tuple(config.fsdp_dim_names)]
 
 
-def _children_without(module: nn.Module, excluded: nn.Module) -> list[nn.Module]:
+def _children_without(module: nn.Module, excluded: nn.Module | None) -> list[nn.Module]:
     """The smallest set of submodules that covers `module` except `excluded` (and its own submodules)."""
     covering = []
     for child in module.children():

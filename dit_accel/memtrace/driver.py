@@ -223,13 +223,15 @@ def fake_batch(
 
 
 def build_vae(vae_config: dict | None, device: torch.device):
-    """A frozen AutoencoderKL of the given architecture (default: the SD VAE), and its latent (shift, scale)."""
+    """A frozen AutoencoderKL of the given architecture (default: the SD VAE), and its `LatentNorm`."""
     from diffusers import AutoencoderKL
+
+    from dit_accel.models.vae import LatentNorm
 
     with device:
         vae = AutoencoderKL.from_config(vae_config or SD_VAE_CONFIG)
     vae.eval().requires_grad_(False)
-    return vae, (float(getattr(vae.config, "shift_factor", None) or 0.0), float(vae.config.scaling_factor))
+    return vae, LatentNorm.of_vae_config(vae.config)
 
 
 def build_step_parts(
@@ -281,7 +283,7 @@ def build_step_parts(
     )
     components.plan = plan
     if online:
-        components.vae, components.latent_shift_scale = build_vae(vae_config, device)
+        components.vae, components.latent_norm = build_vae(vae_config, device)
     flow, images = plan.objective == "flow", bool(plan.decision.repa) and not online
     batch = fake_batch(spec, micro_batch, device, online, flow, images)
     losses = []

@@ -52,6 +52,10 @@ def build_model(
     """
     if init not in ("dit", "torch"):
         raise UserError(f"init must be 'dit' or 'torch', got {init!r}")
+    if spec.family == "lightningdit":  # its own module; its timestep features are fixed (the original DiT's)
+        from dit_accel.models.lightningdit import build_lightningdit
+
+        return build_lightningdit(spec, init)
     model = DiTTransformer2DModel(
         num_attention_heads=spec.heads,
         attention_head_dim=spec.head_dim,
@@ -138,23 +142,31 @@ def count_trainable_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def is_lightningdit(model: nn.Module) -> bool:
+    return spec_from_model(model).family == "lightningdit"
+
+
 def timestep_freq_shift(model: DiTTransformer2DModel) -> int:
+    if is_lightningdit(model):
+        return ORIGINAL_DIT_FREQ_SHIFT  # its timestep features are the original DiT's, by construction
     return int(conditioning_embedder(model).time_proj.downscale_freq_shift)
 
 
 def set_timestep_freq_shift(model: DiTTransformer2DModel, shift: int) -> None:
-    """1: diffusers' timestep frequencies; 0: the original DiT's. See docs/model.md, "The shift rule"."""
+    """1: diffusers' timestep frequencies; 0: the original DiT's. See docs/model.md, "The shift rule".
+    A LightningDiT's are fixed; any recorded value leaves them so."""
     if shift not in (DIFFUSERS_FREQ_SHIFT, ORIGINAL_DIT_FREQ_SHIFT):
         raise UserError(f"timestep_freq_shift must be 1 (diffusers) or 0 (original DiT), got {shift!r}")
+    if is_lightningdit(model):
+        return
     for block in model.transformer_blocks:  # one module when tied; every copy when not
         block.norm1.emb.time_proj.downscale_freq_shift = shift
 
 
 def null_class(model_or_spec) -> int:
     """The class index that means "no class" (classifier-free guidance): the last row of the table."""
-    if isinstance(model_or_spec, DiTSpec):
-        return model_or_spec.num_classes
-    return int(model_or_spec.config.num_embeds_ada_norm)
+    spec = model_or_spec if isinstance(model_or_spec, DiTSpec) else spec_from_model(model_or_spec)
+    return spec.num_classes
 
 
 def drop_labels(
@@ -245,8 +257,9 @@ def _family_name(depth: int, hidden: int, heads: int, patch: int) -> str:
     return "DiT-custom"
 
 
-def spec_from_model(model: DiTTransformer2DModel) -> DiTSpec:
+def spec_from_model(model: nn.Module) -> DiTSpec:
     """The spec the model was built or loaded with (or, failing that, the one its config describes)."""
+    model = getattr(model, "module", model)  # DDP's wrapper
     return getattr(model, "dit_spec", None) or spec_from_config(model.config)
 
 
@@ -273,11 +286,18 @@ def set_checkpointed_blocks(model: DiTTransformer2DModel, n: int) -> None:
             block.forward = functools.partial(_checkpointed_forward, block)
         else:
             block.__dict__.pop("forward", None)
-    for embedder in {id(block.norm1.emb): block.norm1.emb for block in blocks}.values():  # one when tied
+    for embedder in shared_embedders(model):  # DiT's: one when tied
         if n:
             embedder.forward = functools.partial(_forward_with_autocast_cache, embedder)
         else:
             embedder.__dict__.pop("forward", None)
+
+
+def shared_embedders(model: nn.Module) -> list[nn.Module]:
+    """The conditioning embedders the blocks call themselves (DiT's, one when tied); none for a LightningDiT,
+    whose conditioning is made once before the blocks."""
+    found = (getattr(getattr(block, "norm1", None), "emb", None) for block in model.transformer_blocks)
+    return list({id(embedder): embedder for embedder in found if embedder is not None}.values())
 
 
 def checkpointed_blocks(model: DiTTransformer2DModel) -> int:

@@ -64,11 +64,11 @@ def load_original_dit(
 PICKLE_PROTOCOL_2_OR_LATER = 0x80  # the first byte of torch.save's legacy (pre-zip) format
 
 
-def _load_torch_file(path: Path, trust_pickle: bool):
+def load_torch_file(path: Path, trust_pickle: bool = False, what: str = "original DiT"):
     """torch.load for a file the user named: what is not torch's zip nor a pickle (an empty file, an HTML
     error page saved as .pt, a truncated download) is named as such, not sent to the unpickler, whose errors
     for it range from KeyError to an empty message; a real pickle with Python objects asks for trust."""
-    fix = "pass --checkpoint the original repository's .pt file, downloaded whole"
+    fix = f"pass the {what} repository's .pt file, downloaded whole"
     with path.open("rb") as handle:
         first = handle.read(1)
     if not zipfile.is_zipfile(path) and first != bytes([PICKLE_PROTOCOL_2_OR_LATER]):
@@ -89,10 +89,15 @@ def _load_torch_file(path: Path, trust_pickle: bool):
         ) from None
 
 
+def _an(what: str) -> str:
+    return ("an " if what[0].lower() in "aeiou" else "a ") + what
+
+
 def original_state_dict(
-    path_or_state_dict, *, prefer: str = "ema", trust_pickle: bool = False
+    path_or_state_dict, *, prefer: str = "ema", trust_pickle: bool = False, what: str = "original DiT"
 ) -> dict[str, torch.Tensor]:
-    """The network's tensors from an original DiT checkpoint file or dict (see `load_original_dit`)."""
+    """The network's tensors from a checkpoint file or dict of the DiT repository's layout (`what`: the
+    repository named in errors: original DiT, SiT, REPA, LightningDiT; see `load_original_dit`)."""
     if prefer not in ("ema", "model"):
         raise UserError(f"prefer must be 'ema' or 'model', got {prefer!r}")
     if isinstance(path_or_state_dict, dict):
@@ -101,11 +106,11 @@ def original_state_dict(
         path = Path(path_or_state_dict)
         if not path.is_file():
             raise UserError(
-                f"original DiT checkpoint {path} is not a file: pass the .pt state dict of the DiT repository"
+                f"{what} checkpoint {path} is not a file: pass the .pt state dict of the {what} repository"
             )
-        raw = _load_torch_file(path, trust_pickle)
+        raw = load_torch_file(path, trust_pickle, what)
     if not isinstance(raw, dict):
-        raise UserError(f"an original DiT checkpoint is a dict of tensors, got {type(raw).__name__}")
+        raise UserError(f"{_an(what)} checkpoint is a dict of tensors, got {type(raw).__name__}")
     if not any(isinstance(value, torch.Tensor) for value in raw.values()):
         order = ("ema", "model") if prefer == "ema" else ("model", "ema")
         found = [key for key in order if isinstance(raw.get(key), dict)]
@@ -120,7 +125,7 @@ def original_state_dict(
     }
     if "x_embedder.proj.weight" not in state:
         raise UserError(
-            "this is not an original DiT state dict (no x_embedder.proj.weight)",
+            f"this is not {_an(what)} state dict (no x_embedder.proj.weight)",
             "for diffusers folders use load_model",
         )
     return state

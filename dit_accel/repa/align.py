@@ -36,7 +36,7 @@ def projector(hidden: int, encoder_dim: int, width: int) -> nn.Sequential:
 
 def attach_projector(model: nn.Module, encoder_dim: int, width: int) -> nn.Module:
     """Add the projector to the (unwrapped) network, on the network's device; returns it."""
-    hidden = model.transformer_blocks[0].norm1.linear.in_features  # adaLN's input: the width
+    hidden = model.dit_spec.hidden  # the width of the tokens it projects (either family)
     device = next(model.parameters()).device
     with device:
         module = projector(hidden, encoder_dim, width)

@@ -123,7 +123,7 @@ def sample_grid(args) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     source = load_source(args.checkpoint, use_ema=args.ema, device=device)
-    decoder = load_decoder(source.spec, args.vae or default_vae_path(source), device)
+    decoder = load_decoder(source.spec, args.vae or default_vae_path(source), device, source.latent_norm)
     settings = _settings(args, default_cfg=4.0, source=source)
     classes = _classes(args, source.spec, for_grid=True)
     labels = grid_labels(classes, args.per_class)
@@ -177,7 +177,7 @@ def sample_eval_batch(args) -> int:
     scorer = Scorer.from_flags(accelerator, args) if args.evaluate else None  # a bad reference stops here
     source = load_source(args.checkpoint, use_ema=args.ema, device=accelerator.device)
     vae_path = args.vae or default_vae_path(source)
-    decoder = load_decoder(source.spec, vae_path, accelerator.device)
+    decoder = load_decoder(source.spec, vae_path, accelerator.device, source.latent_norm)
     settings = _settings(args, default_cfg=1.5, source=source)
     job = EvalBatch(
         npz_path,

@@ -93,6 +93,17 @@ class Source:
     )
     train_config: dict  # the run's train_config.json ({} for a diffusers folder)
 
+    @property
+    def latent_norm(self):
+        """How the model's latents were normalised in training (its checkpoint's record), or None where
+        nothing recorded it (runs before it was, diffusers folders: the VAE's own factors then)."""
+        from dit_accel.models.diffusers_format import read_sidecar
+        from dit_accel.models.vae import LatentNorm
+
+        folder = Path(self.info["checkpoint"])
+        recorded = read_sidecar(folder).get("latent_norm") if folder.is_dir() else None
+        return LatentNorm.from_json(recorded) if recorded else None
+
 
 def load_source(path: str | os.PathLike, use_ema: bool = True, device: torch.device | str = "cpu") -> Source:
     """A trainer checkpoint or run folder (EMA weights by default), or a diffusers transformer/pipeline folder.
@@ -170,23 +181,27 @@ def default_vae_path(source: Source) -> str | None:
 
 @dataclass
 class Decoder:
-    """Latents -> pixels in [-1, 1]. latents = (posterior sample - shift) * scale, as the latent cache and the
-    trainer make them, so decoding divides by scale and adds shift back. None for a pixel-space model."""
+    """Latents -> pixels in [-1, 1]. The network's latents are (posterior sample - shift) * scale per channel
+    (`models.vae.LatentNorm`), as the latent cache and the trainer make them, so decoding undoes that first.
+    `vae` None for a pixel-space model."""
 
     vae: torch.nn.Module | None
-    scale_factor: float = 1.0
-    shift_factor: float = 0.0
+    latent_norm: object | None = None  # models.vae.LatentNorm
     source: str | None = None
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.vae is None:
             return x.clamp(-1, 1)
-        latents = x.to(self.vae.device, self.vae.dtype) / self.scale_factor + self.shift_factor
+        latents = self.latent_norm.denormalize(x.float()).to(self.vae.device, self.vae.dtype)
         return self.vae.decode(latents).sample.float().clamp(-1, 1)
 
 
-def load_decoder(spec, vae_path: str | None, device: torch.device | str) -> Decoder:
+def load_decoder(
+    spec, vae_path: str | None, device: torch.device | str, latent_norm=None, latent_stats: str | None = None
+) -> Decoder:
+    """The VAE and the latent normalisation to decode with: `latent_norm` (what the model was trained on, its
+    checkpoint's record), else the VAE's own (its factors, or a VA-VAE's `latent_stats` or stored statistics)."""
     if spec.latents == "pixel":
         if vae_path:
             raise UserError("--vae is for latent models, but this model works in pixel space: drop --vae")
@@ -196,16 +211,17 @@ def load_decoder(spec, vae_path: str | None, device: torch.device | str) -> Deco
             "this model makes VAE latents and no VAE is recorded with its run: pass --vae DIR "
             "(the AutoencoderKL folder it was trained with)"
         )
-    from dit_accel.models.vae import load_vae
+    from dit_accel.models.vae import load_vae, online_latent_norm
 
     vae, identity = load_vae(vae_path)
     vae.to(device)
-    return Decoder(
-        vae,
-        float(vae.config.scaling_factor),
-        float(getattr(vae.config, "shift_factor", None) or 0.0),
-        identity["source"],
-    )
+    norm = latent_norm or online_latent_norm(vae, identity, latent_stats)
+    if norm.channels != spec.in_channels:
+        raise UserError(
+            f"the VAE {identity['source']} makes {norm.channels}-channel latents, the model {spec.in_channels}",
+            "pass the --vae the model was trained with",
+        )
+    return Decoder(vae, norm, identity["source"])
 
 
 # --- sampling -------------------------------------------------------------------------------------------------

@@ -87,7 +87,17 @@ class TrainConfig:
         default=None, metadata={"help": "latent cache written by `dit-accel extract-latents`"}
     )
     vae: str | None = field(
-        default=None, metadata={"help": "AutoencoderKL folder for online encoding (plan latents 'online')"}
+        default=None,
+        metadata={
+            "help": "AutoencoderKL folder, or a released VA-VAE .pt, for online encoding (plan latents 'online')"
+        },
+    )
+    latent_stats: str | None = field(
+        default=None,
+        metadata={
+            "help": "online VA-VAE latents: the per-channel mean and std to normalise them by (LightningDiT's "
+            "latents_stats.pt, or a JSON); default: the VAE folder's own"
+        },
     )
 
     max_steps: int = field(
@@ -170,6 +180,13 @@ class TrainConfig:
     flow_path: str = field(
         default="linear",
         metadata={"help": "flow: the interpolant, linear (SiT's default) or gvp (cos/sin, SiT's GVP)"},
+    )
+    cosine_loss_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "flow: weight of LightningDiT's velocity-direction term, 1 - cos(predicted, target velocity) "
+            "over channels, added to the MSE (their recipe: 1; default: none)"
+        },
     )
     repa_encoder: str | None = field(
         default=None,
@@ -422,6 +439,10 @@ class TrainConfig:
         ):
             if value not in choices:
                 raise UserError(f"--{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if not (math.isfinite(self.cosine_loss_weight) and self.cosine_loss_weight >= 0):
+            raise UserError(
+                f"--cosine-loss-weight must be a finite number >= 0, got {self.cosine_loss_weight}"
+            )
         if self.repa_depth <= 0 or self.repa_projector_dim <= 0:
             raise UserError("--repa-depth and --repa-projector-dim must be positive", "pass e.g. 8 and 2048")
         if not (math.isfinite(self.repa_coeff) and self.repa_coeff >= 0):

@@ -56,7 +56,7 @@ class TrainingEval:
         from dit_accel.evaluate.evaluator import Scorer
         from dit_accel.evaluate.features import shard
         from dit_accel.sample.generate import balanced_labels, load_decoder
-        from dit_accel.train.samples import run_vae_path
+        from dit_accel.train.samples import run_latent_norm, run_vae_path
 
         self.settings = eval_settings(config, plan)
         self.batch_size = plan.decision.micro_batch
@@ -70,7 +70,10 @@ class TrainingEval:
         )
         self.labels = balanced_labels(config.eval_samples, spec.num_classes, config.seed)
         self.mine = shard(config.eval_samples, accelerator.process_index, accelerator.num_processes)
-        self.decoder = load_decoder(spec, run_vae_path(config, plan), accelerator.device)
+        norm = run_latent_norm(config, plan)
+        self.decoder = load_decoder(
+            spec, run_vae_path(config, plan), accelerator.device, norm, config.latent_stats
+        )
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0

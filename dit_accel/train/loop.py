@@ -99,8 +99,9 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     order = SampleOrder(len(dataset), plan.global_batch, d.micro_batch, d.grad_accum, world_size, config.seed)
     start = choose_start(config, run_dir, plan, spec, world_size, accelerator=accelerator)
     tf32_text = tf32_as_planned(config.tf32, plan, accelerator.device)
+    shift, latent_norm = start.timestep_freq_shift, getattr(dataset, "latent_norm", None)
     components = build_components(
-        plan, config, accelerator, init=start.init, timestep_freq_shift=start.timestep_freq_shift
+        plan, config, accelerator, init=start.init, timestep_freq_shift=shift, latent_norm=latent_norm
     )
     state = restore(start, accelerator, components, len(dataset), config.seed)
     faults.install(components.raw_model, state["step"], d.grad_accum)

@@ -46,6 +46,16 @@ def run_vae_path(config, plan) -> str | None:
     return read_manifest(config.latents)["vae"]["source"]
 
 
+def run_latent_norm(config, plan):
+    """A precomputed run's latent normalisation (its cache's), before the trainer has built its parts;
+    None for the others (online: the VAE's, from the same flags)."""
+    if plan.decision.latents != "precomputed" or not config.latents:
+        return None
+    from dit_accel.data.latent_cache import manifest_latent_norm, read_manifest
+
+    return manifest_latent_norm(read_manifest(config.latents))
+
+
 class TrainingSamples:
     """Made once at the start (the classes and the decoder checked then, not at step N)."""
 
@@ -75,7 +85,7 @@ class TrainingSamples:
         if accelerator.is_main_process:
             vae_path = run_vae_path(config, plan)
             try:
-                self.decoder = load_decoder(spec, vae_path, components.device)
+                self.decoder = load_decoder(spec, vae_path, components.device, components.latent_norm)
             except (OSError, ValueError) as error:
                 raise UserError(
                     f"--sample-every cannot load the VAE {vae_path} to decode its grids ({error})",

@@ -47,10 +47,7 @@ class Components:
     grad_accum: int
     accelerator: object | None = None  # accelerate.Accelerator, or None for a bare device
     autocast_dtype: torch.dtype | None = None  # bare device only: the dtype the step autocasts to
-    latent_shift_scale: tuple[float, float] = (
-        0.0,
-        1.0,
-    )  # online encoding: the VAE's shift and scaling factors
+    latent_norm: object | None = None  # models.vae.LatentNorm: the data's (a cache's, or online the VAE's)
     repa: object | None = None  # dit_accel.repa.align.Repa (--repa-encoder): encoder, capture, coefficient
 
     @property
@@ -69,7 +66,10 @@ class Components:
         from dit_accel.diffusion.flow import objective_description
         from dit_accel.models.diffusers_format import sidecar
 
-        return dict(sidecar(self.raw_model), objective=objective_description(self.objective))
+        record = dict(sidecar(self.raw_model), objective=objective_description(self.objective))
+        if self.latent_norm is not None:  # how to decode what the model makes (sample, export)
+            record["latent_norm"] = self.latent_norm.to_json()
+        return record
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.accelerator is not None:
@@ -112,6 +112,7 @@ def build_components(
     init: InitWeights | None = None,
     timestep_freq_shift: int | None = None,
     repa_encoder=None,
+    latent_norm=None,
 ) -> Components:
     """Model, EMA, optimizer, lr schedule and objective, exactly as the plan says.
 
@@ -181,9 +182,9 @@ def build_components(
         autocast_dtype = compute_dtype(precision)
     raw = accelerator.unwrap_model(model) if accelerator is not None else model
     ema = EMA(raw, config.ema_decay, warmup=config.ema_warmup) if decision.ema else None
-    vae, latent_shift_scale = None, (0.0, 1.0)
+    vae = None  # `latent_norm`: a latent cache's (the trainer passes its dataset's); online, the VAE's
     if decision.latents == "online":
-        vae, latent_shift_scale = load_vae(config.vae, device)
+        vae, latent_norm = load_vae(config.vae, device, config.latent_stats)
     return Components(
         spec=spec,
         plan=plan,
@@ -192,25 +193,28 @@ def build_components(
         ema=ema,
         optimizer=optimizer,
         scheduler=scheduler,
-        objective=build_objective(config.objective, config.flow_path, config.time_sampling),
+        objective=build_objective(
+            config.objective, config.flow_path, config.time_sampling, config.cosine_loss_weight
+        ),
         vae=vae,
         device=device,
         grad_accum=decision.grad_accum,
         accelerator=accelerator,
         autocast_dtype=autocast_dtype,
-        latent_shift_scale=latent_shift_scale,
+        latent_norm=latent_norm,
         repa=repa,
     )
 
 
-def load_vae(path: str, device: torch.device):
-    """A frozen diffusers AutoencoderKL for online encoding, in fp32 as DiT encodes; and its latent
-    (shift, scale): latent = (posterior sample - shift) * scale, as the latent cache stores them."""
+def load_vae(path: str, device: torch.device, latent_stats: str | None = None):
+    """A frozen diffusers AutoencoderKL for online encoding, in fp32 as DiT encodes; and its `LatentNorm`:
+    the config's factors, or for a VA-VAE per-channel statistics (--latent-stats, else the VAE folder's)."""
     from dit_accel.models.vae import load_vae as load_frozen_vae
+    from dit_accel.models.vae import online_latent_norm
 
-    vae, _identity = load_frozen_vae(path)
+    vae, identity = load_frozen_vae(path)
     vae.to(device)
-    return vae, (float(getattr(vae.config, "shift_factor", None) or 0.0), float(vae.config.scaling_factor))
+    return vae, online_latent_norm(vae, identity, latent_stats)
 
 
 # --- one micro-step and one optimizer step -----------------------------------------------------------------
@@ -224,8 +228,7 @@ def encode_online(
     from dit_accel.models.vae import encode_posterior
 
     mean, std = encode_posterior(components.vae, images.to(components.device))
-    shift, scale = components.latent_shift_scale
-    return (mean + std * posterior_noise.to(components.device) - shift) * scale
+    return components.latent_norm.normalize(mean + std * posterior_noise.to(components.device))
 
 
 def train_micro_step(components: Components, batch: dict) -> torch.Tensor:

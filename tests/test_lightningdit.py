@@ -1,0 +1,242 @@
+"""LightningDiT (models.lightningdit) against the planner and against the released network.
+
+The released network is read here by the test's own functional forward, written from hustvl/LightningDiT's
+models/lightningdit.py (RMSNorm in fp32, SwiGLU, EVA's 2-D rotary embedding with its stored tables, MAE's
+sin-cos table, adaLN, the unpatchify einsum) in its own time (t = 0 noise, the velocity data - noise). A
+released-layout state dict with random weights, made here under the released key names, is imported
+(models.original_lightningdit) and must give the same velocity, negated, at t = 1 - t.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dit_accel.errors import UserError
+from dit_accel.models.dit import build_model, count_trainable_params, null_class, spec_from_model
+from dit_accel.models.lightningdit import rope_tables
+from dit_accel.models.original_lightningdit import load_lightningdit, spec_from_released
+from planner.spec import LIGHTNINGDIT_PATCHES, LIGHTNINGDIT_SIZES, custom_spec, model_spec
+
+
+def tiny(**options) -> object:
+    fields = dict(depth=2, hidden=64, heads=4, patch=1, resolution=64, family="lightningdit", num_classes=10)
+    fields.update(options)
+    return custom_spec(name="LightningDiT-custom", **fields)
+
+
+@pytest.mark.parametrize("size", sorted(LIGHTNINGDIT_SIZES))
+@pytest.mark.parametrize("patch", LIGHTNINGDIT_PATCHES)
+def test_the_built_network_has_the_planners_parameter_count(size, patch):
+    spec = model_spec(f"LightningDiT-{size}/{patch}", 256)
+    with torch.device("meta"):
+        model = build_model(spec, init="torch")
+    assert count_trainable_params(model) == spec.params_trainable
+    assert spec_from_model(model) == spec and null_class(model) == 1000
+
+
+def test_xl1_is_the_released_size_and_runs_at_the_flops_of_dit_xl2():
+    spec, dit = model_spec("LightningDiT-XL/1", 256), model_spec("DiT-XL/2", 256)
+    assert (spec.tokens, spec.in_channels, spec.latent_size, spec.mlp_hidden) == (256, 32, 16, 3072)
+    assert spec.params_trainable == 674_961_824
+    # SwiGLU's 3 x 1152 x 3072 multiply-adds per token equal GELU's 2 x 1152 x 4608: the same 256 tokens
+    assert spec.block_fwd_macs_per_image() == dit.block_fwd_macs_per_image()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"qk_norm": True},
+        {"swiglu": False},
+        {"modulation_shift": False},
+        {"rmsnorm": False},
+        {"rope": False},
+    ],
+    ids=["released", "qk-norm", "gelu", "no-shift", "layernorm", "no-rope"],
+)
+def test_every_block_switch_counts_what_it_builds(options):
+    spec = tiny(**options)
+    assert count_trainable_params(build_model(spec, init="torch")) == spec.params_trainable
+
+
+# --- the released network, read by the test ---------------------------------------------------------------
+
+
+def released_sincos_table(width: int, side: int) -> np.ndarray:
+    """MAE's table as the released get_2d_sincos_pos_embed makes it (numpy, float64, w coordinates first)."""
+
+    def one_axis(dim, positions):
+        omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+        angles = positions.reshape(-1)[:, None] * omega[None, :]
+        return np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+
+    w_coords, h_coords = np.meshgrid(np.arange(side, dtype=np.float32), np.arange(side, dtype=np.float32))
+    return np.concatenate([one_axis(width // 2, w_coords), one_axis(width // 2, h_coords)], axis=1)
+
+
+def released_rope_tables(head_dim: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EVA's VisionRotaryEmbeddingFast(dim=head_dim // 2, pt_seq_len=side): (side * side, head_dim) cos, sin."""
+    dim = head_dim // 2
+    frequencies = 1.0 / (10000 ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    positions = torch.arange(side) / side * side
+    per_axis = torch.einsum("i,f->if", positions, frequencies).repeat_interleave(2, dim=-1)  # (side, dim)
+    table = torch.zeros(side, side, 2 * dim)
+    for i in range(side):
+        for j in range(side):
+            table[i, j] = torch.cat([per_axis[i], per_axis[j]])
+    return table.cos().reshape(-1, 2 * dim), table.sin().reshape(-1, 2 * dim)
+
+
+def released_state_dict(spec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under the released key names and shapes (LightningDiT(...).state_dict())."""
+    g = torch.Generator().manual_seed(seed)
+    d, p, c, h = spec.hidden, spec.patch, spec.in_channels, spec.mlp_hidden
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.05
+    state = {
+        "pos_embed": torch.from_numpy(released_sincos_table(d, spec.latent_size // p)).float()[None],
+        "x_embedder.proj.weight": r(d, c, p, p),
+        "x_embedder.proj.bias": r(d),
+        "t_embedder.mlp.0.weight": r(d, 256),
+        "t_embedder.mlp.0.bias": r(d),
+        "t_embedder.mlp.2.weight": r(d, d),
+        "t_embedder.mlp.2.bias": r(d),
+        "y_embedder.embedding_table.weight": r(spec.num_classes + 1, d),
+        "final_layer.norm_final.weight": 1 + r(d),
+        "final_layer.linear.weight": r(p * p * c, d),
+        "final_layer.linear.bias": r(p * p * c),
+        "final_layer.adaLN_modulation.1.weight": r(2 * d, d),
+        "final_layer.adaLN_modulation.1.bias": r(2 * d),
+    }
+    if spec.rope:
+        state["feat_rope.freqs_cos"], state["feat_rope.freqs_sin"] = released_rope_tables(
+            spec.head_dim, spec.latent_size // p
+        )
+    for i in range(spec.depth):
+        b = f"blocks.{i}."
+        state.update(
+            {
+                b + "norm1.weight": 1 + r(d),
+                b + "norm2.weight": 1 + r(d),
+                b + "attn.qkv.weight": r(3 * d, d),
+                b + "attn.qkv.bias": r(3 * d),
+                b + "attn.proj.weight": r(d, d),
+                b + "attn.proj.bias": r(d),
+                b + "mlp.w12.weight": r(2 * h, d),
+                b + "mlp.w12.bias": r(2 * h),
+                b + "mlp.w3.weight": r(d, h),
+                b + "mlp.w3.bias": r(d),
+                b + "adaLN_modulation.1.weight": r(6 * d, d),
+                b + "adaLN_modulation.1.bias": r(6 * d),
+            }
+        )
+        if spec.qk_norm:
+            state[b + "attn.q_norm.weight"] = 1 + r(spec.head_dim)
+            state[b + "attn.k_norm.weight"] = 1 + r(spec.head_dim)
+    return state
+
+
+def released_forward(state, spec, x, t, y):
+    """The released LightningDiT.forward (their time: t = 0 noise) on a released state dict."""
+
+    def rms(v, weight):
+        normed = v.float() * torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return normed.type_as(v) * weight
+
+    def linear(v, key):
+        return F.linear(v, state[key + ".weight"], state[key + ".bias"])
+
+    def rotate_half(v):
+        pairs = v.reshape(*v.shape[:-1], -1, 2)
+        return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).reshape(v.shape)
+
+    def modulate(v, shift, scale):
+        return v * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+    n, d, p, heads = x.shape[0], spec.hidden, spec.patch, spec.heads
+    tokens = F.conv2d(x, state["x_embedder.proj.weight"], state["x_embedder.proj.bias"], stride=p)
+    h = tokens.flatten(2).transpose(1, 2) + state["pos_embed"]
+    freqs = torch.exp(-math.log(10000) * torch.arange(128, dtype=torch.float32) / 128)
+    args = t[:, None].float() * freqs[None]
+    t_emb = linear(
+        F.silu(linear(torch.cat([args.cos(), args.sin()], -1), "t_embedder.mlp.0")), "t_embedder.mlp.2"
+    )
+    c = t_emb + state["y_embedder.embedding_table.weight"][y]
+    for i in range(spec.depth):
+        b = f"blocks.{i}."
+        shift1, scale1, gate1, shift2, scale2, gate2 = linear(F.silu(c), b + "adaLN_modulation.1").chunk(6, 1)
+        a = modulate(rms(h, state[b + "norm1.weight"]), shift1, scale1)
+        qkv = linear(a, b + "attn.qkv").reshape(n, -1, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        if spec.qk_norm:
+            q, k = rms(q, state[b + "attn.q_norm.weight"]), rms(k, state[b + "attn.k_norm.weight"])
+        cos, sin = state["feat_rope.freqs_cos"], state["feat_rope.freqs_sin"]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, -1, d)
+        h = h + gate1.unsqueeze(1) * linear(attended, b + "attn.proj")
+        m = modulate(rms(h, state[b + "norm2.weight"]), shift2, scale2)
+        gate, value = linear(m, b + "mlp.w12").chunk(2, dim=-1)
+        h = h + gate2.unsqueeze(1) * linear(F.silu(gate) * value, b + "mlp.w3")
+    shift, scale = linear(F.silu(c), "final_layer.adaLN_modulation.1").chunk(2, 1)
+    out = linear(modulate(rms(h, state["final_layer.norm_final.weight"]), shift, scale), "final_layer.linear")
+    side = int(out.shape[1] ** 0.5)
+    out = out.reshape(n, side, side, p, p, spec.in_channels)
+    return torch.einsum("nhwpqc->nchpwq", out).reshape(n, spec.in_channels, side * p, side * p)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"patch": 2, "resolution": 128}, {"qk_norm": True}], ids=["patch1", "patch2", "qk-norm"]
+)
+def test_a_released_checkpoint_imports_and_gives_the_released_velocity_in_dit_accels_time(options):
+    spec = tiny(**options)
+    state = released_state_dict(spec)
+    model, notes = load_lightningdit(state)
+    imported = spec_from_model(model)
+    assert (imported.depth, imported.hidden, imported.heads, imported.patch, imported.qk_norm) == (
+        spec.depth,
+        spec.hidden,
+        spec.heads,
+        spec.patch,
+        spec.qk_norm,
+    )
+    assert imported.rope and imported.rmsnorm and imported.swiglu and imported.num_classes == 10
+    assert any("folded" in note for note in notes)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 32, spec.latent_size, spec.latent_size, generator=g)
+    t = torch.tensor([0.05, 0.5, 0.93])
+    y = torch.tensor([0, 7, 10])  # 10: the null class
+    with torch.no_grad():
+        ours = model(x, timestep=t, class_labels=y, return_dict=False)[0]
+        theirs = released_forward(state, spec, x, 1 - t, y)
+    assert ours.shape == theirs.shape == x.shape
+    torch.testing.assert_close(ours, -theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_dit_accels_rotary_tables_are_evas():
+    cos, sin = rope_tables(32, 4)
+    want_cos, want_sin = released_rope_tables(32, 4)
+    torch.testing.assert_close(cos, want_cos) and torch.testing.assert_close(sin, want_sin)
+
+
+def test_what_is_not_a_released_lightningdit_is_one_line():
+    spec = tiny()
+    state = released_state_dict(spec)
+    without = {k: v for k, v in state.items() if k != "blocks.1.mlp.w3.bias"}
+    with pytest.raises(
+        UserError, match="not the released network: it lacks transformer_blocks.1.mlp.w3.bias"
+    ):
+        load_lightningdit(without)
+    misshapen = dict(state, **{"blocks.0.attn.proj.weight": torch.zeros(64, 32)})
+    with pytest.raises(UserError, match=r"transformer_blocks.0.attn.proj.weight has shape \(64, 32\)"):
+        load_lightningdit(misshapen)
+    moved = dict(state, pos_embed=state["pos_embed"] + 0.01)
+    with pytest.raises(UserError, match="pos_embed differs from the fixed sin-cos positional table"):
+        load_lightningdit(moved)
+    dit_like = dict(
+        state,
+        **{"final_layer.linear.weight": torch.zeros(64, 64), "final_layer.linear.bias": torch.zeros(64)},
+    )
+    with pytest.raises(UserError, match="learned sigma.*import-dit or import-sit"):
+        spec_from_released(dit_like)

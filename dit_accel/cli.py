@@ -30,6 +30,10 @@ COMMANDS = {
         "dit_accel.convert.imports:import_repa_main",
         "a REPA .pt checkpoint as a dit-accel flow checkpoint",
     ),
+    "import-lightningdit": (
+        "dit_accel.convert.imports:import_lightningdit_main",
+        "a LightningDiT .pt checkpoint as a dit-accel flow checkpoint",
+    ),
     "verify": ("dit_accel.memtrace.report:main", "trace one real training step and compare it with the plan"),
     "calibrate": (
         "dit_accel.memtrace.calibrate:main",

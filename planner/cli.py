@@ -172,9 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--objective",
         choices=tuple(OBJECTIVES),
-        default="ddpm",
+        default=None,
         help="the training objective, recorded in plan.json for the trainer to follow: ddpm (DiT's) or flow "
-        "(SiT's and REPA's flow matching; the same network, memory and FLOPs) (default: %(default)s)",
+        "(SiT's, REPA's and LightningDiT's flow matching; the same network, memory and FLOPs) (default: the "
+        "model's: ddpm for DiT, flow for LightningDiT)",
     )
     tr.add_argument(
         "--repa",

@@ -40,6 +40,7 @@ from planner.spec import OPTIONS, model_spec
 from planner.units import UNIT_RULE, format_bytes, parse_bytes, parse_headroom
 
 DEFAULT_MAIN_PROCESS_PORT = 29500
+FAMILY_OBJECTIVE = {"dit": "ddpm", "lightningdit": "flow"}  # --objective when not given
 
 
 def _positive_int(value, flag: str) -> int:
@@ -278,12 +279,13 @@ def make_plan(
     gpu_hour_cost=None,
     repa: str = "",
     repa_projector_dim: int = DEFAULT_PROJECTOR_DIM,
-    objective: str = "ddpm",
+    objective: str | None = None,
     data_source: str = "folder",
     eval_every=None,
     eval_samples=EVAL_DEFAULTS["samples"],
     eval_steps=EVAL_DEFAULTS["steps"],
     eval_cfg_scale=EVAL_DEFAULTS["cfg_scale"],
+    model_options: dict | None = None,
 ) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
 
@@ -309,7 +311,7 @@ def make_plan(
         raise PlanError(f"--adamw must be foreach or fused, got {adamw!r}")
     if data_source not in DATA_SOURCES:
         raise PlanError(f"--data-source must be {' or '.join(DATA_SOURCES)}, got {data_source!r}")
-    if objective not in OBJECTIVES:
+    if objective is not None and objective not in OBJECTIVES:
         raise PlanError(f"--objective must be {' or '.join(OBJECTIVES)}, got {objective!r}")
     if main_process_ip and nodes == 1:
         raise PlanError("--main-process-ip only matters with --nodes 2 or more: drop it, or give --nodes")
@@ -331,7 +333,11 @@ def make_plan(
     host_ram_bytes = _bytes(host_ram, "--host-ram") if host_ram is not None else None
 
     overrides = {"depth": depth, "hidden": hidden, "heads": heads, "patch": patch, "num_classes": num_classes}
+    overrides.update(model_options or {})
     spec = model_spec(model, resolution, latents, **{k: v for k, v in overrides.items() if v is not None})
+    objective = objective or FAMILY_OBJECTIVE[spec.family]
+    if spec.family == "lightningdit" and objective != "flow":
+        raise PlanError(f"{spec.name} predicts a velocity: plan it with --objective flow (its default)")
     cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node, vram_bytes=vram_bytes, gpu=preset)
     warnings = []
 

@@ -240,3 +240,163 @@ def test_what_is_not_a_released_lightningdit_is_one_line():
     )
     with pytest.raises(UserError, match="learned sigma.*import-dit or import-sit"):
         spec_from_released(dit_like)
+
+
+# --- the objective's and the sampler's additions -------------------------------------------------------------
+
+
+def test_the_cosine_term_equals_hand_worked_values():
+    from dit_accel.diffusion.flow import FlowMatching, cosine_distance
+
+    # two positions (1 x 2 latents, 2 channels): orthogonal (cos 0) and parallel (cos 1)
+    predicted = torch.tensor([[[[1.0, 1.0]], [[0.0, 1.0]]]])  # channel 0: (1, 1); channel 1: (0, 1)
+    target = torch.tensor([[[[0.0, 2.0]], [[1.0, 2.0]]]])  # position 0: (0, 1) vs (1, 0); position 1: (2, 2)
+    assert cosine_distance(predicted, target).item() == pytest.approx((1 - 0) / 2 + (1 - 1) / 2)
+    flow = FlowMatching("linear", "lognormal", cosine_weight=1.0)
+    x0, noise, t = torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 2), torch.tensor([0.5])
+    terms = flow.loss_terms(predicted, x0, t, noise)  # the target velocity is 0 here: cos(v, 0) = 0
+    assert terms["mse"].item() == pytest.approx((1 + 1 + 0 + 1) / 4)
+    assert terms["cosine"].item() == pytest.approx(1.0)
+    assert terms["loss"].item() == pytest.approx(0.75 + 1.0)
+    assert flow.describe()["cosine_loss_weight"] == 1.0
+    assert "cosine_loss_weight" not in FlowMatching().describe()  # what older runs recorded, unchanged
+
+
+def test_the_time_shift_is_lightningdits_in_dit_accels_time():
+    from dit_accel.diffusion.flow_sampling import shifted_time
+
+    # theirs, u = 0 noise: u' = s u / (1 + (s - 1) u); ours t = 1 - u
+    for s in (0.3, 1.0, 3.0):
+        for u in (0.0, 0.1, 0.5, 0.9, 1.0):
+            theirs = s * u / (1 + (s - 1) * u)
+            assert shifted_time(1 - u, s) == pytest.approx(1 - theirs, abs=1e-12)
+    assert shifted_time(0.5, 0.3) == pytest.approx(0.5 / 0.65)  # 0.76923..., hand-worked
+    with pytest.raises(UserError, match="--time-shift must be a positive number"):
+        shifted_time(0.5, 0.0)
+
+
+def test_the_protocol_sets_the_flags_and_refuses_one_given_beside_it_unless_overridden():
+    from dit_accel.sample.args import apply_protocol, build_parser
+
+    args = build_parser().parse_args(
+        ["--checkpoint", "x", "--npz", "s.npz", "--protocol", "lightningdit-xl1-800ep"]
+    )
+    assert apply_protocol(args) == []
+    assert (args.sampler, args.steps, args.cfg_scale, args.guidance) == ("ode", 249, 6.7, "first3")
+    assert (args.cfg_interval, args.time_shift, args.ode_solver) == ((0.0, 0.875), 0.3, "euler")
+    assert (args.labels, args.tf32) == ("random", True)
+    given = build_parser().parse_args(["--checkpoint", "x", "--protocol", "dit-xl2", "--cfg-scale", "4"])
+    with pytest.raises(UserError, match="--cfg-scale is set by --protocol dit-xl2 .to 1.5., and given too"):
+        apply_protocol(given)
+    given = build_parser().parse_args(
+        ["--checkpoint", "x", "--protocol", "dit-xl2", "--cfg-scale", "4", "--override"]
+    )
+    assert apply_protocol(given) == ["--cfg-scale"] and given.cfg_scale == 4
+    plain = build_parser().parse_args(["--checkpoint", "x"])
+    assert apply_protocol(plain) == [] and (plain.steps, plain.guidance, plain.labels) == (
+        250,
+        "all",
+        "balanced",
+    )
+
+
+def test_random_labels_are_one_list_whatever_the_processes():
+    from dit_accel.sample.generate import random_labels
+
+    labels = random_labels(1000, 7, seed=3)
+    assert labels.min() >= 0 and labels.max() == 6 and len(set(labels.tolist())) == 7
+    assert (labels == random_labels(1000, 7, seed=3)).all() and not (
+        labels == random_labels(1000, 7, seed=4)
+    ).all()
+    counts = np.bincount(labels, minlength=7)
+    assert counts.max() - counts.min() > 1  # not balanced: drawn
+
+
+def released_sampler(state, spec, noise, y, cfg_scale, interval_start, shift, points):
+    """hustvl/LightningDiT's ODE sampling (inference.py, transport.Sampler.sample_ode with torchdiffeq's euler
+    on the shifted grid, forward_with_cfg guiding channels 0-2 where t >= cfg_interval_start), their time."""
+    grid = torch.linspace(0, 1, points, dtype=torch.float64)
+    grid = shift * grid / (1 + (shift - 1) * grid)
+    x, null = noise.clone(), torch.full_like(y, spec.num_classes)
+    for t, t_next in zip(grid[:-1].tolist(), grid[1:].tolist()):
+        times = torch.full((2 * len(x),), t, dtype=torch.float32)
+        out = released_forward(state, spec, torch.cat([x, x]), times, torch.cat([y, null]))
+        cond, uncond = out.chunk(2)
+        guided = uncond[:, :3] + cfg_scale * (cond[:, :3] - uncond[:, :3])
+        velocity = torch.cat([guided if t >= interval_start else cond[:, :3], cond[:, 3:]], dim=1)
+        x = x + (t_next - t) * velocity
+    return x
+
+
+def test_an_imported_checkpoint_samples_under_the_protocol_as_the_released_sampler_does():
+    """The 64-epoch protocol (249 Euler steps on the 0.3-shifted grid, cfg 10 on channels 0-2 from their
+    t = 0.10) through dit-accel's sampler on the imported network, against the released sampler on the released
+    state dict, from the same noise."""
+    from dit_accel.sample.args import apply_protocol, build_parser
+    from dit_accel.sample.generate import SampleSettings, sample_generators, sample_latents
+
+    spec = tiny(num_classes=10, resolution=32)
+    state = released_state_dict(spec, seed=5)
+    model, _ = load_lightningdit(state)
+    args = build_parser().parse_args(["--checkpoint", "x", "--protocol", "lightningdit-xl1-64ep"])
+    apply_protocol(args)
+    settings = SampleSettings(
+        cfg_scale=args.cfg_scale,
+        steps=args.steps,
+        sampler=args.sampler,
+        guidance=args.guidance,
+        ode_solver=args.ode_solver,
+        cfg_low=args.cfg_interval[0],
+        cfg_high=args.cfg_interval[1],
+        time_shift=args.time_shift,
+    )
+    labels, indices = [3, 7], [0, 1]
+    with torch.no_grad():
+        ours = sample_latents(model.eval(), spec, labels, indices, settings)
+        noise = torch.stack(
+            [torch.randn(32, 2, 2, generator=g) for g in sample_generators(settings.seed, indices)]
+        )
+        theirs = released_sampler(state, spec, noise, torch.tensor(labels), 10.0, 0.10, 0.3, 250)
+    torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-4)
+
+
+def test_import_lightningdit_then_sample_under_the_protocol_through_the_vavae(tmp_path, capsys):
+    """The commands a user types: a released checkpoint (made here) imported with its latent statistics,
+    then an evaluation batch sampled under the 64-epoch protocol and decoded by a VA-VAE .pt."""
+    import json
+
+    from test_vavae import ldm_state
+
+    from dit_accel.cli import main
+
+    spec = tiny(num_classes=10, resolution=32)
+    torch.save(released_state_dict(spec), tmp_path / "lightningdit.pt")
+    torch.save(
+        {"mean": torch.randn(1, 32, 1, 1), "std": torch.rand(1, 32, 1, 1) + 0.5}, tmp_path / "stats.pt"
+    )
+    torch.save({"state_dict": ldm_state()}, tmp_path / "vavae.pt")
+    run = tmp_path / "run"
+    argv = [
+        "--checkpoint",
+        tmp_path / "lightningdit.pt",
+        "--latent-stats",
+        tmp_path / "stats.pt",
+        "--out",
+        run,
+    ]
+    assert main(["import-lightningdit", *map(str, argv)]) == 0
+    out = capsys.readouterr().out
+    assert "time reversed" in out and "--protocol lightningdit-xl1-64ep" in out
+    sidecar = json.loads((run / "checkpoints" / "step_00000000" / "dit_accel.json").read_text())
+    assert sidecar["objective"]["cosine_loss_weight"] == 1.0 and sidecar["latent_norm"]["kind"] == "channel"
+    npz = tmp_path / "samples.npz"
+    argv = ["--checkpoint", run, "--vae", tmp_path / "vavae.pt", "--protocol", "lightningdit-xl1-64ep"]
+    argv += ["--npz", npz, "--num-samples", "6", "--batch-size", "3"]
+    assert main(["sample", *map(str, argv)]) == 0
+    with np.load(npz) as batch:
+        assert batch["arr_0"].shape == (6, 32, 32, 3) and batch["arr_0"].dtype == np.uint8
+        from dit_accel.sample.generate import random_labels
+
+        assert (batch["arr_1"] == random_labels(6, 10, seed=0)).all()  # the protocol's random labels
+    assert main(["sample", *map(str, argv[:6]), "--cfg-scale", "4", "--npz", str(tmp_path / "x.npz")]) == 2
+    assert "--cfg-scale is set by --protocol lightningdit-xl1-64ep" in capsys.readouterr().err

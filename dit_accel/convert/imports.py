@@ -28,15 +28,17 @@ IMPORT_STEP = 0
 
 def placeholder_plan(spec, objective: str = "ddpm") -> dict:
     """A real dit-plan plan (one 80 GB GPU, global batch 256) for the imported network: the checkpoint needs one
-    to say which network it holds, and what it was trained under (a SiT or REPA model's flow objective).
-    Fine-tuning makes its own plan for the GPUs it runs on."""
+    to say which network it holds, and what it was trained under (a SiT, REPA or LightningDiT model's flow
+    objective). Fine-tuning makes its own plan for the GPUs it runs on."""
     from planner.errors import PlanError
     from planner.plan import make_plan
+    from planner.spec import OPTIONS, PREFIX
 
+    prefix = PREFIX[spec.family]
     family = (
         spec.name.removesuffix("-custom")
-        if spec.name.startswith("DiT-") and spec.name != "DiT-custom"
-        else f"DiT-S/{spec.patch}"
+        if spec.name.startswith(prefix + "-") and not spec.name.endswith("-custom")
+        else f"{prefix}-B/{spec.patch}"
     )
     try:
         return make_plan(
@@ -53,6 +55,7 @@ def placeholder_plan(spec, objective: str = "ddpm") -> dict:
             num_classes=spec.num_classes,
             round_global_batch=True,
             objective=objective,
+            model_options={key: getattr(spec, key) for key in OPTIONS} if spec.family != "dit" else None,
         )
     except PlanError as error:
         raise UserError(f"cannot describe the imported {spec.name} with a plan ({error})") from None
@@ -65,9 +68,11 @@ def write_imported_checkpoint(
     *,
     overwrite: bool = False,
     objective: dict | None = None,
+    latent_norm=None,
 ) -> Path:
     """A run folder with one complete checkpoint at step 0 holding `model` (see the module docstring);
-    `objective` (a SiT or REPA flow model's) is recorded in its dit_accel.json for sample and export."""
+    `objective` (a SiT, REPA or LightningDiT flow model's) and `latent_norm` (a `LatentNorm`: how its latents
+    are normalised) are recorded in its dit_accel.json for sample and export."""
     import torch
     from safetensors.torch import save_file
 
@@ -78,7 +83,7 @@ def write_imported_checkpoint(
 
     out_dir = Path(out_dir)
     spec = spec_from_model(model)
-    if not spec.learn_sigma:
+    if spec.family == "dit" and not spec.learn_sigma:
         raise UserError(
             "this checkpoint predicts no variance (learn_sigma off)",
             "dit-accel trains and samples DiTs with learned sigma only, as the released DiT checkpoints are",
@@ -116,6 +121,8 @@ def write_imported_checkpoint(
             },
         )
         recorded = sidecar(model) if objective is None else dict(sidecar(model), objective=objective)
+        if latent_norm is not None:
+            recorded["latent_norm"] = latent_norm.to_json()
         write_json_atomically(checkpoint_dir / SIDECAR_NAME, recorded)
         ckpt.commit(checkpoint_dir, final_dir, {"step": IMPORT_STEP, "imported_from": source_name})
     return out_dir
@@ -125,6 +132,14 @@ IMPORTED = {  # the command's layout -> what its --checkpoint is
     "dit": "an original DiT checkpoint (.pt state dict of the DiT repository, e.g. DiT-XL-2-256x256.pt)",
     "sit": "a SiT checkpoint (.pt state dict of the SiT repository, e.g. SiT-XL-2-256.pt), a flow model",
     "repa": "a REPA checkpoint (.pt of the REPA repository, e.g. its SiT-XL/2 last.pt), a flow model",
+    "lightningdit": "a LightningDiT checkpoint (.pt of hustvl/LightningDiT, e.g. "
+    "lightningdit-xl-imagenet256-64ep.pt), a flow model on VA-VAE latents",
+}
+LIGHTNINGDIT_OBJECTIVE = {  # the released recipe's: its checkpoints record what they were trained under
+    "name": "flow",
+    "path": "linear",
+    "time_sampling": "lognormal",
+    "cosine_loss_weight": 1.0,
 }
 
 
@@ -153,6 +168,22 @@ def build_import_parser(layout: str = "dit") -> argparse.ArgumentParser:
         action="store_true",
         help="allow pickled Python objects besides tensors in the file (only for files you trust)",
     )
+    if layout in ("sit", "repa"):
+        parser.add_argument(
+            "--path",
+            choices=("linear", "gvp"),
+            default="linear",
+            help="the interpolant the model was trained with (SiT's --path-type Linear or GVP; REPA's linear or "
+            "cosine, which is GVP): recorded, since the SDE's score depends on it (default linear)",
+        )
+    if layout == "lightningdit":
+        parser.add_argument(
+            "--latent-stats",
+            default=None,
+            help="the latents' per-channel mean and std the model was trained on (the latents_stats.pt released "
+            "with VA-VAE), recorded so that sampling decodes right; without it, sampling needs a VA-VAE folder "
+            "that stores them",
+        )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     return parser
 
@@ -190,7 +221,7 @@ def import_flow_main(layout: str, argv: list[str] | None) -> int:
     model, notes = load_flow_checkpoint(
         args.checkpoint, layout, heads=args.heads, prefer=args.weights, trust_pickle=args.trust_checkpoint
     )
-    objective = {"name": "flow", "path": "linear", "time_sampling": "uniform"}
+    objective = {"name": "flow", "path": args.path, "time_sampling": "uniform"}
     out = write_imported_checkpoint(
         model, args.out, Path(args.checkpoint).name, overwrite=args.overwrite, objective=objective
     )
@@ -199,7 +230,7 @@ def import_flow_main(layout: str, argv: list[str] | None) -> int:
         print(f"import-{layout}: {note}")
     print(
         f"wrote {out}: {spec.name} ({spec.depth} blocks x {spec.hidden}, {spec.resolution} px, {spec.num_classes} "
-        f"classes) as a step-0 flow checkpoint (linear path, velocity) with the original timestep shift (0); "
+        f"classes) as a step-0 flow checkpoint ({args.path} path, velocity) with the original timestep shift (0); "
         f"sample it with `dit-accel sample --checkpoint {out} --sampler ode|sde ...`"
     )
     return 0
@@ -213,3 +244,39 @@ def import_sit_main(argv: list[str] | None = None) -> int:
 @exits_cleanly("dit-accel import-repa")
 def import_repa_main(argv: list[str] | None = None) -> int:
     return import_flow_main("repa", argv)
+
+
+@exits_cleanly("dit-accel import-lightningdit")
+def import_lightningdit_main(argv: list[str] | None = None) -> int:
+    """A released LightningDiT `.pt` as a step-0 flow run (models.original_lightningdit), its recipe's objective
+    and, with --latent-stats, its latent normalisation recorded."""
+    args = build_import_parser("lightningdit").parse_args(argv)  # before the imports: --help needs no torch
+    from dit_accel.models.original_lightningdit import load_lightningdit
+    from dit_accel.models.vae import read_latent_statistics
+
+    refuse_file(args.out, "--out")
+    norm = read_latent_statistics(args.latent_stats) if args.latent_stats else None
+    model, notes = load_lightningdit(
+        args.checkpoint, heads=args.heads, prefer=args.weights, trust_pickle=args.trust_checkpoint
+    )
+    spec = model.dit_spec
+    if norm is not None and norm.channels != spec.in_channels:
+        raise UserError(
+            f"--latent-stats {args.latent_stats} has {norm.channels} channels, the model's latents {spec.in_channels}",
+            "pass the statistics of the latents this model was trained on",
+        )
+    out = write_imported_checkpoint(
+        model,
+        args.out,
+        Path(args.checkpoint).name,
+        overwrite=args.overwrite,
+        objective=LIGHTNINGDIT_OBJECTIVE,
+        latent_norm=norm,
+    )
+    for note in notes:
+        print(f"import-lightningdit: {note}")
+    print(
+        f"wrote {out}: {spec.name} as a step-0 flow checkpoint; sample it as the paper did with "
+        f"`dit-accel sample --checkpoint {out} --vae VA-VAE.pt --protocol lightningdit-xl1-64ep ...`"
+    )
+    return 0

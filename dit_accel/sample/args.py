@@ -10,11 +10,13 @@ from dit_accel.cli_args import OneLineParser, finite_float, positive_float, posi
 from dit_accel.diffusion.names import DIFFUSION_FORMS, ODE_SOLVERS
 from dit_accel.errors import UserError
 from dit_accel.evaluate import PAPER_SAMPLES
+from dit_accel.sample.protocols import PROTOCOLS
 
 DDPM_SAMPLERS = ("ddpm", "ddim")  # for models trained with --objective ddpm (DiT's)
 FLOW_SAMPLERS = ("ode", "sde")  # for models trained with --objective flow (SiT's, REPA's)
 SAMPLERS = DDPM_SAMPLERS + FLOW_SAMPLERS
 GUIDANCE_MODES = ("all", "first3")
+LABEL_MODES = ("balanced", "random")
 
 
 def cfg_interval(text: str) -> tuple[float, float]:
@@ -62,17 +64,52 @@ def build_parser() -> argparse.ArgumentParser:
         help="classifier-free guidance scale; 1 turns it off (default 4.0 for a grid, 1.5 for --npz/--evaluate)",
     )
     parser.add_argument(
+        "--protocol",
+        choices=sorted(PROTOCOLS),
+        default=None,
+        help="sample as a paper measured its FID-50K: sets the sampler, steps, guidance scale, channels and "
+        "interval, time shift, TF32 and how labels are drawn (docs/evaluation.md); a flag given beside it is "
+        "refused unless --override",
+    )
+    parser.add_argument(
+        "--override",
+        action="store_true",
+        help="with --protocol: the flags given beside it replace the protocol's values (recorded as overrides)",
+    )
+    parser.add_argument(
         "--guidance",
         choices=GUIDANCE_MODES,
-        default="all",
-        help="guide all latent channels (diffusers, default) or the first 3 only (original DiT repository)",
+        default=None,
+        help="guide all latent channels (diffusers, default all) or the first 3 only (the DiT, SiT and "
+        "LightningDiT repositories)",
     )
     parser.add_argument(
         "--steps",
         type=positive_int,
-        default=250,
-        help="sampling steps: respaced from 1000 for ddpm/ddim; even steps of t for ode/sde (model calls: "
-        "2 a step for heun, 1 for euler and sde)",
+        default=None,
+        help="sampling steps (default 250): respaced from 1000 for ddpm/ddim; steps of t for ode/sde (model "
+        "calls: 2 a step for heun, 1 for euler and sde)",
+    )
+    parser.add_argument(
+        "--time-shift",
+        type=positive_float,
+        default=None,
+        help="--sampler ode: LightningDiT's timestep shift s of the grid, t' = t / (s + (1 - s) t) in this "
+        "package's time (their 0.3; default 1: an even grid)",
+    )
+    parser.add_argument(
+        "--labels",
+        choices=LABEL_MODES,
+        default=None,
+        help="the evaluation batch's labels: balanced (every class equally often, default) or random (drawn "
+        "per sample from the seed, as the papers' repositories draw them)",
+    )
+    parser.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="TF32 matmuls on CUDA while sampling (default off: full fp32; the papers' repositories sample with "
+        "it on)",
     )
     parser.add_argument(
         "--sampler",
@@ -176,11 +213,41 @@ def build_parser() -> argparse.ArgumentParser:
 # given at its default value is seen as given): another sampler would silently ignore them
 SAMPLER_FLAGS = {
     "ode_solver": ("heun", ("ode",)),
+    "time_shift": (1.0, ("ode",)),
     "diffusion_form": ("sigma", ("sde",)),
     "diffusion_norm": (1.0, ("sde",)),
     "cfg_interval": ((0.0, 1.0), FLOW_SAMPLERS),
     "spacing": (None, DDPM_SAMPLERS),
 }
+
+
+PLAIN_DEFAULTS = {"steps": 250, "guidance": "all", "labels": "balanced", "tf32": False}
+
+
+def apply_protocol(args) -> list[str]:
+    """--protocol's values into `args` (a flag also given is refused, or with --override kept and named);
+    then every default the protocol did not set. Returns the overridden flags."""
+    overrides = []
+    if args.protocol is None:
+        if args.override:
+            raise UserError("--override is for a flag given beside --protocol: drop it, or name a --protocol")
+    else:
+        for name, value in PROTOCOLS[args.protocol].flags().items():
+            given = getattr(args, name, None)
+            if given is None:
+                setattr(args, name, value)
+            elif not args.override:
+                flag = "--" + name.replace("_", "-")
+                raise UserError(
+                    f"{flag} is set by --protocol {args.protocol} (to {value}), and given too",
+                    f"drop {flag}, or add --override to replace the protocol's value (the results record it)",
+                )
+            elif given != value:
+                overrides.append("--" + name.replace("_", "-"))
+    for name, value in PLAIN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return overrides
 
 
 def check_sampler_flags(args, sampler: str) -> None:

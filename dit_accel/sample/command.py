@@ -24,9 +24,11 @@ import numpy as np
 import torch
 
 from dit_accel.cpu_threads import cpu_threads
+from dit_accel.distributed.accelerator import set_tf32
 from dit_accel.errors import UserError, exits_cleanly
 from dit_accel.evaluate import PAPER_SAMPLES
 from dit_accel.sample.args import (
+    apply_protocol,
     build_parser,
     check_sampler_flags,
 )
@@ -86,6 +88,9 @@ def _check_args(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if args.out is not None and not args.out.lower().endswith(".png"):
         raise UserError(f"--out {args.out} must name a .png file (the grid)", "singles go next to it")
+    if args.labels is not None and not batch:
+        raise UserError("--labels is for the evaluation batch: a grid has one row per --classes entry")
+    args.overrides = apply_protocol(args)
 
 
 def _settings(args, default_cfg: float, source: Source) -> SampleSettings:
@@ -106,6 +111,9 @@ def _settings(args, default_cfg: float, source: Source) -> SampleSettings:
         cfg_low=args.cfg_interval[0],
         cfg_high=args.cfg_interval[1],
         flow_path=objective.get("path", "linear"),
+        time_shift=args.time_shift,
+        labels=args.labels,
+        tf32=args.tf32,
     )
 
 
@@ -125,6 +133,7 @@ def sample_grid(args) -> int:
     source = load_source(args.checkpoint, use_ema=args.ema, device=device)
     decoder = load_decoder(source.spec, args.vae or default_vae_path(source), device, source.latent_norm)
     settings = _settings(args, default_cfg=4.0, source=source)
+    set_tf32(settings.tf32, device)
     classes = _classes(args, source.spec, for_grid=True)
     labels = grid_labels(classes, args.per_class)
     names = grid_class_names(source) if args.row_labels else None
@@ -179,12 +188,14 @@ def sample_eval_batch(args) -> int:
     vae_path = args.vae or default_vae_path(source)
     decoder = load_decoder(source.spec, vae_path, accelerator.device, source.latent_norm)
     settings = _settings(args, default_cfg=1.5, source=source)
+    set_tf32(settings.tf32, accelerator.device)
     job = EvalBatch(
         npz_path,
         args.num_samples,
         args.batch_size,
         tuple(_classes(args, source.spec, for_grid=False)),
         settings.seed,
+        settings.labels,
     )
     fingerprint = {
         **asdict(settings),
@@ -196,6 +207,7 @@ def sample_eval_batch(args) -> int:
         "num_samples": job.num_samples,
         "batch_size": job.batch_size,
         "classes": list(job.classes),
+        **({"protocol": args.protocol, "overrides": args.overrides} if args.protocol else {}),
     }
     if npz_path:  # every rank refuses foreign shards before any work
         job.check_or_write_settings(fingerprint, write=False)

@@ -15,7 +15,7 @@ import numpy as np
 
 from dit_accel.atomic import write_atomically, write_json_atomically
 from dit_accel.errors import UserError
-from dit_accel.sample.generate import balanced_labels
+from dit_accel.sample.generate import balanced_labels, random_labels
 
 
 # --- the evaluation batch: shards per batch, assembled once ---------------------------------------------
@@ -30,8 +30,9 @@ class EvalBatch:
     npz_path: Path | None  # None: scored (--evaluate) and not kept
     num_samples: int
     batch_size: int
-    classes: tuple[int, ...]  # the labels to balance over (usually every class of the model)
+    classes: tuple[int, ...]  # the labels to draw from (usually every class of the model)
     seed: int
+    label_mode: str = "balanced"  # or "random", as the papers draw them
 
     @property
     def num_batches(self) -> int:
@@ -43,9 +44,8 @@ class EvalBatch:
 
     @cached_property
     def labels(self) -> np.ndarray:
-        return np.asarray(self.classes, dtype=np.int64)[
-            balanced_labels(self.num_samples, len(self.classes), self.seed)
-        ]
+        draw = random_labels if self.label_mode == "random" else balanced_labels
+        return np.asarray(self.classes, dtype=np.int64)[draw(self.num_samples, len(self.classes), self.seed)]
 
     def indices(self, batch: int) -> range:
         return range(batch * self.batch_size, min((batch + 1) * self.batch_size, self.num_samples))

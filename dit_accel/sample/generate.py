@@ -18,7 +18,7 @@ import torch
 from dit_accel.diffusion.names import DIFFUSION_FORMS, ODE_SOLVERS
 from dit_accel.errors import UserError
 from dit_accel.run.weights import load_weights
-from dit_accel.sample.args import DDPM_SAMPLERS, FLOW_SAMPLERS, GUIDANCE_MODES, SAMPLERS
+from dit_accel.sample.args import DDPM_SAMPLERS, FLOW_SAMPLERS, GUIDANCE_MODES, LABEL_MODES, SAMPLERS
 
 
 # --- what to sample -----------------------------------------------------------------------------------
@@ -38,6 +38,9 @@ class SampleSettings:
     cfg_low: float = 0.0  # guidance where cfg_low <= t <= cfg_high (--cfg-interval)
     cfg_high: float = 1.0
     flow_path: str = "linear"
+    time_shift: float = 1.0  # the ODE grid's shift (LightningDiT's timestep shift; 1: even)
+    labels: str = "balanced"  # the evaluation batch's: "balanced" or "random" (the papers' torch.randint)
+    tf32: bool = False  # TF32 matmuls on CUDA while sampling
 
     def __post_init__(self):
         if self.sampler not in SAMPLERS:
@@ -53,6 +56,8 @@ class SampleSettings:
             raise UserError(f"--steps must be at least 1, got {self.steps}")
         if self.cfg_scale < 0:
             raise UserError(f"--cfg-scale must be >= 0 (1 turns guidance off), got {self.cfg_scale}")
+        if self.labels not in LABEL_MODES:
+            raise UserError(f"--labels must be one of {', '.join(LABEL_MODES)}, got {self.labels!r}")
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -74,6 +79,15 @@ def balanced_labels(num_samples: int, num_classes: int, seed: int) -> np.ndarray
     classes once more), in an order fixed by `seed`: the same list whatever the number of processes."""
     labels = np.arange(num_samples, dtype=np.int64) % num_classes
     return labels[np.random.default_rng(seed).permutation(num_samples)]
+
+
+def random_labels(num_samples: int, num_classes: int, seed: int) -> np.ndarray:
+    """num_samples labels drawn uniformly at random, as the papers' repositories draw them (torch.randint),
+    here from one generator of `seed`: the same list whatever the number of processes."""
+    return np.random.default_rng([seed, RANDOM_LABELS_STREAM]).integers(0, num_classes, num_samples)
+
+
+RANDOM_LABELS_STREAM = 0x1ABE15  # keeps the labels' stream apart from any other use of the seed
 
 
 def grid_labels(classes: Sequence[int], per_class: int) -> list[int]:
@@ -291,7 +305,9 @@ def sample_flow_latents(model, shape, y, indices, settings: SampleSettings, devi
     )
     flow, model_fn = FlowMatching(settings.flow_path), as_model_fn(model)
     if settings.sampler == "ode":
-        return ode_sample(model_fn, flow, shape, y, solver=settings.ode_solver, **common)
+        return ode_sample(
+            model_fn, flow, shape, y, solver=settings.ode_solver, time_shift=settings.time_shift, **common
+        )
     return sde_sample(
         model_fn,
         flow,

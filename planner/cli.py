@@ -280,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=f"override the --model's {flag.replace('-', ' ')} (default: the model's own)",
         )
+    cu.add_argument(
+        "--qk-norm",
+        action="store_true",
+        help="LightningDiT: RMSNorm of q and k per head (their suggested fix for NaNs late in long runs; "
+        "default off, as released)",
+    )
     out = p.add_argument_group("output")
     out.add_argument(
         "--out",
@@ -491,6 +497,7 @@ def common_kwargs(args) -> dict:
         eval_samples=args.eval_samples,
         eval_steps=args.eval_steps,
         eval_cfg_scale=args.eval_cfg_scale,
+        model_options={"qk_norm": True} if args.qk_norm else None,
         **custom,
     )
 

@@ -108,7 +108,8 @@ class DiTSpec:
             self.rope or self.rmsnorm or self.swiglu or self.qk_norm or not self.modulation_shift
         ):
             raise PlanError(
-                f"{self.name} is a DiT: RoPE, RMSNorm, SwiGLU, QK-norm and shift-free modulation are LightningDiT's"
+                f"{self.name} is a DiT: RoPE, RMSNorm, SwiGLU, QK-norm and shift-free modulation are LightningDiT's",
+                "drop --qk-norm, or plan a LightningDiT (--model LightningDiT-XL/1)",
             )
         if lightning and self.learn_sigma:
             raise PlanError(f"{self.name} predicts the velocity alone: LightningDiT has no learned sigma")

@@ -38,6 +38,8 @@ def test_every_recipe_is_listed_here_and_has_a_description():
         "dit-xl2-256.yaml",
         "dit-xl2-512.yaml",
         "finetune-from-import.yaml",
+        "lightningdit-xl1-64ep.yaml",
+        "lightningdit-xl1-800ep.yaml",
         "repa-sit-xl2-256.yaml",
         "sit-xl2-256.yaml",
     ]
@@ -46,6 +48,32 @@ def test_every_recipe_is_listed_here_and_has_a_description():
     for path in RECIPES.glob("*.yaml"):
         description = yaml.safe_load(path.read_text())["description"]
         assert isinstance(description, str) and 20 < len(description) < 200, path.name
+
+
+def test_the_lightningdit_recipes_are_the_released_settings(tiny_plan, tmp_path):
+    for name, steps in (("lightningdit-xl1-64ep.yaml", 80_000), ("lightningdit-xl1-800ep.yaml", 1_000_000)):
+        config = _config(tiny_plan, tmp_path, "--config", RECIPES / name)
+        assert (config.lr, config.betas, config.weight_decay, config.warmup_steps) == (
+            2e-4,
+            (0.9, 0.95),
+            0.0,
+            0,
+        )
+        assert (config.objective, config.flow_path, config.time_sampling, config.cosine_loss_weight) == (
+            "flow",
+            "linear",
+            "lognormal",
+            1.0,
+        )
+        assert (config.max_steps, config.ema_decay, config.class_dropout, config.hflip) == (
+            steps,
+            0.9999,
+            0.1,
+            True,
+        )
+        assert config.grad_clip is None
+        # 64 and 800 epochs of ImageNet-1k (1,281,167 images) at global batch 1024
+        assert round(steps * 1024 / 1_281_167) == (64 if "64ep" in name else 799)
 
 
 def test_the_paper_recipes_are_the_dit_recipe(tiny_plan, tmp_path):

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from dit_accel.atomic import staged_folder
+from dit_accel.atomic import staged_folder, write_json_atomically
 from dit_accel.cli_args import OneLineParser, positive_int, seed_int
 from dit_accel.errors import UserError, exits_cleanly
-from planner.spec import VAE_DOWNSAMPLE
+from planner.spec import TOKENIZERS
 
 SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
 COLOURS = {
@@ -149,33 +149,68 @@ def demo_vae(resolution: int = 64, seed: int = 0):
     )
 
 
+def demo_vavae(resolution: int = 64, seed: int = 0):
+    """A tiny randomly initialised AutoencoderKL of VA-VAE's family (models.vavae: 16x downsampling, 32 latent
+    channels, attention at the last encoder level and the first decoder level), 8 base channels."""
+    import torch
+
+    from dit_accel.models.vavae import build_vavae
+
+    torch.manual_seed(seed)
+    return build_vavae(base_channels=8, blocks=1, groups=8, resolution=resolution)
+
+
 def write_demo_vae(
-    out: str | os.PathLike, images: str | os.PathLike, *, seed: int = 0, force: bool = False
+    out: str | os.PathLike,
+    images: str | os.PathLike,
+    *,
+    seed: int = 0,
+    force: bool = False,
+    family: str = "sd-vae",
 ) -> Path:
-    """Save `demo_vae` to `out` with its scaling factor chosen as Stable Diffusion's was: the inverse
-    standard deviation of the latents of the training images (here, every PNG under `images`)."""
+    """Save a tiny random VAE to `out`. `family` "sd-vae" (`demo_vae`): its scaling factor chosen as Stable
+    Diffusion's was, the inverse standard deviation of the training images' latents (every PNG under
+    `images`). "va-vae" (`demo_vavae`): per-channel latent statistics of those images stored beside it
+    (`dit_accel_vae.json`), for online latents; a latent cache computes its own."""
     import torch
 
     paths = sorted(Path(images).rglob("*.png"))
     pixels = torch.stack(
         [torch.from_numpy(np.asarray(Image.open(path).convert("RGB"), dtype=np.float32)) for path in paths]
     ).permute(0, 3, 1, 2)
-    vae = demo_vae(pixels.shape[-1], seed).eval()
+    vae = (demo_vavae if family == "va-vae" else demo_vae)(pixels.shape[-1], seed).eval()
     with torch.inference_mode():
         latents = vae.encode(pixels / 127.5 - 1).latent_dist.mean
-    vae.register_to_config(scaling_factor=float(1 / latents.std()))
+    record = None
+    if family == "va-vae":
+        from dit_accel.models.vavae import TOKENIZER_FORMAT
+
+        statistics = {"mean": latents.mean((0, 2, 3)).tolist(), "std": latents.std((0, 2, 3)).tolist()}
+        record = {
+            "format": TOKENIZER_FORMAT,
+            "tokenizer": "va-vae",
+            "latent_norm": "channel",
+            "statistics": statistics,
+        }
+    else:
+        vae.register_to_config(scaling_factor=float(1 / latents.std()))
     target = Path(out).expanduser().absolute()
     with staged_folder(target, overwrite=force) as staging:
         vae.save_pretrained(staging)
+        if record is not None:
+            from dit_accel.models.vavae import TOKENIZER_FILE
+
+            write_json_atomically(staging / TOKENIZER_FILE, record)
     return target
 
 
-def _check_vae_target(out: str | os.PathLike, resolution: int, force: bool) -> None:
+def _check_vae_target(out: str | os.PathLike, resolution: int, force: bool, family: str = "sd-vae") -> None:
     """Refused before any image is drawn, so a bad --vae leaves nothing half-made."""
-    if resolution % VAE_DOWNSAMPLE:
+    downsample = TOKENIZERS[family].downsample
+    if resolution % downsample:
         raise UserError(
-            f"--vae needs a --resolution divisible by {VAE_DOWNSAMPLE}, not {resolution}",
-            "pass e.g. --resolution 64 (8x8 latents)",
+            f"--vae ({family}) needs a --resolution divisible by {downsample}, not {resolution}",
+            f"pass e.g. --resolution 64 ({64 // downsample}x{64 // downsample} latents)",
         )
     target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not force)):
@@ -209,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         "offline latent-space flow: extract-latents, training on the cache, export (default: none)",
     )
     parser.add_argument(
+        "--vae-family",
+        choices=tuple(TOKENIZERS),
+        default="sd-vae",
+        help="--vae's family: sd-vae (the Stable Diffusion VAE's geometry, for DiT) or va-vae (VA-VAE's: 16x "
+        "downsampling, 32 channels normalised per channel, for LightningDiT) (default sd-vae)",
+    )
+    parser.add_argument(
         "--force", action="store_true", help="replace DIR (and VAE_DIR) if not empty (default: refuse)"
     )
     return parser
@@ -218,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.vae:
-        _check_vae_target(args.vae, args.resolution, args.force)
+        _check_vae_target(args.vae, args.resolution, args.force, args.vae_family)
     target = write_demo_data(
         args.out,
         classes=args.classes,
@@ -232,9 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.resolution}x{args.resolution} px) to {target}"
     )
     if args.vae:
-        vae = write_demo_vae(args.vae, target, seed=args.seed, force=args.force)
-        side = args.resolution // VAE_DOWNSAMPLE
-        print(f"wrote a tiny random AutoencoderKL ({side}x{side}x4 latents) to {vae}")
+        vae = write_demo_vae(args.vae, target, seed=args.seed, force=args.force, family=args.vae_family)
+        tokenizer = TOKENIZERS[args.vae_family]
+        side = args.resolution // tokenizer.downsample
+        print(
+            f"wrote a tiny random AutoencoderKL of the {args.vae_family} family ({side}x{side}x{tokenizer.channels} "
+            f"latents) to {vae}"
+        )
     return 0
 
 

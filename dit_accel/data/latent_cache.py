@@ -1,6 +1,12 @@
 """Reading the latent cache that `extract-latents` (dit_accel.data.latents) writes: the manifest checked,
 shards verified against their checksums, the cache compared with a run's resolution and VAE, and
 `LatentCache`, the dataset that memory-maps the shards and draws a fresh latent from each stored posterior.
+
+hustvl/LightningDiT's published ImageNet latents are read as they are published, without re-extraction:
+safetensors shards holding `latents`, `latents_flip` (each image's posterior sample and its mirror image's)
+and `labels`, beside `latents_stats.pt` (the per-channel mean and std, read weights-only). `read_manifest`
+describes such a folder as a manifest (`published_manifest`: shapes, counts, labels in range, the statistics),
+and `LatentCache` reads it like our own, each latent fixed (a sample, not a posterior).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from dit_accel.models.vae import LatentNorm, load_vae
 
 FORMAT = "dit-accel-latents/1"
 MANIFEST_NAME = "manifest.json"
+PUBLISHED_FORMAT = "hustvl/LightningDiT latents"  # what a published folder's manifest (made here) says
+PUBLISHED_STATS = "latents_stats.pt"
+PUBLISHED_TENSORS = ("latents", "latents_flip", "labels")
 
 
 def read_manifest(cache_dir: str | os.PathLike) -> dict:
@@ -31,6 +40,14 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
             f"create it with `dit-accel extract-latents --data-path DIR --vae PATH --out {cache}`",
         )
     manifest_path = cache / MANIFEST_NAME
+    if not manifest_path.is_file() and (cache / PUBLISHED_STATS).is_file():
+        return published_manifest(cache)
+    if not manifest_path.is_file() and _holds_images(cache):
+        raise UserError(
+            f"{cache} is an image folder (or dataset), not a latent cache",
+            f"extract a cache from it (`dit-accel extract-latents --data-path {cache} --vae VAE --out NEW`), or plan "
+            f"online or pixel latents (`dit-plan --latents online`) and pass it as --data-path",
+        )
     if not manifest_path.is_file():
         raise UserError(
             f"latent cache {cache} is incomplete (no {MANIFEST_NAME}: the extraction was interrupted "
@@ -43,7 +60,7 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
         raise UserError(
             f"cannot read {manifest_path} ({error})", "re-run extract-latents to rewrite it"
         ) from None
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in (FORMAT, PUBLISHED_FORMAT):
         raise UserError(
             f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads {FORMAT!r}",
             "re-run extract-latents into a new folder",
@@ -60,10 +77,97 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
     return manifest
 
 
+def _holds_images(folder: Path) -> bool:
+    """Class folders of images, or a Hugging Face dataset: what --data-path takes, passed as --latents."""
+    from dit_accel.data.folder import IMAGE_EXTENSIONS
+    from dit_accel.data.source_kind import dataset_kind
+
+    if dataset_kind(folder) is not None:
+        return True
+    for child in sorted(folder.iterdir())[:16] if folder.is_dir() else []:
+        if child.is_dir() and any(p.suffix.lower() in IMAGE_EXTENSIONS for p in list(child.iterdir())[:16]):
+            return True
+    return False
+
+
+def published_manifest(cache: Path) -> dict:
+    """A published LightningDiT latent folder described as a manifest, after the checks our own caches get:
+    every shard holds the three tensors with one entry count and one latent shape, labels are whole numbers
+    in range, and the statistics are present, plain data (weights-only) and one per channel."""
+    from dit_accel.models.vae import read_latent_statistics
+    from planner.spec import NUM_CLASSES, TOKENIZERS
+
+    fix = "download the folder again (every latents_rank*_shard*.safetensors and latents_stats.pt)"
+    files = sorted(cache.glob("*.safetensors"))
+    if not files:
+        raise UserError(
+            f"{cache} has {PUBLISHED_STATS} but no .safetensors shards: not a published latent folder", fix
+        )
+    shards, shape, dtype, labels = [], None, None, []
+    for path in files:
+        try:
+            arrays = map_shard(path)
+        except (OSError, ValueError, KeyError) as error:
+            raise UserError(f"{path} is not a readable safetensors file ({error})", fix) from None
+        missing = [name for name in PUBLISHED_TENSORS if name not in arrays]
+        if missing:
+            raise UserError(
+                f"{path} lacks {', '.join(missing)}: not one of LightningDiT's latent shards", fix
+            )
+        latents, flipped, shard_labels = (arrays[name] for name in PUBLISHED_TENSORS)
+        if latents.shape != flipped.shape or latents.ndim != 4 or shard_labels.shape != latents.shape[:1]:
+            raise UserError(
+                f"{path} holds latents {latents.shape}, mirror images {flipped.shape} and labels {shard_labels.shape}: "
+                "the three must count the same entries",
+                fix,
+            )
+        if shape not in (None, latents.shape[1:]) or dtype not in (None, latents.dtype):
+            raise UserError(
+                f"{path} holds {latents.dtype} latents of shape {latents.shape[1:]}, the other shards {dtype} {shape}",
+                fix,
+            )
+        if shard_labels.dtype != np.int64:
+            raise UserError(f"{path} holds {shard_labels.dtype} labels, not whole numbers", fix)
+        shape, dtype = latents.shape[1:], latents.dtype
+        shards.append({"file": path.name, "count": len(shard_labels), "bytes": path.stat().st_size})
+        labels.append(np.asarray(shard_labels))
+    labels = np.concatenate(labels)
+    if len(labels) and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
+        raise UserError(
+            f"{cache}'s labels run {labels.min()}..{labels.max()}, outside ImageNet's 0..{NUM_CLASSES - 1}",
+            fix,
+        )
+    norm = read_latent_statistics(cache / PUBLISHED_STATS)
+    tokenizer = next((t for t in TOKENIZERS.values() if t.channels == shape[0]), None)
+    if norm.channels != shape[0] or tokenizer is None:
+        raise UserError(f"{PUBLISHED_STATS} has {norm.channels} channels, the latents {shape[0]}", fix)
+    return {
+        "format": PUBLISHED_FORMAT,
+        "data_path": str(cache),
+        "vae": None,  # the folder does not say; sampling takes --vae
+        "resolution": int(shape[1]) * tokenizer.downsample,
+        "latent_shape": [int(s) for s in shape],
+        "latent_norm": norm.to_json(),
+        "dtype": "float16" if dtype == np.float16 else "float32",
+        "views": 2,
+        "count": int(len(labels)),
+        "classes": [str(index) for index in range(NUM_CLASSES)],
+        "shards": shards,
+    }
+
+
 def verify_cache(cache_dir: str | os.PathLike) -> int:
-    """Check every shard against the manifest's sha256 (reads the whole cache). Returns bytes checked."""
+    """Check every shard against the manifest's sha256 (reads the whole cache). Returns bytes checked.
+    A published folder carries no checksums: its shards are read whole, each to its header's length."""
     cache = Path(cache_dir).expanduser()
     manifest = read_manifest(cache)
+    if manifest["format"] == PUBLISHED_FORMAT:
+        checked = 0
+        for record in manifest["shards"]:
+            with open(cache / record["file"], "rb") as stream:
+                for block in iter(lambda: stream.read(1 << 24), b""):
+                    checked += len(block)
+        return checked
     checked = 0
     for record in manifest["shards"]:
         digest = hashlib.sha256()
@@ -145,6 +249,7 @@ class LatentCache(torch.utils.data.Dataset):
         self.latent_shape = tuple(self.manifest["latent_shape"])
         self.latent_norm = manifest_latent_norm(self.manifest)
         self.views = int(self.manifest["views"])
+        self.published = self.manifest["format"] == PUBLISHED_FORMAT
         self.flip = flip and self.views == 2
         self.seed = seed
         self.epoch = 0
@@ -156,7 +261,7 @@ class LatentCache(torch.utils.data.Dataset):
         self._maps: dict[int, dict[str, np.ndarray]] = {}
         self.labels = torch.cat(
             [
-                torch.from_numpy(np.array(self._shard(k)["label"]))
+                torch.from_numpy(np.array(self._shard(k)["labels" if self.published else "label"]))
                 if count
                 else torch.empty(0, dtype=torch.int64)
                 for k, count in enumerate(counts)
@@ -193,6 +298,11 @@ class LatentCache(torch.utils.data.Dataset):
         """The stored (mean, std) of entry `index`, view 0 (the image) or 1 (its mirror), as float32."""
         (shard,), (row,) = self._locate([index])
         arrays = self._shard(int(shard))
+        if self.published:  # a fixed sample: the mean, with no spread
+            mean = torch.from_numpy(
+                np.array(arrays["latents_flip" if view else "latents"][row], dtype=np.float32)
+            )
+            return mean, torch.zeros_like(mean)
         return (
             torch.from_numpy(np.array(arrays["mean"][row, view], dtype=np.float32)),
             torch.from_numpy(np.array(arrays["std"][row, view], dtype=np.float32)),
@@ -220,12 +330,17 @@ class LatentCache(torch.utils.data.Dataset):
                 torch.randn(self.latent_shape, generator=generator, out=noise[j])
         views = views.astype(np.int64)
         means = np.empty((count, *self.latent_shape), dtype=STORAGE_DTYPES_NUMPY[self.manifest["dtype"]])
-        stds = np.empty_like(means)
+        stds = np.zeros_like(means)  # a published folder's latents are fixed samples: no spread
         for shard in np.unique(shards):
             picked = shards == shard
             arrays = self._shard(int(shard))
-            means[picked] = arrays["mean"][rows[picked], views[picked]]
-            stds[picked] = arrays["std"][rows[picked], views[picked]]
+            if self.published:
+                for view, name in ((0, "latents"), (1, "latents_flip")):
+                    chosen = picked & (views == view)
+                    means[chosen] = arrays[name][rows[chosen]]
+            else:
+                means[picked] = arrays["mean"][rows[picked], views[picked]]
+                stds[picked] = arrays["std"][rows[picked], views[picked]]
         latents = self.latent_norm.normalize(
             torch.from_numpy(means).float() + torch.from_numpy(stds).float() * noise
         )

@@ -186,7 +186,8 @@ def default_vae_path(source: Source) -> str | None:
     if latents_dir and (Path(latents_dir) / "manifest.json").is_file():
         from dit_accel.data.latent_cache import read_manifest
 
-        return read_manifest(latents_dir)["vae"]["source"]
+        recorded = read_manifest(latents_dir)["vae"]  # None for published latents: --vae then
+        return recorded["source"] if recorded else None
     folder = Path(source.info["checkpoint"])
     if source.info.get("weights") == "diffusers" and (folder / "vae" / "config.json").is_file():
         return str(folder / "vae")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -49,7 +50,10 @@ def check_data_mode(plan: Plan, config: TrainConfig) -> None:
             "pass --vae DIR (a diffusers AutoencoderKL folder), or precompute latents with `dit-accel "
             "extract-latents` and re-plan with --latents precomputed",
         )
-    if mode != "online" and config.vae:
+    from dit_accel.data.latent_cache import PUBLISHED_STATS
+
+    published = mode == "precomputed" and (Path(config.latents).expanduser() / PUBLISHED_STATS).is_file()
+    if mode != "online" and config.vae and not published:  # published latents name no VAE: --vae decodes
         raise UserError(
             f"--vae is only used when the plan encodes online, but this plan's latents are {mode!r}",
             "drop --vae",
@@ -75,6 +79,11 @@ def build_dataset(plan: Plan, config: TrainConfig, spec, index_dir=None, once=No
             )
         # A two-view cache flips unless told not to; --no-hflip then reads the images only.
         dataset.flip = dataset.views == 2 and config.hflip is not False
+        if plan.decision.repa and dataset.published:
+            raise UserError(
+                f"REPA needs each latent's source image, and the published latents {config.latents} name none",
+                "extract your own cache from the images (extract-latents records each source), or train without REPA",
+            )
         if plan.decision.repa:  # REPA's encoder sees each latent's image: the cache names its source
             from dit_accel.data.cache_images import CacheImages
             from dit_accel.data.source_kind import DatasetOptions

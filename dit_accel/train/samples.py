@@ -39,11 +39,12 @@ def run_vae_path(config, plan) -> str | None:
     """The VAE that decodes this run's latents: --vae (online), else the one its latent cache recorded."""
     if plan.decision.latents == "pixel":
         return None
-    if config.vae:
+    if config.vae:  # online, or the decoder of published latents (which name no VAE)
         return config.vae
     from dit_accel.data.latent_cache import read_manifest
 
-    return read_manifest(config.latents)["vae"]["source"]
+    recorded = read_manifest(config.latents)["vae"]
+    return recorded["source"] if recorded else None
 
 
 def run_latent_norm(config, plan):
@@ -84,6 +85,12 @@ class TrainingSamples:
         self.decoder = None
         if accelerator.is_main_process:
             vae_path = run_vae_path(config, plan)
+            if vae_path is None and spec.latents != "pixel":
+                raise UserError(
+                    f"--sample-every decodes its grids with a VAE, and the latents {config.latents} name none "
+                    "(published latents)",
+                    "pass --vae VAE (the one they were made with, e.g. VA-VAE's .pt), or --sample-every 0",
+                )
             try:
                 self.decoder = load_decoder(spec, vae_path, components.device, components.latent_norm)
             except (OSError, ValueError) as error:

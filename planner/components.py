@@ -5,6 +5,8 @@ overhead outside PyTorch's allocator. `planner.memory` adds the allocator's shar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from planner import repa, vae
 from planner.activations import (
     FP32_BYTES,
@@ -21,7 +23,11 @@ from planner.activations import (
     element_bytes,
     final_layer_saved_bytes,
     hidden_bytes,
+    lightningdit_backward_freed_bytes,
+    lightningdit_backward_peak_gradient_params,
+    lightningdit_final_layer_backward_bytes,
     loss_saved_bytes,
+    never_cast_params,
     noised_input_bytes,
     patch_input_bytes,
     recompute_bytes,
@@ -166,6 +172,50 @@ def live_gradient_params(spec: DiTSpec, decision: Decision, moment: str, zero_gr
     return 0
 
 
+@dataclass(frozen=True)
+class BackwardStart:
+    """The planner's start_of_backward: where backward first peaks, and what is alive there beyond the
+    moment's other components. DiT: inside the last block (its MLP's backward). LightningDiT peaks either in
+    its final layer (three fp32 residual-sized gradients beside nearly every saved tensor) or in the last
+    block's MLP (SwiGLU's gradients, with the final layer's saved tensors and w3's input freed): whichever
+    holds more, which the trace bears out (the final layer at large batches in bf16, the block in fp32)."""
+
+    where: str  # "last block" | "final layer"
+    activations: int
+    temporaries: int
+    gradient_params: int
+
+
+def backward_start(spec: DiTSpec, decision: Decision, assumptions: Assumptions) -> BackwardStart:
+    eb = saved_element_bytes(decision, assumptions)
+    b, k = decision.micro_batch, decision.checkpointed_blocks
+    saved = saved_activation_bytes(spec, b, eb, k, assumptions.attention)
+    last_recomputed = recompute_bytes(spec, b, eb, assumptions.attention) if k == spec.depth else 0
+    in_last_block = saved - final_layer_saved_bytes(spec, b, eb) + last_recomputed
+    fresh = live_gradient_params(spec, decision, "start_of_backward", assumptions.zero_grad)
+    fresh_params = fresh != spec.params_trainable
+    if spec.family != "lightningdit":
+        working = backward_temporary_bytes(spec, b, eb)
+        return BackwardStart("last block", in_last_block - hidden_bytes(spec, b, eb), working, fresh)
+    last_block = BackwardStart(
+        "last block",
+        in_last_block - lightningdit_backward_freed_bytes(spec, b, eb),
+        backward_temporary_bytes(spec, b, eb),
+        fresh + (lightningdit_backward_peak_gradient_params(spec) if fresh_params else 0),
+    )
+    final_layer = BackwardStart(
+        "final layer",
+        saved - hidden_bytes(spec, b, eb),
+        lightningdit_final_layer_backward_bytes(spec, b, eb),
+        0 if fresh_params else fresh,
+    )
+
+    def alive(point: BackwardStart) -> int:
+        return point.activations + point.temporaries + FP32_BYTES * point.gradient_params
+
+    return max(last_block, final_layer, key=alive)
+
+
 def grads_bytes(spec, decision, cluster, assumptions, moment) -> int:
     """fp32 gradients alive at the moment (`live_gradient_params`), plus DDP's flat all-reduce buckets.
 
@@ -173,7 +223,10 @@ def grads_bytes(spec, decision, cluster, assumptions, moment) -> int:
     gradients live in them. Sharded runs keep 1/N of the gradients (reduce-scattered every micro-step:
     sync_each_batch).
     """
-    alive = FP32_BYTES * live_gradient_params(spec, decision, moment, assumptions.zero_grad)
+    if moment == "start_of_backward":
+        alive = FP32_BYTES * backward_start(spec, decision, assumptions).gradient_params
+    else:
+        alive = FP32_BYTES * live_gradient_params(spec, decision, moment, assumptions.zero_grad)
     if decision.sharded:
         return alive // shard_count(decision, cluster)
     buckets = FP32_BYTES * spec.params_trainable if cluster.world_size > 1 else 0
@@ -219,26 +272,28 @@ def activations_bytes(spec, decision, cluster, assumptions, moment) -> int:
         return saved_before_head + noised_input_bytes(spec, b, eb) + working
     if moment == "end_of_forward":
         return saved_activation_bytes(spec, b, eb, k, assumptions.attention) + loss_saved_bytes(
-            spec, b, assumptions.loss_tensors
+            spec, b, loss_tensors(spec, assumptions)
         )
     if moment == "start_of_backward":
-        last_recomputed = recompute_bytes(spec, b, eb, assumptions.attention) if k == spec.depth else 0
-        return (
-            saved_activation_bytes(spec, b, eb, k, assumptions.attention)
-            - final_layer_saved_bytes(spec, b, eb)
-            - hidden
-            + last_recomputed
-        )
+        return backward_start(spec, decision, assumptions).activations
     # end_of_backward: block 0's backward
     if k:
-        block0 = (
-            checkpointed_block_saved_bytes(spec, b, eb)
-            + 2 * b * INT64_BYTES
-            + recompute_bytes(spec, b, eb, assumptions.attention)
+        block0 = checkpointed_block_saved_bytes(spec, b, eb) + recompute_bytes(
+            spec, b, eb, assumptions.attention
         )
+        if spec.family == "dit":
+            block0 += 2 * b * INT64_BYTES  # the timestep and labels its checkpoint holds
     else:
         block0 = sum(block_saved_bytes(spec, b, eb, assumptions.attention).values())
+    if spec.family == "lightningdit":
+        return patch_input_bytes(spec, b, eb) + block0 - lightningdit_backward_freed_bytes(spec, b, eb)
     return patch_input_bytes(spec, b, eb) + block0 - hidden
+
+
+def loss_tensors(spec: DiTSpec, assumptions: Assumptions) -> float:
+    """Output-sized fp32 tensors alive while the loss is computed: the learned-sigma VB term's many, or a
+    plain MSE's few (LightningDiT's flow loss)."""
+    return assumptions.loss_tensors if spec.learn_sigma else assumptions.mse_loss_tensors
 
 
 def casts_weights(decision: Decision) -> bool:
@@ -267,14 +322,14 @@ def autocast_cache_bytes(spec, decision, cluster, assumptions, moment) -> int:
     c = element_bytes(decision.precision).compute
     k = decision.checkpointed_blocks
     if moment == "end_of_forward":
-        return c * (spec.params_trainable - class_table_params(spec) - k * spec.block_params)
+        return c * (spec.params_trainable - never_cast_params(spec) - k * spec.block_params)
     if moment == "last_block_forward":
         _, in_use = checkpointed_forward_peak(
             spec, decision.micro_batch, saved_element_bytes(decision, assumptions), True
         )
         return in_use + c * (
             spec.params_trainable
-            - class_table_params(spec)
+            - never_cast_params(spec)
             - spec.param_breakdown()["final_layer"]
             - spec.depth * spec.block_params
         )
@@ -288,7 +343,7 @@ def vae_bytes(spec, decision, cluster, assumptions, moment) -> int:
     (`vae_activation_maps` full-resolution 128-channel maps; see planner/vae.py)."""
     if decision.latents != "online":
         return 0
-    total = assumptions.vae_params * assumptions.vae_bytes_per_param
+    total = vae.autoencoder_params(spec.tokenizer, assumptions.vae_params) * assumptions.vae_bytes_per_param
     if moment == "vae_encode":
         total += vae.encoder_activation_bytes(
             spec.resolution,
@@ -363,7 +418,13 @@ def temporaries_bytes(spec, decision, cluster, assumptions, moment) -> int:
     AdamW none.
     """
     eb = saved_element_bytes(decision, assumptions)
-    if moment in BACKWARD_MOMENTS:
+    if moment == "start_of_backward":
+        start = backward_start(spec, decision, assumptions)
+        working = start.temporaries
+        if decision.sharded and start.where == "last block":
+            working += eb.compute * spec.block_params
+        return working
+    if moment == "end_of_backward":
         working = backward_temporary_bytes(spec, decision.micro_batch, eb)
         if decision.sharded:
             working += eb.compute * spec.block_params

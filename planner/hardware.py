@@ -239,6 +239,8 @@ class Assumptions:
         15.25  # output-sized fp32 tensors alive while the learned-sigma loss is computed (traced:
     )
     #                               30 latent-sized ones and the two edge-bin masks of the discretised Gaussian)
+    mse_loss_tensors: float = 4.0  # without a learned sigma (LightningDiT's flow loss): the velocity in fp32,
+    #                               the target, their difference and its square (traced; the cosine term adds two)
     vae_params: int = 83_653_863  # the whole SD AutoencoderKL as pipelines load it (encoder 34,163,664)
     vae_bytes_per_param: int = (
         4  # the VAE stays fp32: latents are encoded once, precision matters more than speed

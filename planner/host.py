@@ -10,6 +10,7 @@ label arrays (`dataset_row_bytes` a row, as `dit-accel doctor` reports them).
 
 from __future__ import annotations
 
+from planner import vae
 from planner.activations import FP32_BYTES
 from planner.decision import Cluster, Decision
 from planner.hardware import Assumptions
@@ -61,7 +62,9 @@ def per_rank_bytes(
     return {
         "process": assumptions.host_process_bytes,
         "model_states": resume,
-        "vae": assumptions.vae_params * FP32_BYTES if decision.latents == "online" else 0,
+        "vae": vae.autoencoder_params(spec.tokenizer, assumptions.vae_params) * FP32_BYTES
+        if decision.latents == "online"
+        else 0,
         "loader_workers": assumptions.loader_workers * assumptions.loader_worker_bytes,
         "loader_prefetch": assumptions.loader_workers * assumptions.prefetch_factor * batch,
         "pinned_batches": assumptions.pinned_batches * batch,

@@ -14,6 +14,7 @@ CPU-autocast variant of these moments to that trace (docs/planner-accuracy.md).
   end_of_forward      the loss: every saved activation, autocast's cache of the weights cast outside
                       checkpointed blocks, the loss terms
   start_of_backward   inside the last block's backward: its activation and weight gradients in flight
+                      (LightningDiT: or in its final layer's, whichever holds more: components.backward_start)
   end_of_backward     inside block 0's backward: nearly every gradient, block 0's (recomputed) set
   optimizer_step      weights + grads + AdamW states + the optimizer's temporaries
 
@@ -237,7 +238,7 @@ def largest_transient_bytes(spec: DiTSpec, decision: Decision, assumptions: Assu
     8 online still maps the gradients' own segments in its first backward."""
     eb = saved_element_bytes(decision, assumptions)
     tokens = decision.micro_batch * spec.tokens
-    largest = tokens * spec.mlp_hidden * eb.compute
+    largest = tokens * spec.mlp_hidden * eb.compute * (2 if spec.swiglu else 1)  # SwiGLU: gate and value
     if assumptions.attention == "math":
         largest = max(largest, decision.micro_batch * spec.heads * spec.tokens**2 * eb.compute)
     if casts_weights(decision):

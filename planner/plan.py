@@ -537,7 +537,7 @@ def _repa_encoder(name: str, projector_dim: int) -> str:
 def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
     """The activation and backward terms of the memory model, for plan.md's arithmetic and checks against traces."""
     from planner import activations
-    from planner.components import casts_weights
+    from planner.components import backward_start, casts_weights, loss_tensors
 
     eb = element_bytes(decision.precision, assumed.autocast_device, pure=decision.sharded)
     b, c = decision.micro_batch, decision.checkpointed_blocks
@@ -554,7 +554,7 @@ def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
         "checkpointed_block_bytes": activations.checkpointed_block_saved_bytes(spec, b, eb),
         "head_and_tail_bytes": activations.head_and_tail_saved_bytes(spec, b, eb),
         "saved_bytes": saved_activation_bytes(spec, b, eb, c, assumed.attention),
-        "loss_bytes": activations.loss_saved_bytes(spec, b, assumed.loss_tensors),
+        "loss_bytes": activations.loss_saved_bytes(spec, b, loss_tensors(spec, assumed)),
         "recompute_bytes": activations.recompute_bytes(spec, b, eb, assumed.attention) if c else 0,
         "checkpointed_forward_bytes": activations.checkpointed_forward_working_bytes(
             spec, b, eb, casts_weights(decision)
@@ -562,6 +562,7 @@ def activation_breakdown(spec, decision, assumed: Assumptions) -> dict:
         if c
         else 0,
         "backward_temporary_bytes": activations.backward_temporary_bytes(spec, b, eb),
+        "backward_starts_in": backward_start(spec, decision, assumed).where,  # "last block" | "final layer"
     }
 
 

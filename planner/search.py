@@ -83,7 +83,11 @@ def repa_image_flops(spec: DiTSpec, decision: Decision) -> float:
 
 def vae_image_flops(spec: DiTSpec, decision: Decision) -> float:
     """The VAE encoder's forward per image when latents are encoded online, else 0."""
-    return 2 * vae.encoder_macs_per_image(spec.resolution) if decision.latents == "online" else 0.0
+    return (
+        2 * vae.encoder_macs_per_image(spec.resolution, spec.tokenizer)
+        if decision.latents == "online"
+        else 0.0
+    )
 
 
 def image_step_flops(spec: DiTSpec, decision: Decision) -> float:

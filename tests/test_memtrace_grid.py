@@ -1,4 +1,4 @@
-"""The planner held to a trace of the trainer's real step, over a grid of 26 configurations.
+"""The planner held to a trace of the trainer's real step, over a grid of 26 DiT configurations and 9 LightningDiT ones.
 
 Each point traces the trainer's own step (`dit_accel.train.step`) on fake tensors (CPU autocast, shallow depths extrapolated
 per block, which test_memtrace.py shows is exact) and asks the planner's CPU-autocast variant for the same
@@ -40,6 +40,7 @@ def make_plan(
             "model": {"name": model, "resolution": resolution},
             "cluster": {"world_size": 1, "nodes": 1, "gpus_per_node": 1},
             "global_batch": micro_batch * grad_accum,
+            "objective": "flow" if model.startswith("LightningDiT") else "ddpm",
             "decision": {
                 "micro_batch": micro_batch,
                 "grad_accum": grad_accum,
@@ -83,6 +84,21 @@ GRID = [
     ("DiT-L/2", 512, "bf16", 12, 4, 1, False, "online"),
 ]
 
+# LightningDiT (models.lightningdit, planner.activations' LightningDiT terms): its own sizes and patches, the three
+# checkpointing kinds, fp32, bf16 and fp16, accumulation, no EMA, online VA-VAE latents.
+LIGHTNINGDIT_GRID = [
+    ("LightningDiT-B/1", 256, "fp32", 0, 16, 1, True, "precomputed"),
+    ("LightningDiT-B/1", 256, "bf16", 0, 16, 1, True, "precomputed"),
+    ("LightningDiT-B/2", 256, "bf16", 6, 32, 2, True, "precomputed"),
+    ("LightningDiT-L/1", 256, "fp32", 24, 16, 1, True, "precomputed"),
+    ("LightningDiT-XL/1", 256, "bf16", 0, 32, 1, True, "precomputed"),
+    ("LightningDiT-XL/1", 256, "bf16", 28, 64, 1, True, "precomputed"),
+    ("LightningDiT-XL/1", 256, "fp16", 14, 32, 1, False, "precomputed"),
+    ("LightningDiT-XL/2", 512, "bf16", 14, 8, 2, True, "precomputed"),
+    ("LightningDiT-B/1", 256, "bf16", 6, 8, 1, True, "online"),
+]
+
+
 # The planner's misses from the last run against planner/memory.py (regenerate with
 # `python tests/test_memtrace_grid.py --misses`): none since F1-F7 of docs/planner-accuracy.md went in.
 KNOWN_MISSES: dict[int, str] = {}
@@ -90,8 +106,9 @@ KNOWN_MISSES: dict[int, str] = {}
 
 def point_id(point) -> str:
     model, resolution, precision, checkpointed, micro_batch, grad_accum, ema, latents = point
+    name = model.removeprefix("DiT-").replace("LightningDiT-", "LDiT-").replace("/", "_")
     return (
-        f"{model.removeprefix('DiT-').replace('/', '_')}-{resolution}-{precision}-ckpt{checkpointed}-mb{micro_batch}"
+        f"{name}-{resolution}-{precision}-ckpt{checkpointed}-mb{micro_batch}"
         f"-acc{grad_accum}{'' if ema else '-noema'}{'-online' if latents == 'online' else ''}"
     )
 
@@ -139,6 +156,12 @@ def test_grid_covers_the_issue():
 
 @pytest.mark.parametrize("point", list(_params()))
 def test_planner_matches_the_trace(point):
+    problems = misses(point)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("point", LIGHTNINGDIT_GRID, ids=[point_id(point) for point in LIGHTNINGDIT_GRID])
+def test_planner_matches_the_lightningdit_trace(point):
     problems = misses(point)
     assert not problems, "; ".join(problems)
 

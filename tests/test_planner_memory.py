@@ -422,3 +422,22 @@ def test_published_runs_that_fit_their_gpus_fit_and_those_that_ran_out_of_memory
     verdicts = [(step_memory(spec, *run[1:4]).fits, run[4]) for run in runs.VERDICTS]
     assert [fit for _, fit in verdicts] == [False, False, True]
     assert all(planned == published for planned, published in verdicts)
+
+
+def test_the_vavae_encoder_sizes_and_macs_match_diffusers_autoencoder():
+    """VA-VAE f16d32 (models.vavae): parameters of the encoder and the whole autoencoder, and the encoder's
+    multiply-adds with its attention at the last level, against a meta AutoencoderKL and torch's flop counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dit_accel.models.vavae import build_vavae
+
+    with torch.device("meta"):
+        model = build_vavae()
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    shape = vae.ENCODERS["va-vae"]
+    assert count(model.encoder) + count(model.quant_conv) == shape.encoder_params
+    assert count(model) == shape.params == vae.autoencoder_params("va-vae", 1)
+    model = model.to_empty(device="cpu").eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.encode(torch.zeros(1, 3, 64, 64))
+    assert vae.encoder_macs_per_image(64, "va-vae") == pytest.approx(counter.get_total_flops() / 2, rel=0.02)

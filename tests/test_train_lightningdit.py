@@ -1,7 +1,8 @@
 """LightningDiT on VA-VAE latents through the trainer, as a user runs it: demo images, a tiny random VA-VAE
 (`demo-data --vae-family va-vae`), extract-latents (per-channel statistics), a plan made by dit-plan, the
 lightningdit-xl1-64ep recipe, two processes over gloo with `accelerate launch`. A run resumed from its step-2
-checkpoint ends bit-identical to the straight run; a zero3 launch of the same plan trains the same first step;
+checkpoint ends bit-identical to the straight run; a zero3 launch of the same plan trains the same first step,
+and a zero2 one in FSDP2's bf16;
 the run samples under the paper's protocol, decoded with the statistics it recorded."""
 
 import json
@@ -94,11 +95,13 @@ def runs(tmp_path_factory):
         _plan(root / "plan_ddp", "--sharding", "ddp"),
         _plan(root / "plan_zero3", "--sharding", "zero3"),
     )
+    zero2_bf16 = _plan(root / "plan_zero2_bf16", "--sharding", "zero2", "--precision", "bf16")
     latents = root / "latents"
     started = [
         _launch(ddp, latents, root / "straight", "--max-steps", 4),
         _launch(ddp, latents, root / "resumed", "--max-steps", 2),
         _launch(zero3, latents, root / "zero3", "--max-steps", 1),
+        _launch(zero2_bf16, latents, root / "zero2_bf16", "--max-steps", 2),
     ]
     outputs = [_finish(process) for process in started]
     outputs.append(_finish(_launch(ddp, latents, root / "resumed", "--max-steps", 4, "--resume", "auto")))
@@ -144,6 +147,16 @@ def test_a_zero3_launch_of_the_same_plan_trains_the_same_first_step(runs):
     zero3, straight = _metrics(runs["root"] / "zero3"), _metrics(runs["root"] / "straight")
     assert "sharded zero3" in runs["outputs"][2]
     assert zero3[0]["loss"] == pytest.approx(straight[0]["loss"], rel=1e-5)
+
+
+@pytest.mark.launched
+def test_fsdp2s_bf16_parameters_train_lightningdit(runs):
+    """Under FSDP2's mixed precision the parameters themselves are bf16 (no autocast): the fp32 sin-cos and
+    rotary tables and the timestep features are cast to them, so the steps run and land near fp32's. (The
+    first loss is the same in any precision: the zero-initialised final layer outputs exactly 0.)"""
+    bf16, fp32 = _metrics(runs["root"] / "zero2_bf16"), _metrics(runs["root"] / "straight")
+    assert "sharded zero2" in runs["outputs"][3] and "precision bf16" in runs["outputs"][3]
+    assert bf16[1]["loss"] == pytest.approx(fp32[1]["loss"], rel=0.05) and bf16[1]["loss"] != fp32[1]["loss"]
 
 
 @pytest.mark.launched

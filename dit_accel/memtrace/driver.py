@@ -283,6 +283,10 @@ def build_step_parts(
     )
     components.plan = plan
     if online:
+        if vae_config is None and spec.tokenizer == "va-vae":  # LightningDiT's tokenizer, not the SD VAE
+            from dit_accel.models.vavae import vavae_config
+
+            vae_config = vavae_config(resolution=spec.resolution)
         components.vae, components.latent_norm = build_vae(vae_config, device)
     flow, images = plan.objective == "flow", bool(plan.decision.repa) and not online
     batch = fake_batch(spec, micro_batch, device, online, flow, images)

@@ -63,10 +63,12 @@ def rope_tables(head_dim: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding: each channel pair (a, b) turned by its angle, (a cos - b sin, b cos + a sin)."""
+    """The rotary embedding: each channel pair (a, b) turned by its angle, (a cos - b sin, b cos + a sin), in
+    fp32 (the tables' dtype, as the released network computes it under autocast) and back in x's dtype, so
+    q, k and v keep one dtype when the parameters themselves are bf16 (FSDP2's mixed precision)."""
     pairs = x.unflatten(-1, (-1, 2))
     turned = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-    return x * cos + turned * sin
+    return (x * cos + turned * sin).to(x.dtype)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
@@ -153,7 +155,8 @@ class TimestepEmbedder(nn.Module):
         half = TIMESTEP_FREQ_DIM // 2
         frequencies = torch.exp(-math.log(MAX_PERIOD) * torch.arange(half, dtype=torch.float32) / half)
         angles = t.float()[:, None] * frequencies.to(t.device)[None]
-        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1))
+        features = torch.cat([angles.cos(), angles.sin()], dim=-1)  # fp32, then the weights' dtype (FSDP2)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
 
 
 class FinalLayer(nn.Module):
@@ -191,7 +194,11 @@ class LightningDiT(nn.Module):
 
     def forward(self, hidden_states, timestep, class_labels, return_dict: bool = True):
         spec = self.dit_spec
-        x = self.x_embedder(hidden_states).flatten(2).transpose(1, 2) + self.pos_embed
+        # The residual stream takes the parameters' dtype: fp32 master weights keep it fp32 (the fp32 sin-cos
+        # table promotes the patch embedding's autocast output, as in the released network); bf16 parameters
+        # (FSDP2's mixed precision, which leaves buffers fp32) keep it bf16, so every linear meets its dtype.
+        table = self.pos_embed.to(self.x_embedder.weight.dtype)
+        x = self.x_embedder(hidden_states).flatten(2).transpose(1, 2) + table
         conditioning = self.t_embedder(timestep) + self.y_embedder(class_labels)
         for block in self.transformer_blocks:
             x = block(x, conditioning, self.rope_cos, self.rope_sin)

@@ -200,7 +200,7 @@ def describe(plan: dict, component: str) -> str:
         text += {
             "last_block_forward": "; the last block's forward",
             "end_of_forward": "; + the loss",
-            "start_of_backward": "; the last block's backward",
+            "start_of_backward": f"; the {a.get('backward_starts_in', 'last block')}'s backward",
             "end_of_backward": "; block 0's backward",
         }.get(m["peak_phase"], "")
     elif component == "autocast_cache" and m["peak_phase"] == "last_block_forward":
@@ -217,7 +217,9 @@ def describe(plan: dict, component: str) -> str:
             "optimizer_step": "foreach AdamW intermediate"
             if d["adamw"] == "foreach"
             else "none (fused AdamW)",
-            "start_of_backward": in_backward,
+            "start_of_backward": in_backward
+            if m["activation_breakdown"].get("backward_starts_in", "last block") == "last block"
+            else "the final layer's activation gradients in flight",
             "end_of_backward": in_backward,
         }.get(m["peak_phase"], text)
     elif component == "overhead":

@@ -28,7 +28,12 @@ import time
 from pathlib import Path
 
 GIB = 2**30
-RUNS = ("eager", "compiled")
+RUNS = ("eager", "compiled", "lightningdit")
+RUN_PLANS = {
+    "eager": "plan",
+    "compiled": "plan",
+    "lightningdit": "plan-lightningdit",
+}  # run: its plan in WORK
 CALIBRATIONS = {"calibration": "plan", "calibration-ckpt14": "plan-ckpt14"}  # file in OUT: plan in WORK
 TAIL_LINES = 40  # of each stage's log in log-tail.txt
 
@@ -127,6 +132,9 @@ def run_summary(run_dir: Path, plan) -> dict | None:
         line.split("compiled blocks: ", 1)[1] for line in log_text.splitlines() if "compiled blocks: " in line
     ]
     return {
+        "model": plan.spec().name,
+        "micro_batch": plan.decision.micro_batch,
+        "est_images_per_s": plan.throughput.est_images_per_s if plan.throughput else None,
         "steps": lines[-1]["step"],
         "images_per_s": images_per_s,
         "images_per_s_windows": [line["images_per_s"] for line in lines],
@@ -287,13 +295,14 @@ def summarise(work: Path, out: Path) -> dict:
             "precision": decision.precision,
             "est_images_per_s": plan.throughput.est_images_per_s if plan.throughput else None,
         }
-        for mode in RUNS:
-            measured = run_summary(work / f"run-{mode}", plan)
-            if measured is not None:
-                summary["runs"][mode] = measured
-        if len(summary["runs"]) == 2:
-            eager, compiled = summary["runs"]["eager"], summary["runs"]["compiled"]
-            summary["compiled_over_eager"] = compiled["images_per_s"] / eager["images_per_s"]
+    for mode in RUNS:
+        run_plan = plan if RUN_PLANS[mode] == "plan" else read_plan_file(work / RUN_PLANS[mode] / "plan.json")
+        measured = run_summary(work / f"run-{mode}", run_plan) if run_plan is not None else None
+        if measured is not None:
+            summary["runs"][mode] = measured
+    if "eager" in summary["runs"] and "compiled" in summary["runs"]:
+        eager, compiled = summary["runs"]["eager"], summary["runs"]["compiled"]
+        summary["compiled_over_eager"] = compiled["images_per_s"] / eager["images_per_s"]
     for name, plan_folder in CALIBRATIONS.items():
         path = out / f"{name}.json"
         if path.exists():
@@ -330,14 +339,19 @@ def markdown(summary: dict) -> str:
             f"accumulation {plan['grad_accum']}, {plan['checkpointed_blocks']}/{plan['depth']} blocks checkpointed, "
             f"{plan['gpu'] or 'no GPU preset'}; planned {plan['est_images_per_s'] or 0:.0f} img/s",
             "",
-            "| run | images/s (median of windows 2+) | MFU | max allocated GiB | plan: tensors GiB | max reserved GiB "
-            "| plan: reserved GiB | plan: peak GiB | compiled blocks |",
-            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    if summary["runs"]:
+        lines += [
+            "| run | model, micro-batch | images/s (median of windows 2+) | planned img/s | MFU | max allocated GiB "
+            "| plan: tensors GiB | max reserved GiB | plan: reserved GiB | plan: peak GiB | compiled blocks |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for mode, run in summary["runs"].items():
         mfu = f"{run['mfu']:.1%}" if run["mfu"] is not None else "n/a"
+        planned = f"{run['est_images_per_s']:.0f}" if run.get("est_images_per_s") else "n/a"
         lines.append(
-            f"| {mode} | {run['images_per_s']:.1f} | {mfu} | {gib(run['max_allocated_bytes'])} | "
+            f"| {mode} | {run.get('model')}, {run.get('micro_batch')} | {run['images_per_s']:.1f} | {planned} | "
+            f"{mfu} | {gib(run['max_allocated_bytes'])} | "
             f"{gib(run['plan_tensor_bytes'])} | {gib(run['max_reserved_bytes'])} | {gib(run['plan_reserved_bytes'])} | "
             f"{gib(run['plan_peak_bytes'])} | {run['compiled_blocks'] or 'none'} |"
         )

@@ -4,8 +4,11 @@
 #   (a) the trainer eager: images/s, max allocated / reserved memory against the plan, at the micro-batch
 #       `dit-plan --gpu h200 --gpus 1` plans for DiT-XL/2 @256 bf16 (synthetic latent cache);
 #   (b) the same run compiled (--compile): images/s;
-#   (c) `dit-accel calibrate` of the plan: the planner-vs-GPU points (then, if time is left, 14 of 28 blocks
-#       checkpointed).
+#   (c) LightningDiT-XL/1 on VA-VAE latents (a tiny random VA-VAE of the real geometry: 16x, 32 channels),
+#       compiled, with the lightningdit-xl1-64ep recipe's losses, at the micro-batch its own plan picks:
+#       images/s, memory against that plan;
+#   (d) `dit-accel calibrate` of the DiT plan: the planner-vs-GPU points (then, if time is left, 14 of 28
+#       blocks checkpointed).
 # The machine runs the tree as it is: python3 with torch but without diffusers (carried as wheels in .whl/,
 # from benchmarks/gpu_wheels.sh), the tree not installed (PYTHONPATH), no dit-plan / dit-accel / python.
 #
@@ -75,6 +78,8 @@ if ((dry_run)); then
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     plan_args=(--model DiT-S/2 --depth 2 --hidden 32 --heads 2 --resolution 32 --num-classes 4 --gpus 1
         --vram 8G --global-batch 8 --precision fp32)  # fp32: a CPU's bf16 matmuls are emulated and slow
+    lightningdit_args=(--model LightningDiT-B/1 --depth 2 --hidden 32 --heads 2 --resolution 32 --num-classes 4
+        --gpus 1 --vram 8G --global-batch 8 --precision fp32)
     resolution=32 per_class=4 steps="${STEPS:-4}" log_every="${LOG_EVERY:-2}" workers=0
     # Compiled with torch's aot_eager backend: the graphs are captured and their backward derived as on the
     # GPU, but no kernels are generated (inductor's C++ build of the block takes 80 s on 2 cores).
@@ -82,6 +87,8 @@ if ((dry_run)); then
 else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
     plan_args=(--gpu "${GPU:-h200}" --gpus 1 --model DiT-XL/2 --resolution 256 --precision bf16)
+    # the DiT plan's global batch (256), not the recipe's 1024: 30 steps of 1024 on one GPU are minutes
+    lightningdit_args=(--gpu "${GPU:-h200}" --gpus 1 --model LightningDiT-XL/1 --resolution 256 --precision bf16)
     resolution=256 per_class=64 steps="${STEPS:-30}" log_every="${LOG_EVERY:-6}" workers=4
 fi
 
@@ -109,7 +116,20 @@ train=(python3 -m dit_accel.cli train --plan "$work/plan/plan.json" --latents "$
 stage eager 120 "${train[@]}" --output-dir "$work/run-eager" --no-compile
 stage compiled 170 "${train[@]}" --output-dir "$work/run-compiled" --compile
 
-# 3. The calibration points, written after each one (on the CPU calibrate refuses in one line: exit 2).
+# 3. LightningDiT-XL/1 compiled on VA-VAE latents (the recipe's cosine term and lognormal t), for its own plan.
+stage plan-lightningdit 30 python3 -m planner.cli "${lightningdit_args[@]}" --latents precomputed \
+    --out "$work/plan-lightningdit" &&
+    stage images-vavae 60 python3 -m dit_accel.cli demo-data "$work/images-vavae" --classes 4 \
+        --per-class "$per_class" --resolution "$resolution" --vae "$work/vavae" --vae-family va-vae &&
+    stage latents-vavae 60 python3 -m dit_accel.cli extract-latents --data-path "$work/images-vavae" \
+        --vae "$work/vavae" --resolution "$resolution" --out "$work/latents-vavae" --num-workers "$workers" &&
+    stage lightningdit 150 python3 -m dit_accel.cli train --config lightningdit-xl1-64ep \
+        --plan "$work/plan-lightningdit/plan.json" --latents "$work/latents-vavae" --max-steps "$steps" \
+        --log-every "$log_every" --checkpoint-every 1000000 --no-final-checkpoint --sample-every 0 \
+        --report-to none --no-progress-bar --preempt-signals '' --num-workers "$workers" \
+        --output-dir "$work/run-lightningdit" --compile
+
+# 4. The calibration points, written after each one (on the CPU calibrate refuses in one line: exit 2).
 if ((dry_run)); then
     stage calibrate 60 python3 -m dit_accel.cli calibrate --plan "$work/plan/plan.json" --micro-batches 2,4 \
         --steps 1 --out "$out/calibration.json"

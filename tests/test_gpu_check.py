@@ -266,6 +266,8 @@ def test_the_dry_run_passes_on_a_simulated_device_machine(tmp_path):
     stages = {s["name"]: s for s in summary["stages"]}
     for name in ("plan", "images", "latents", "eager", "compiled"):
         assert stages[name]["status"] == "ok", tail
+    for name in ("plan-lightningdit", "images-vavae", "latents-vavae", "lightningdit"):
+        assert stages[name]["status"] == "ok", tail
     assert stages["calibrate"]["exit"] == 2 and "no CUDA GPU" in tail  # calibrate refuses a CPU in one line
     assert summary["machine"]["dit_accel_from"] == str(machine["tree"].resolve())
     assert summary["machine"]["diffusers_from"] == str((work / "site").resolve())  # from the carried wheel
@@ -275,9 +277,15 @@ def test_the_dry_run_passes_on_a_simulated_device_machine(tmp_path):
     assert eager["checkpoints"] == compiled["checkpoints"] == []  # --no-final-checkpoint: no weights written
     assert not list(work.glob("run-*/checkpoints/step_*"))
     assert summary["plan"]["micro_batch"] == 8 and "| eager |" in (out / "summary.md").read_text()
+    lightningdit = summary["runs"][
+        "lightningdit"
+    ]  # measured against its own plan, compiled, on VA-VAE latents
+    assert lightningdit["model"].startswith("LightningDiT-B/1") and lightningdit["steps"] == 4
+    assert lightningdit["compiled_blocks"] == "2/2" and lightningdit["images_per_s"] > 0
+    assert "| lightningdit | LightningDiT-B/1" in (out / "summary.md").read_text()
     with tarfile.open(out / "runs.tar.gz") as archive:
         names = archive.getnames()
-    assert "run-eager/metrics.jsonl" in names and "run-compiled/metrics.jsonl" in names
+    assert {f"run-{mode}/metrics.jsonl" for mode in ("eager", "compiled", "lightningdit")} <= set(names)
     assert not [n for n in names if "checkpoint" in n or n.endswith((".safetensors", ".bin"))]
 
 
@@ -349,7 +357,8 @@ def test_the_summary_sets_what_a_gpu_run_measured_against_the_plan(h200_plan, tm
     assert eager["allocated_over_plan"] == pytest.approx(120 * GiB / plan.memory.tensor_bytes)
     assert [s["status"] for s in summary["stages"]] == ["ok", "ok", "timed out"]
     text = (out / "summary.md").read_text()
-    assert "| eager | 300.0 |" in text and "compiled / eager: 1.217x" in text and "28/28" in text
+    assert "| eager | DiT-XL/2, 256 | 300.0 | 574 |" in text and "compiled / eager: 1.217x" in text
+    assert "28/28" in text and "lightningdit" not in summary["runs"]  # its stages did not run
     assert json.loads((out / "plan.json").read_text())["decision"]["micro_batch"] == plan.decision.micro_batch
 
 

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--vae",
         required=True,
-        help="AutoencoderKL folder, or a hub id already in the local Hugging Face cache (never downloaded)",
+        help="AutoencoderKL folder, a released VA-VAE .pt, or a hub id already in the local Hugging Face cache "
+        "(never downloaded)",
     )
     parser.add_argument(
         "--resolution", type=positive_int, default=256, help="image side in pixels (default 256)"

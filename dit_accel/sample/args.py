@@ -153,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=seed_int, default=0, help="sample i is seeded from (seed, i)")
     parser.add_argument(
-        "--vae", default=None, help="AutoencoderKL folder (default: the one the run was trained with)"
+        "--vae",
+        default=None,
+        help="AutoencoderKL folder or a released VA-VAE .pt (default: the one the run was trained with)",
     )
     parser.add_argument(
         "--batch-size", type=positive_int, default=32, help="images per forward pass on each process"

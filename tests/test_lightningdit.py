@@ -300,6 +300,44 @@ def test_the_protocol_sets_the_flags_and_refuses_one_given_beside_it_unless_over
     )
 
 
+@pytest.mark.parametrize(
+    "name", ["dit-xl2", "sit-xl2", "repa-sit-xl2", "lightningdit-xl1-64ep", "lightningdit-xl1-800ep"]
+)
+def test_every_protocol_passes_its_own_samplers_flag_check(name):
+    """The command's two steps in its order (apply_protocol, then check_sampler_flags for the protocol's
+    sampler): the DiT, SiT and REPA protocols once set LightningDiT's time shift too, which their samplers
+    refuse ("--time-shift is read by --sampler ode only"), so `--protocol` never ran for them."""
+    from dit_accel.sample.args import PROTOCOLS, apply_protocol, build_parser, check_sampler_flags
+
+    args = build_parser().parse_args(["--checkpoint", "x", "--npz", "s.npz", "--protocol", name])
+    apply_protocol(args)
+    check_sampler_flags(args, PROTOCOLS[name].sampler)
+    assert args.sampler == PROTOCOLS[name].sampler and args.cfg_scale == PROTOCOLS[name].cfg_scale
+    if PROTOCOLS[name].sampler == "ddpm":
+        assert args.time_shift == 1.0 and args.cfg_interval == (0.0, 1.0)  # the defaults, unread
+
+
+def test_a_ddpm_run_samples_under_the_dit_protocol(tmp_path, capsys):
+    """The real command on a DiT run: `--protocol dit-xl2` (250 DDPM steps, cfg 1.5 on channels 0-2)."""
+    from test_evaluate import write_tiny_pixel_workspace
+    from test_sample import fresh_accelerate_state
+
+    from dit_accel.sample.command import main as sample
+    from dit_accel.train.loop import main as train
+
+    write_tiny_pixel_workspace(tmp_path)
+    argv = ["--plan", tmp_path / "plan" / "plan.json", "--data-path", tmp_path / "images"]
+    argv += ["--output-dir", tmp_path / "run", "--max-steps", 1, "--num-workers", 0, "--no-progress-bar"]
+    with fresh_accelerate_state():
+        assert train([str(a) for a in [*argv, "--no-tensorboard"]]) == 0
+    flags = ["--checkpoint", tmp_path / "run", "--protocol", "dit-xl2", "--num-samples", 4, "--batch-size", 4]
+    with fresh_accelerate_state():
+        assert sample([str(a) for a in [*flags, "--npz", tmp_path / "s.npz", "--no-ema"]]) == 0
+    assert "ddpm 250 steps, cfg 1.5" in capsys.readouterr().out
+    with np.load(tmp_path / "s.npz") as made:
+        assert made["arr_0"].shape == (4, 16, 16, 3)
+
+
 def test_random_labels_are_one_list_whatever_the_processes():
     from dit_accel.sample.generate import random_labels
 

@@ -194,3 +194,17 @@ def test_a_lightningdit_trains_on_published_latents(tmp_path, capsys):
     assert np.isfinite(
         [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     ).all()
+
+    # the doctor with a VAE beside the published folder (which names none): a TypeError traceback once
+    from dit_accel.data.demo import write_demo_data, write_demo_vae
+    from dit_accel.doctor import main as doctor
+
+    write_demo_data(tmp_path / "images", classes=2, per_class=2, resolution=32, seed=0)
+    write_demo_vae(tmp_path / "vae", tmp_path / "images", family="va-vae")
+    capsys.readouterr()
+    code = doctor(
+        ["--plan", str(plan / "plan.json"), "--latents", str(folder), "--vae", str(tmp_path / "vae")]
+    )
+    out = capsys.readouterr()
+    assert code in (0, 1) and "Traceback" not in out.err + out.out, out.err[-2000:]
+    assert "latent cache" in out.out

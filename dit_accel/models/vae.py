@@ -127,7 +127,8 @@ def online_latent_norm(vae, identity: dict, latent_stats: str | None) -> LatentN
         raise UserError(
             f"{identity['source']} is a VA-VAE, whose latents are normalised per channel by the data set's "
             "statistics, and none are given",
-            "pass --latent-stats latents_stats.pt (LightningDiT's), or extract a latent cache, which computes them",
+            "pass --latent-stats latents_stats.pt (LightningDiT's; to the trainer, to sample, or to "
+            "import-lightningdit), or extract a latent cache, which computes them",
         )
     if norm.channels != channels:
         raise UserError(f"the latent statistics have {norm.channels} channels, the VAE {channels}")

@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="AutoencoderKL folder or a released VA-VAE .pt (default: the one the run was trained with)",
     )
     parser.add_argument(
+        "--latent-stats",
+        default=None,
+        help="a VA-VAE's per-channel latent mean and std (LightningDiT's latents_stats.pt), for a run that "
+        "recorded none (default: the run's record)",
+    )
+    parser.add_argument(
         "--batch-size", type=positive_int, default=32, help="images per forward pass on each process"
     )
     parser.add_argument(
@@ -234,7 +240,10 @@ def apply_protocol(args) -> list[str]:
         if args.override:
             raise UserError("--override is for a flag given beside --protocol: drop it, or name a --protocol")
     else:
-        for name, value in PROTOCOLS[args.protocol].flags().items():
+        protocol = PROTOCOLS[args.protocol]
+        for name, value in protocol.flags().items():
+            if name in SAMPLER_FLAGS and protocol.sampler not in SAMPLER_FLAGS[name][1]:
+                continue  # its sampler does not read it (an SDE has no time shift): neither set nor refused
             given = getattr(args, name, None)
             if given is None:
                 setattr(args, name, value)

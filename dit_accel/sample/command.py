@@ -131,7 +131,9 @@ def sample_grid(args) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     source = load_source(args.checkpoint, use_ema=args.ema, device=device)
-    decoder = load_decoder(source.spec, args.vae or default_vae_path(source), device, source.latent_norm)
+    decoder = load_decoder(
+        source.spec, args.vae or default_vae_path(source), device, source.latent_norm, args.latent_stats
+    )
     settings = _settings(args, default_cfg=4.0, source=source)
     set_tf32(settings.tf32, device)
     classes = _classes(args, source.spec, for_grid=True)
@@ -183,10 +185,11 @@ def sample_eval_batch(args) -> int:
     for flag, path in (("--npz", npz_path), ("--results", args.evaluate and Path(args.results))):
         if path and not path.parent.is_dir():
             raise UserError(f"the folder of {flag} {path} does not exist: create {path.parent} first")
-    scorer = Scorer.from_flags(accelerator, args) if args.evaluate else None  # a bad reference stops here
     source = load_source(args.checkpoint, use_ema=args.ema, device=accelerator.device)
+    # the reference checked whole (its side against the model's, its statistics) before any sample is made
+    scorer = Scorer.from_flags(accelerator, args, source.spec.resolution) if args.evaluate else None
     vae_path = args.vae or default_vae_path(source)
-    decoder = load_decoder(source.spec, vae_path, accelerator.device, source.latent_norm)
+    decoder = load_decoder(source.spec, vae_path, accelerator.device, source.latent_norm, args.latent_stats)
     settings = _settings(args, default_cfg=1.5, source=source)
     set_tf32(settings.tf32, accelerator.device)
     job = EvalBatch(

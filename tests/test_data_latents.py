@@ -194,6 +194,72 @@ def test_damaged_or_missing_shards_are_refused(assets, tmp_path):
         LatentCache(out)
 
 
+def _edit_manifest(out, edit) -> None:
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _point_outside(manifest, target) -> None:
+    manifest["shards"][1]["file"] = target
+
+
+def _drop_last_shard(manifest) -> None:  # and its count, consistently: the data set shrinks
+    dropped = manifest["shards"].pop()
+    manifest["count"] -= dropped["count"]
+
+
+def _edit_one_count(manifest) -> None:  # and the total, consistently: only the shard itself disagrees
+    manifest["shards"][0]["count"] += 1
+    manifest["count"] += 1
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (
+            lambda out: _edit_manifest(out, lambda m: _point_outside(m, "../outside.safetensors")),
+            "not a file in",
+        ),
+        (lambda out: _edit_manifest(out, lambda m: _point_outside(m, "/etc/hostname")), "not a file in"),
+        (lambda out: _edit_manifest(out, _drop_last_shard), "holds shard files its manifest does not list"),
+        (
+            lambda out: _edit_manifest(out, _edit_one_count),
+            "shard-00000.safetensors holds mean of shape (4, 2, 4, 16, 16), its manifest says (5, 2",
+        ),
+        (
+            lambda out: _edit_manifest(out, lambda m: m.update(count=m["count"] - 1)),
+            "its shards count 18 entries, its manifest 17",
+        ),
+    ],
+    ids=["dot-dot", "absolute", "dropped-shard", "shard-count", "total-count"],
+)
+def test_an_edited_manifest_is_refused_before_training_reads_it(assets, tmp_path, damage, expected):
+    """Each once passed silently (a shard read from wherever the manifest pointed, a data set one shard
+    smaller) or ended the run with an IndexError in a DataLoader worker (a shard's count edited)."""
+    out = tmp_path / "cache"
+    _extract(assets, out)
+    (tmp_path / "outside.safetensors").write_bytes((out / "shard-00001.safetensors").read_bytes())
+    damage(out)
+    with pytest.raises(UserError, match=re.escape(expected)):
+        LatentCache(out)
+
+
+def test_a_shard_linked_from_outside_the_cache_is_refused(assets, tmp_path):
+    out = tmp_path / "cache"
+    _extract(assets, out)
+    moved = tmp_path / "elsewhere.safetensors"
+    (out / "shard-00001.safetensors").rename(moved)
+    (out / "shard-00001.safetensors").symlink_to(moved)
+    with pytest.raises(UserError, match="names the shard 'shard-00001.safetensors', which is not a file in"):
+        read_manifest(out)
+    linked = tmp_path / "linked"  # the whole folder behind a link: fine
+    linked.symlink_to(out)
+    (out / "shard-00001.safetensors").unlink()
+    moved.rename(out / "shard-00001.safetensors")
+    assert len(LatentCache(linked)) == CLASSES * PER_CLASS
+
+
 def test_cache_made_with_another_vae_or_resolution_is_refused(assets, tmp_path):
     _extract(assets, tmp_path / "cache")
     manifest = read_manifest(tmp_path / "cache")
@@ -305,6 +371,60 @@ def test_bad_image_stops_the_cli_or_is_skipped_and_counted(assets, tmp_path, cap
     )  # listing index // shard size
     assert json.loads(safe_open(shard, "pt").metadata()["skipped"]) == [relative]
     assert "17 images x 2 views, 1 undecodable images skipped" in capsys.readouterr().out
+
+
+def test_a_failure_before_any_shard_leaves_no_cache_folder(assets, tmp_path, capsys):
+    """A bad image in the only shard: the command fails in one line, and the --out folder it made is gone
+    (it once stayed behind, empty, looking like a cache to the next command)."""
+    images = tmp_path / "images"
+    shutil.copytree(assets / "images", images)
+    bad = sorted(sorted(images.iterdir())[0].glob("*.png"))[2]  # not the first: the sample check passes
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    out = tmp_path / "cache"
+    args = ["--data-path", str(images), "--vae", str(assets / "vae"), "--resolution", str(RESOLUTION)]
+    args += ["--out", str(out), "--shard-size", "1000", "--num-workers", "0"]
+    assert main(args) == 2
+    assert "cannot decode image" in capsys.readouterr().err
+    assert not out.exists()
+    out.mkdir()  # a folder the user made is theirs: left in place
+    PartialState._reset_state()
+    assert main(args) == 2 and out.is_dir()
+
+
+@pytest.mark.launched
+def test_a_stop_signal_during_start_up_exits_4_and_leaves_nothing(assets, tmp_path):
+    """SIGTERM once the command has installed its handler (/proc's SigCgt says so) and before any shard:
+    the interpreter's default action once ended it with 143; now exit 4, one line, no --out folder."""
+    import signal
+    import time
+
+    out = tmp_path / "cache"
+    command = [sys.executable, "-m", "dit_accel.data.latents", "--data-path", str(assets / "images")]
+    command += ["--vae", str(assets / "vae"), "--resolution", str(RESOLUTION), "--out", str(out)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not _catches(process.pid, signal.SIGTERM):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.005)
+    process.send_signal(signal.SIGTERM)
+    err = process.communicate(timeout=120)[1]
+    assert process.returncode == 4, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [
+        "dit-accel extract-latents: preempted by SIGTERM during start-up, before any shard was encoded; exit 4 "
+        "(rerun the same command)"
+    ]
+    assert not out.exists()
+
+
+def _catches(pid: int, sig) -> bool:
+    """Whether process `pid` has a handler installed for `sig` (the SigCgt mask of /proc/PID/status)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & (1 << (int(sig) - 1)))
 
 
 def test_cli_accepts_both_spellings_of_every_option():

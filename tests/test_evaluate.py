@@ -236,6 +236,7 @@ def evaluation(tmp_path_factory):
     torch.save(_fitted_random_inception(reference).state_dict(), root / "inception.pth")
     np.savez(root / "reference.npz", reference)
     np.savez(root / "alike.npz", _blobs(10, seed=2), np.arange(10))  # arr_1: labels, as sample writes
+    np.savez(root / "reference16.npz", _blobs(12, seed=1, px=16))  # at the 16 px of `tiny_run`'s samples
     return root
 
 
@@ -321,7 +322,18 @@ def test_precomputed_reference_statistics_are_used(evaluation, alike_scores, tmp
 
 @pytest.mark.parametrize(
     "problem",
-    ["missing samples", "float images", "no weights", "too few", "half the statistics", "foreign weights"],
+    [
+        "missing samples",
+        "float images",
+        "no weights",
+        "too few",
+        "half the statistics",
+        "foreign weights",
+        "statistics of the wrong size",
+        "infinite sigma",
+        "NaN mu",
+        "another resolution",
+    ],
 )
 def test_bad_input_is_one_line_and_exit_2_with_nothing_written(
     evaluation, alike_scores, tmp_path, capsys, problem
@@ -346,10 +358,38 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_written(
     elif problem == "foreign weights":
         (root / "inception.pth").unlink()
         torch.save({"conv.weight": torch.zeros(1)}, root / "inception.pth")
+    elif problem in ("statistics of the wrong size", "infinite sigma", "NaN mu"):
+        # once: a ValueError traceback, a LinAlgError traceback, and "FID nan" with exit 0 and results written
+        pool, spatial = 2048, 63  # the Inception's widths at EVAL_PX
+        statistics = {
+            "mu": np.zeros(pool, np.float32),
+            "sigma": np.eye(pool, dtype=np.float32),
+            "mu_s": np.zeros(spatial, np.float32),
+            "sigma_s": np.eye(spatial, dtype=np.float32),
+        }
+        if problem == "statistics of the wrong size":
+            statistics["mu_s"], statistics["sigma_s"] = np.zeros(7, np.float32), np.eye(7, dtype=np.float32)
+        elif problem == "infinite sigma":
+            statistics["sigma"][3, 3] = np.inf
+        else:
+            statistics["mu"][0] = np.nan
+        (root / "reference.npz").unlink()
+        np.savez(root / "reference.npz", _blobs(6, seed=1), **statistics)
+    elif problem == "another resolution":  # once scored without a word
+        (root / "reference.npz").unlink()
+        np.savez(root / "reference.npz", _blobs(6, seed=1, px=48))
     assert _evaluate(root, samples, cache=evaluation / "cache") == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dit-accel evaluate: error: ") and len(err.splitlines()) == 1, err
     assert not (root / "results.json").exists()
+    expected = {
+        "statistics of the wrong size": "mu_s/sigma_s have shapes (7,) and (7, 7), the Inception features (63,)",
+        "infinite sigma": "mu/sigma hold NaN or infinite values",
+        "NaN mu": "mu/sigma hold NaN or infinite values",
+        "another resolution": "holds 48 x 48 images but the samples are 32 x 32",
+        "too few": "the samples hold 3 images",
+    }.get(problem, "")
+    assert expected in err
     if problem == "no weights":
         assert "curl -L --create-dirs -o" in err and "weights-inception-2015-12-05-6726825d.pth" in err
 
@@ -457,7 +497,7 @@ def test_sample_evaluate_scores_what_evaluate_scores_on_the_same_images(
 
     scoring = [
         "--evaluate",
-        evaluation / "reference.npz",
+        evaluation / "reference16.npz",
         "--inception-weights",
         evaluation / "inception.pth",
     ]
@@ -487,6 +527,13 @@ def test_sample_evaluate_scores_what_evaluate_scores_on_the_same_images(
         printed.count(f"FID {only['fid']:.4f} (5 samples vs 12 reference images)") == 3
     )  # both runs of sample, and evaluate
 
+    # A reference at another resolution (32 px against the run's 16) stops it before any sampling too.
+    other = ["--evaluate", evaluation / "reference.npz", *scoring[2:], "--results", tmp_path / "bad.json"]
+    assert _sample(tiny_run, *other, "--npz", tmp_path / "bad.npz") == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds 32 x 32 images but the samples are 16 x 16" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "bad.json").exists() and not list(tmp_path.glob("bad.npz*"))
+
     # A missing reference stops the command before any sampling, one line, nothing written.
     missing = ["--evaluate", tmp_path / "absent.npz", *scoring[2:], "--results", tmp_path / "bad.json"]
     assert _sample(tiny_run, *missing) == 2
@@ -510,13 +557,13 @@ def test_a_resumed_batch_is_scored_with_the_shards_it_already_had(evaluation, ti
     np.savez(tmp_path / "b.npz.parts" / "batch_000000.npz", images=255 - images[:3], labels=labels[:3])
     scoring = ["--inception-weights", evaluation / "inception.pth", "--cache-dir", evaluation / "cache"]
     scoring += ["--input-px", EVAL_PX]
-    argv = ["--batch-size", 3, "--npz", tmp_path / "b.npz", "--evaluate", evaluation / "reference.npz"]
+    argv = ["--batch-size", 3, "--npz", tmp_path / "b.npz", "--evaluate", evaluation / "reference16.npz"]
     assert _sample(tiny_run, *argv, *scoring, "--results", tmp_path / "b.json") == 0
     assert "1 batches made, 1 already done" in capsys.readouterr().out
     with np.load(tmp_path / "b.npz") as resumed:
         assert np.array_equal(resumed["arr_0"][:3], 255 - images[:3])
         assert np.array_equal(resumed["arr_0"][3:], images[3:])
-    argv = ["--samples", tmp_path / "b.npz", "--reference", evaluation / "reference.npz", "--batch-size", 3]
+    argv = ["--samples", tmp_path / "b.npz", "--reference", evaluation / "reference16.npz", "--batch-size", 3]
     assert evaluate([str(a) for a in [*argv, *scoring, "--out", tmp_path / "file.json"]]) == 0
     scored, from_file = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("b", "file"))
     for key in ("fid", "sfid", "inception_score", "precision", "recall"):

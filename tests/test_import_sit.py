@@ -97,3 +97,22 @@ def _a_ddpm_run_refuses_to_start_from_it(run):
     ):
         build_components(dataclasses.replace(plan, objective="ddpm"), config, device="cpu", init=init)
     build_components(plan, TrainConfig(plan="p", output_dir="o", latents="l"), device="cpu", init=init)
+
+
+@pytest.mark.parametrize(("command", "repository"), [(import_sit_main, "SiT"), (import_repa_main, "REPA")])
+def test_a_partial_sit_or_repa_state_dict_is_one_line_naming_its_repository(
+    command, repository, tmp_path, capsys
+):
+    """A truncated save used to reach the time fold's `state["final_layer.linear.weight"]`: a KeyError traceback."""
+    partial = original_state_dict(out_channels=8)
+    del partial["final_layer.linear.weight"], partial["blocks.1.mlp.fc2.bias"]
+    torch.save(partial, tmp_path / "partial.pt")
+    argv = ["--checkpoint", str(tmp_path / "partial.pt"), "--out", str(tmp_path / "run"), "--heads", "4"]
+    assert command(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and f"the {repository} checkpoint is incomplete: it lacks final_layer.linear.weight" in err[0]
+    )
+    assert f"of the {repository} repository" in err[0] and "original DiT" not in err[0]
+    assert not (tmp_path / "run").exists()

@@ -230,6 +230,24 @@ def test_sigterm_to_the_wrapper_is_forwarded_and_its_exit_code_is_the_ranks(work
     assert not any(map(_alive, [launcher, *ranks, *workers]))
 
 
+@pytest.mark.launched
+def test_sigterm_to_one_dataloader_worker_stops_the_run_as_one_to_its_rank(workspace, tmp_path):
+    """A signal to a worker alone (a user's `kill` of the busiest process, an OOM killer's neighbour) was
+    dropped by the worker's shield: the run trained on to its end, exit 0, without a word. The worker now
+    passes it on to its rank: the run stops at a step, saved, exit 4, as a signal to the rank does."""
+    out = tmp_path / "worker"
+    wrapper = _wrapper(workspace, out, *LONG, "--num-workers", 1)
+    _wait_for_step(out, 2, wrapper)
+    (launcher,) = _children(wrapper.pid)
+    rank1 = next(pid for pid in _children(launcher) if "RANK=1\0" in Path(f"/proc/{pid}/environ").read_text())
+    (worker,) = _children(rank1)
+    os.kill(worker, signal.SIGTERM)
+    code, err = _finish(wrapper)
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    assert "preempted by SIGTERM at step" in err and "killed by signal" not in err, err[-3000:]
+    assert _checkpoints(out) == [f"step_{_stop_step(err):08d}"]
+
+
 def _wait_for(condition, process: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -152,6 +152,76 @@ def test_a_repa_run_trains_from_a_latent_cache_with_its_images(caches, tmp_path)
     assert any(key.startswith("repa_projector") for key in weights)
 
 
+@pytest.mark.parametrize("name", ["../../secret.png", "/etc/hostname", "a/../../x.png"])
+def test_a_source_name_outside_the_images_folder_is_refused(caches, tmp_path, name):
+    """A shard's metadata comes with the cache: its names must not make a run read other files."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from dit_accel.data.cache_images import CacheImages
+    from dit_accel.data.source_kind import DatasetOptions
+
+    cache = shutil.copytree(caches["folder"], tmp_path / "cache")
+    shard = cache / "shard-00000.safetensors"
+    with safe_open(str(shard), "pt") as handle:
+        metadata = handle.metadata()
+    sources = json.loads(metadata["sources"])
+    metadata["sources"] = json.dumps([name, *sources[1:]])
+    save_file(load_file(shard), shard, metadata=metadata)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    with pytest.raises(
+        UserError, match="names the source image .*which is not a path inside the images' folder"
+    ):
+        CacheImages(cache, manifest, str(caches["images"]), DatasetOptions())
+
+
+def test_a_source_image_replaced_since_extraction_stops_the_run_in_one_line(caches, tmp_path, capsys):
+    """REPA aligned the latent of one image with the encoder's view of another, without a word; each
+    source's size as encoded is now recorded and held to the file the worker reads."""
+    import shutil
+
+    from test_repa import save_tiny_encoder
+    from test_train_e2e import QUIET, run_in_process
+
+    from planner.cli import main as plan_main
+
+    images = shutil.copytree(caches["images"], tmp_path / "images")
+    first, other = images / caches["paths"][0], images / caches["paths"][-1]
+    assert first.stat().st_size != other.stat().st_size
+    shutil.copyfile(other, first)  # another image under the first one's name
+    plan = tmp_path / "plan"
+    argv = [
+        *("--model", "DiT-S/2", "--depth", "1", "--hidden", "32", "--heads", "2", "--num-classes", "2"),
+        *("--resolution", str(RESOLUTION), "--latents", "precomputed", "--vram", "8G", "--gpus", "1"),
+        *("--global-batch", "6", "--precision", "fp32", "--repa", "dinov2-s", "--repa-projector-dim", "16"),
+        *("--out", str(plan)),
+    ]
+    assert plan_main(argv) == 0
+    save_tiny_encoder(tmp_path / "enc.pth")
+    code = run_in_process(
+        [
+            *("--plan", plan / "plan.json", "--latents", caches["folder"], "--data-path", images),
+            *("--output-dir", tmp_path / "run", "--repa-encoder", tmp_path / "enc.pth", "--repa-depth", "1"),
+            *(
+                "--repa-projector-dim",
+                "16",
+                "--max-steps",
+                "1",
+                "--no-tensorboard",
+                "--num-workers",
+                "0",
+                *QUIET,
+            ),
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"REPA's source image {first} has changed since its latent was extracted" in err[0]
+
+
 def test_the_planner_counts_the_images_a_cache_run_hands_over():
     from planner.plan import make_plan
 

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from accelerate.state import PartialState
 from PIL import Image
 from test_train_e2e import make_workspace, run_in_process
 
@@ -206,6 +207,30 @@ def test_what_a_resume_inherits_and_what_it_never_does(tmp_path):
     assert parse_config([str(a) for a in argv]).lr == 1e-4  # no --resume: a new start, the defaults
 
 
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        ({"lr": "2e-3"}, 'lr = "2e-3", which is not float'),
+        ({"log_every": True}, "log_every = true, which is not int"),
+        ({"betas": [0.9]}, "betas = [0.9], which is not a list of two numbers"),
+        ({"hflip": "yes"}, 'hflip = "yes", which is not bool or null'),
+    ],
+    ids=["lr-string", "log-every-bool", "betas-one", "hflip-string"],
+)
+def test_a_recorded_setting_of_the_wrong_type_is_one_line_on_resume(
+    workspace, tmp_path, capsys, edit, expected
+):
+    """A hand-edited train_config.json once reached the step as a TypeError traceback."""
+    run = tmp_path / "run"
+    required = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", run]
+    assert run_in_process([*required, "--max-steps", 2, "--checkpoint-every", 2, "--num-workers", 0]) == 0
+    recorded = json.loads((run / ckpt.TRAIN_CONFIG).read_text())
+    (run / ckpt.TRAIN_CONFIG).write_text(json.dumps({**recorded, **edit}))
+    capsys.readouterr()
+    err = _one_line(capsys, [*required, "--max-steps", 3, "--resume", "auto"])
+    assert expected in err and f"--{next(iter(edit)).replace('_', '-')}" in err
+
+
 def _one_line(capsys, argv) -> str:
     code = run_in_process(argv)
     err = capsys.readouterr().err.strip()
@@ -384,3 +409,44 @@ def test_sample_every_under_fsdp_gathers_the_sharded_ema(tmp_path):
     expected = make_grid(images, SAMPLES_PER_CLASS)
     margin = grid.shape[1] - expected.shape[1]
     assert margin > 0 and np.abs(grid[:, margin:].astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_a_latent_cache_changed_under_a_resumed_run_is_announced(workspace, tmp_path):
+    """Another cache (other images encoded) under a resumed run: once silent when it had as many entries."""
+    from dit_accel.data.demo import write_demo_data
+    from dit_accel.data.latents import ExtractConfig, extract_latents
+
+    other = tmp_path / "other"
+    write_demo_data(tmp_path / "images", classes=4, per_class=16, resolution=64, seed=9)
+    extract_latents(
+        ExtractConfig(
+            data_path=str(tmp_path / "images"),
+            vae=str(workspace["vae"]),
+            resolution=64,
+            out=str(other),
+            batch_size=16,
+            shard_size=64,
+            num_workers=0,
+        )
+    )
+    PartialState._reset_state()
+    run = tmp_path / "run"
+    required = [
+        "--plan",
+        workspace["plan1"],
+        "--output-dir",
+        run,
+        "--num-workers",
+        0,
+        "--checkpoint-every",
+        1,
+    ]
+    assert run_in_process([*required, "--latents", workspace["latents"], "--max-steps", 1]) == 0
+    assert run_in_process([*required, "--latents", other, "--max-steps", 2, "--resume", "auto"]) == 0
+    log = (run / "logs" / "rank0.log").read_text()
+    assert (
+        f"the data changed on resume (source {workspace['latents']} -> {other}): the samples after step 1"
+        in log
+    )
+    state = ckpt.read_train_state(run / "checkpoints" / "step_00000002")
+    assert state["data"]["source"] == str(other) and state["data"]["entries"] == 64

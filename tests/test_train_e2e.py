@@ -437,6 +437,30 @@ def test_a_step_that_waits_for_its_images_says_so_once(workspace, tmp_path):
     assert "raise --num-workers" in text and "| data wait " in text
 
 
+@pytest.mark.parametrize(
+    ("latents", "repa", "says", "never"),
+    [
+        ("online", "", "train on precomputed latents", "storage"),
+        ("pixel", "", "train on precomputed latents", "storage"),
+        (
+            "precomputed",
+            "dinov2-b",
+            "REPA's workers decode each latent's source image",
+            "precomputed latents",
+        ),
+        ("precomputed", "", "put the cache on local disk", "precomputed latents"),
+    ],
+)
+def test_the_data_wait_advice_fits_what_the_workers_do(latents, repa, says, never):
+    """A run already on precomputed latents was told to train on precomputed latents."""
+    from dit_accel.train.steplog import data_wait_advice
+    from planner.decision import Decision
+
+    decision = Decision(8, 1, 0, precision="bf16", sharding="ddp", latents=latents, repa=repa)
+    advice = data_wait_advice(decision)
+    assert says in advice and never not in advice
+
+
 def test_online_vae_and_pixel_modes_train(workspace, tmp_path):
     """The other two latent modes of a plan: images encoded by the VAE each step, and pixel space."""
     plan = json.loads(workspace["plan1"].read_text())

@@ -26,7 +26,7 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_eval")
     write_tiny_pixel_workspace(root)
     plan_tiny_pixel("--objective", "flow", "--out", str(root / "plan-flow"))
-    reference = _blobs(12, seed=1)
+    reference = _blobs(12, seed=1, px=16)  # the run's samples' side
     torch.save(_fitted_random_inception(reference).state_dict(), root / "inception.pth")
     np.savez(root / "reference.npz", reference)
     return root
@@ -169,3 +169,97 @@ def test_missing_files_are_refused_in_one_line_before_training(workspace, tmp_pa
     assert len(err.splitlines()) == 1 and err.startswith("dit_accel.train: error: "), err
     assert ("absent.npz does not exist" if problem == "no reference" else "curl -L --create-dirs") in err
     assert not run.exists()  # refused with the flags: no run folder, no process group, no model
+
+
+@pytest.mark.launched
+def test_a_stop_signal_during_an_evaluation_ends_it_and_saves_the_step(workspace, tmp_path):
+    """SIGTERM to the launcher while every rank samples for --eval-every: the evaluation once ran to its end
+    before the stop was seen (63 s from TERM to exit, past a cluster's grace). Now every rank votes before
+    each batch: the evaluation ends unscored, the step is saved, exit 4."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ports import launch_port
+    from test_preemption import _children
+    from test_train_e2e import _env
+
+    from dit_accel.errors import EXIT_PREEMPTED
+
+    plan_tiny_pixel("--gpus", "2", "--out", str(tmp_path / "plan"))
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "dit_accel.cli", "train", "--main-process-port", launch_port()]
+    command += ["--plan", tmp_path / "plan" / "plan.json", "--data-path", workspace / "images"]
+    command += [
+        "--output-dir",
+        run,
+        "--num-workers",
+        0,
+        "--no-progress-bar",
+        "--no-tensorboard",
+        "--log-every",
+        1,
+    ]
+    command += ["--max-steps", 100, "--checkpoint-every", 100, "--eval-every", 2, "--eval-samples", 512]
+    command += [
+        "--eval-steps",
+        50,
+        "--eval-input-px",
+        EVAL_PX,
+        "--eval-reference",
+        workspace / "reference.npz",
+    ]
+    command += ["--inception-weights", workspace / "inception.pth"]
+    env = _env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    process = subprocess.Popen(
+        [str(a) for a in command], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    log_path = run / "logs" / "rank0.log"
+    deadline = time.monotonic() + 180
+    while "eval step 2: sampling" not in (log_path.read_text() if log_path.exists() else ""):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    (launcher,) = _children(process.pid)
+    os.kill(launcher, signal.SIGTERM)
+    _out, err = process.communicate(timeout=180)
+    assert process.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "preempted by SIGTERM at step 2" in err
+    stopped = re.search(
+        r"eval step 2: stopped by a signal after (\d+) of (\d+) batches", log_path.read_text()
+    )
+    assert stopped and int(stopped[1]) < int(stopped[2]) == 64  # 512 images, 2 ranks, micro-batch 4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2] and not any("eval/fid" in line for line in lines)
+
+
+def test_an_image_folder_changed_under_a_resumed_run_is_announced(workspace, tmp_path):
+    """Two images swapped between classes (the same 8 entries), then the run pointed at another copy: each
+    resume once went on without a word, as every changed flag does not ("changed on resume")."""
+    import shutil
+
+    images = shutil.copytree(workspace / "images", tmp_path / "images")
+    run = tmp_path / "run"
+
+    def train(steps: int, data) -> str:
+        argv = ["--plan", workspace / "plan" / "plan.json", "--data-path", data, "--output-dir", run]
+        argv += ["--num-workers", 0, "--no-progress-bar", "--no-tensorboard", "--max-steps", steps]
+        assert e2e.run_in_process([*argv, "--checkpoint-every", 1, "--resume", "auto"]) == 0
+        return (run / "logs" / "rank0.log").read_text()
+
+    train(1, images)
+    assert "the data changed on resume" not in train(2, images)  # the same folder: nothing to say
+    classes = sorted(path for path in images.iterdir() if path.is_dir())
+    first, second = sorted(classes[0].iterdir())[0], sorted(classes[1].iterdir())[0]
+    first.rename(classes[1] / f"moved_{first.name}")
+    second.rename(classes[0] / f"moved_{second.name}")
+    log = train(3, images)
+    assert (
+        "the data changed on resume (the same 8 entries, other ones or in another order): the samples " in log
+    )
+    moved = shutil.copytree(images, tmp_path / "moved")
+    log = train(4, moved)
+    assert f"the data changed on resume (source {images} -> {moved}): the samples after step 3" in log

@@ -22,8 +22,9 @@ from dit_accel.errors import UserError
 ROW_PREFIX = "row "  # how a dataset's entries are named (hf_source.DatasetListing.name)
 
 
-def shard_sources(path: Path) -> list[str]:
-    """The `sources` a shard's metadata lists, one per entry in its order."""
+def shard_sources(path: Path) -> tuple[list[str], list[int]]:
+    """The `sources` a shard's metadata lists, one per entry in its order, and each source file's size as it
+    was encoded (-1 where not recorded: a dataset's row, or a cache made before sizes were)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="np") as handle:
@@ -33,7 +34,32 @@ def shard_sources(path: Path) -> list[str]:
             f"latent cache shard {path} names no source images (made before caches recorded them)",
             "extract the latents again (`dit-accel extract-latents ... --overwrite`) to train REPA from them",
         )
-    return json.loads(metadata["sources"])
+    names = json.loads(metadata["sources"])
+    sizes = json.loads(metadata["source_bytes"]) if "source_bytes" in metadata else [-1] * len(names)
+    return names, sizes
+
+
+def check_source_names(names: list[str], kind: str | None, cache_dir: Path) -> None:
+    """A folder's entries are relative paths inside it, a dataset's `row N`: a shard's metadata comes with
+    the cache, from whoever made it, and must not make a run read files outside the images' folder. (Links
+    inside the folder are followed: the folder is the run's own data, as --data-path is.)"""
+    for name in names:
+        if kind is None:
+            bad = (
+                name.startswith("/")
+                or name == ".."
+                or name.startswith("../")
+                or "/../" in name
+                or name.endswith("/..")
+            )
+        else:
+            bad = not (name.startswith(ROW_PREFIX) and name.removeprefix(ROW_PREFIX).isdigit())
+        if bad:
+            raise UserError(
+                f"latent cache {cache_dir} names the source image {name!r}, which is not "
+                + ("a path inside the images' folder" if kind is None else "a row of the dataset"),
+                "extract the latents again from the images (`dit-accel extract-latents ... --overwrite`)",
+            )
 
 
 class CacheImages:
@@ -57,8 +83,14 @@ class CacheImages:
         self.options = DatasetOptions(
             manifest.get("split") or options.split, options.image_column, options.label_column
         )
-        names = [name for record in manifest["shards"] for name in shard_sources(cache_dir / record["file"])]
+        names, sizes = [], []
+        for record in manifest["shards"]:
+            shard_names, shard_sizes = shard_sources(cache_dir / record["file"])
+            names += shard_names
+            sizes += shard_sizes
+        check_source_names(names, self.kind, cache_dir)
         self.sources = np.array(names, dtype=np.bytes_)  # fixed width: no per-entry objects in the workers
+        self.source_bytes = np.array(sizes, dtype=np.int64)
         self._rows = None  # a dataset's split, opened in the process (or worker) that reads it
 
     def __getstate__(self):
@@ -69,9 +101,12 @@ class CacheImages:
     def __len__(self) -> int:
         return len(self.sources)
 
-    def _open(self, name: str):
+    def _open(self, name: str, recorded_bytes: int = -1):
         if self.kind is None:
-            return load_rgb(Path(self.root) / name, name)
+            path = Path(self.root) / name
+            if recorded_bytes >= 0:
+                check_unchanged(path, recorded_bytes)
+            return load_rgb(path, name)
         from dit_accel.data.hf_source import image_stream, open_dataset
 
         if self._rows is None:
@@ -85,4 +120,20 @@ class CacheImages:
         return load_rgb(image_stream(cell), f"{self.root} {name}")
 
     def pixels(self, index: int, mirrored: bool) -> torch.Tensor:
-        return training_pixels(self._open(self.sources[index].decode()), self.resolution, mirrored)
+        image = self._open(self.sources[index].decode(), int(self.source_bytes[index]))
+        return training_pixels(image, self.resolution, mirrored)
+
+
+def check_unchanged(path: Path, recorded_bytes: int) -> None:
+    """The image file is the size it was when its latent was encoded: REPA would otherwise align the latent
+    of one image with the encoder's view of another, without a word."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return  # load_rgb says what is wrong with a missing file
+    if size != recorded_bytes:
+        raise UserError(
+            f"REPA's source image {path} has changed since its latent was extracted ({size:,} bytes, then "
+            f"{recorded_bytes:,})",
+            "restore the image, or extract the latents again (`dit-accel extract-latents ... --overwrite`)",
+        )

@@ -65,8 +65,9 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
             f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads {FORMAT!r}",
             "re-run extract-latents into a new folder",
         )
+    check_manifest_layout(cache, manifest)
     for record in manifest["shards"]:
-        path = cache / record["file"]
+        path = shard_path(cache, record["file"])
         size = path.stat().st_size if path.is_file() else None
         if size != record["bytes"]:
             found = "is missing" if size is None else f"has {size} bytes, the manifest says {record['bytes']}"
@@ -75,6 +76,49 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
                 "re-run the same extract-latents command to rewrite it",
             )
     return manifest
+
+
+def shard_path(cache: Path, name) -> Path:
+    """A shard the manifest names, confined to the cache folder: a plain file name, which is no link out of
+    it. A manifest comes with the cache, from whoever made it; it must not make a run read other files."""
+    path = cache / str(name)
+    inside = isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
+    if not inside or not path.resolve().is_relative_to(cache.resolve()):
+        raise UserError(
+            f"latent cache {cache}'s manifest names the shard {name!r}, which is not a file in the cache folder",
+            "re-run extract-latents into a new folder (shards are read from the cache folder only; to keep a "
+            "cache elsewhere, link or mount the whole folder)",
+        )
+    return path
+
+
+def check_manifest_layout(cache: Path, manifest: dict) -> None:
+    """What a cheap look can tell of an edited or mixed cache (the shards' checksums are `verify_cache`'s, a
+    read of the whole cache: `dit-accel doctor --full`): shards numbered 0..n-1 in order, their counts
+    adding up to the manifest's, and no shard file on disk that the manifest does not list (a dropped
+    shard would shrink the data set without a word)."""
+    records = manifest["shards"]
+    for record in records:
+        shard_path(cache, record["file"])
+    fix = "re-run the same extract-latents command (with --overwrite if it refuses) to rewrite the cache"
+    numbers = [record.get("shard", index) for index, record in enumerate(records)]
+    if numbers != list(range(len(records))):
+        raise UserError(f"latent cache {cache} is damaged: its manifest lists shards {numbers[:8]}...", fix)
+    counts = [record["count"] for record in records]
+    if not all(isinstance(count, int) and count >= 0 for count in counts) or sum(counts) != manifest["count"]:
+        raise UserError(
+            f"latent cache {cache} is damaged: its shards count {sum(map(int, counts))} entries, its manifest "
+            f"{manifest['count']}",
+            fix,
+        )
+    listed = {record["file"] for record in records}
+    unlisted = sorted(path.name for path in cache.glob("shard-*.safetensors") if path.name not in listed)
+    if unlisted:
+        raise UserError(
+            f"latent cache {cache} holds shard files its manifest does not list ({', '.join(unlisted[:3])}"
+            f"{', ...' if len(unlisted) > 3 else ''}): the manifest was edited, or two caches were mixed",
+            fix,
+        )
 
 
 def _holds_images(folder: Path) -> bool:
@@ -205,6 +249,8 @@ def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | No
     if isinstance(vae_identity, (str, os.PathLike)):
         vae_identity = load_vae(str(vae_identity))[1]
     cached = manifest["vae"]
+    if cached is None:  # a published folder names no VAE: nothing to hold the run's to
+        return
     for key in ("weights_sha256", "config_sha256"):
         if cached[key] != vae_identity[key]:
             what = "weights" if key.startswith("weights") else "config"
@@ -259,6 +305,8 @@ class LatentCache(torch.utils.data.Dataset):
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         _allow_open_files(len(self._files) + 64)  # each memory map holds a file descriptor
         self._maps: dict[int, dict[str, np.ndarray]] = {}
+        for shard, count in enumerate(counts):
+            self._check_shard(shard, count)
         self.labels = torch.cat(
             [
                 torch.from_numpy(np.array(self._shard(k)["labels" if self.published else "label"]))
@@ -282,8 +330,27 @@ class LatentCache(torch.utils.data.Dataset):
     def _shard(self, shard: int) -> dict[str, np.ndarray]:
         arrays = self._maps.get(shard)
         if arrays is None:
-            arrays = self._maps[shard] = map_shard(self.dir / self._files[shard])
+            arrays = self._maps[shard] = map_shard(shard_path(self.dir, self._files[shard]))
         return arrays
+
+    def _check_shard(self, shard: int, count: int) -> None:
+        """The shard holds the entries the manifest counts, of the manifest's shape (its header, read at
+        start): an edited count once ended a run with an IndexError in a DataLoader worker."""
+        arrays = self._shard(shard)
+        if self.published:
+            expected = {name: (count, *self.latent_shape) for name in ("latents", "latents_flip")}
+            expected["labels"] = (count,)
+        else:
+            expected = {name: (count, self.views, *self.latent_shape) for name in ("mean", "std")}
+            expected["label"] = (count,)
+        for name, shape in expected.items():
+            found = arrays[name].shape if name in arrays else None
+            if found != shape:
+                raise UserError(
+                    f"latent cache {self.dir} is damaged: {self._files[shard]} holds {name} of shape {found}, "
+                    f"its manifest says {shape}",
+                    "re-run the same extract-latents command (with --overwrite if it refuses) to rewrite it",
+                )
 
     def _locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """Entry indices (negative allowed) -> (shard, row within the shard) arrays."""

@@ -25,7 +25,8 @@ On disk (CACHE/):
     shard-00000.safetensors ...   mean, std: [n, views, C, h, w] (views = 2: image, mirror);
                                   label: [n] int64; source_index: [n] int64 (position in the listing);
                                   metadata `sources`: each entry's image (a folder's relative path,
-                                  a dataset's `row N`), JSON
+                                  a dataset's `row N`), JSON; `source_bytes`: each image file's size
+                                  as encoded (-1 for a dataset's row)
 """
 
 from __future__ import annotations
@@ -63,7 +64,29 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ExtractionStopped(Exception):
-    """A stop signal ended the extraction at a batch boundary; the message says what is kept."""
+    """A stop signal ended the extraction at a batch boundary, or during its start-up; the message says what
+    is kept."""
+
+
+class _StartUpStop:
+    """Until the encoding starts (and installs its own `StopRequest`), a stop signal ends the command at once:
+    nothing is written before the encoding but the empty cache folder, which the failure path removes. Without
+    it the interpreter's default action killed the process (exit 143, not 4)."""
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._stop) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *_exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @staticmethod
+    def _stop(signum, _frame):
+        raise ExtractionStopped(
+            f"preempted by {signal_name(signum)} during start-up, before any shard was encoded; exit "
+            f"{EXIT_PREEMPTED} (rerun the same command)"
+        )
 
 
 def shard_name(shard: int) -> str:
@@ -232,7 +255,10 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
     # Rank 0 marks the cache incomplete and clears temporary files of a killed run before anyone writes,
     # and tells everyone which shard files exist (one view of a shared filesystem for all nodes).
     present: list[list[int]] = [[]]
+    made = []  # the cache folder, when this command made it: removed again if it fails before any shard
     if state.is_main_process:
+        if not work.exists():
+            made.append(work)
         work.mkdir(parents=True, exist_ok=True)
         (work / MANIFEST_NAME).unlink(missing_ok=True)  # only ever an incomplete cache's (or none)
         for leftover in work.glob(".*.tmp"):  # shards, manifest or class map never renamed into place
@@ -243,20 +269,43 @@ def extract_latents(config: ExtractConfig) -> ExtractResult:
         present = [[k for k in shards if (work / shard_name(k)).is_file()]]
     broadcast_object_list(present)
     state.wait_for_everyone()
+    try:
+        return _extract(
+            config, state, layout, listing, streamed, present[0], vae, identity, work, out, summary
+        )
+    except BaseException:
+        for folder in made:  # nothing of it is kept when nothing was written
+            _remove_if_empty(folder)
+        raise
 
+
+def _remove_if_empty(folder: Path) -> None:
+    """Remove a cache folder this command made if it holds no shard (only temporary files, or nothing)."""
+    if any(folder.glob("shard-*.safetensors")):
+        return
+    for leftover in folder.glob(".*.tmp"):
+        leftover.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # something else is in it: not ours to remove
+        pass
+
+
+def _extract(config, state, layout, listing, streamed, present, vae, identity, work, out, summary):
+    """Every process: its share of the shards, encoded (or reused), then the manifest (`_encode_and_finish`)."""
     result = ExtractResult(out=out, count=0, is_main_process=state.is_main_process)
     records: list[dict] = []
     if streamed:  # one ordered pass; each process encodes the shards it owns as the pass reaches them
         from dit_accel.data.stream_latents import stream_batches
 
-        loader = stream_batches(layout, present[0], config, result, records, _reuse_shard, _collate)
+        loader = stream_batches(layout, present, config, result, records, _reuse_shard, _collate)
         return _encode_and_finish(
             layout, loader, None, vae, config, state, result, records, identity, work, out
         )
     # Ranks share out what remains to do, so a resumed run stays balanced.
-    missing = sorted(set(range(layout.num_shards)) - set(present[0]))
+    missing = sorted(set(range(layout.num_shards)) - set(present))
     to_encode = missing[layout.rank :: layout.world_size]
-    for shard in present[0][layout.rank :: layout.world_size]:
+    for shard in present[layout.rank :: layout.world_size]:
         record = _reuse_shard(layout, shard)
         if record is None:
             to_encode.append(shard)
@@ -449,7 +498,16 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
         first = batch["indices"][0].item() if len(batch["indices"]) else batch["bad"][0][0]
         shard = first // layout.shard_size
         parts = pending.setdefault(
-            shard, {"mean": [], "std": [], "label": [], "source_index": [], "skipped": [], "sources": []}
+            shard,
+            {
+                "mean": [],
+                "std": [],
+                "label": [],
+                "source_index": [],
+                "skipped": [],
+                "sources": [],
+                "bytes": [],
+            },
         )
         for index, problem in batch["bad"]:
             if not skip_bad_images:
@@ -468,6 +526,7 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
             parts["label"].append(batch["labels"])
             parts["source_index"].append(batch["indices"])
             parts["sources"] += [layout.listing.name(i) for i in batch["indices"].tolist()]
+            parts["bytes"] += [source_bytes(layout.listing, i) for i in batch["indices"].tolist()]
         progress.update(len(batch["indices"]) + len(batch["bad"]))
 
         bounds = layout.bounds(shard)
@@ -497,9 +556,19 @@ def _encode_shards(layout: _Layout, loader, vae, skip_bad_images: bool, progress
                 "world_size": str(layout.world_size),
                 "skipped": json.dumps(parts["skipped"]),
                 "sources": json.dumps(parts["sources"]),
+                "source_bytes": json.dumps(parts["bytes"]),
                 "channel_sums": json.dumps(channel_sums(tensors["mean"], tensors["std"])),
             }
             yield _write_shard(layout.out, shard, tensors, metadata)
+
+
+def source_bytes(listing, index: int) -> int:
+    """The size of entry `index`'s image file as it was encoded (-1 for a dataset's row): REPA's reader holds
+    each source it reads to it (`cache_images`), so an image replaced since is not read as the latent's."""
+    root = getattr(listing, "root", None)
+    if root is None or not hasattr(listing, "paths"):
+        return -1
+    return os.stat(Path(root) / listing.paths[index]).st_size
 
 
 def channel_sums(mean: torch.Tensor, std: torch.Tensor) -> dict:
@@ -592,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ExtractConfig(**vars(args))
     try:
-        result = extract_latents(config)
+        with _StartUpStop():
+            result = extract_latents(config)
     except ExtractionStopped as stopped:
         if int(os.environ.get("RANK", "0") or 0) == 0:
             print(f"dit-accel extract-latents: {stopped}", file=sys.stderr)

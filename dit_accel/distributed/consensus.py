@@ -46,6 +46,19 @@ def gathered(accelerator, value) -> list:
     return gather_object([value])
 
 
+def stop_vote(accelerator, signum: int) -> int:
+    """The stop signal some rank was sent (the highest number when several), 0 when none: one collective,
+    which every rank must reach at the same point (a loop outside the training step votes as the step does)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return signum
+    import torch
+    import torch.distributed as dist
+
+    vote = torch.tensor([signum], dtype=torch.int64, device=accelerator.device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return int(vote.item())
+
+
 def agreed(error: BaseException) -> BaseException:
     """`error`, which every rank is about to raise alike, after this rank has left the process group: no
     collective follows, and a rank that exits while a peer's gloo threads still expect it would otherwise

@@ -63,7 +63,8 @@ def evaluate(args) -> int:
     samples = NpzImages(args.samples, "--samples")
     check_enough(len(samples), "the samples")
     evaluator = Evaluator(accelerator, args.inception_weights, args.batch_size, args.cache_dir, args.input_px)
-    reference = evaluator.reference(args.reference)
+    side = samples.shape[1] if samples.shape[1] == samples.shape[2] else None
+    reference = evaluator.reference(args.reference, side)  # checked before the samples' features
     features = evaluator.npz_features(samples, desc="sample features")
     scores = evaluator.score(features, reference)
     if accelerator.is_main_process:

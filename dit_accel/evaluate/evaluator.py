@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 from dit_accel.errors import UserError
 from dit_accel.evaluate import PAPER_SAMPLES, metrics
 from dit_accel.evaluate.features import ADM_BATCH, FeatureCollector, Features, NpzImages, npz_features
@@ -61,27 +63,27 @@ class Evaluator:
     def npz_features(self, images: NpzImages, desc: str) -> Features:
         return npz_features(images, self.network, self.accelerator, self.batch_size, desc)
 
-    def reference(self, path: str | Path) -> ReferenceBatch:
+    def reference(self, path: str | Path, image_px: int | None = None) -> ReferenceBatch:
         """The reference batch's statistics: from the cache when an entry for this file and these weights
         exists, else computed (its images' features; FID/sFID statistics from the .npz when it holds them)
-        and cached by the main process."""
+        and cached by the main process. Checked whole before any sample is made: its images' side against
+        `image_px` (the samples'), and its statistics' shapes and values (`check_statistics`)."""
         path = Path(path)
         images = NpzImages(path, "the reference")
+        if image_px is not None:
+            check_same_side(images, image_px, path)
         cached_at = cache_path(path, self.weights_sha256, self.input_px, self.cache_dir)
         cached = read_cache(cached_at)
         if cached is not None:
+            check_statistics(cached.fid, cached.sfid, self.network.feature_widths, cached_at)
             return cached
         check_enough(len(images), "the reference")
         precomputed = precomputed_statistics(path)
+        if precomputed is not None:  # before the reference's features are computed
+            check_statistics(*precomputed, self.network.feature_widths, path)
         features = self.npz_features(images, desc="reference features")
         fid, sfid = precomputed or (metrics.statistics(features.pool), metrics.statistics(features.spatial))
         reference = ReferenceBatch(features.pool, fid, sfid, len(features), precomputed is not None)
-        if reference.fid.mu.shape != (features.pool.shape[1],):
-            raise UserError(
-                f"the reference {path}'s mu has {len(reference.fid.mu)} features, the Inception pool has "
-                f"{features.pool.shape[1]}",
-                "use a reference batch made for the ADM evaluator",
-            )
         if self.is_main:
             try:
                 write_cache(cached_at, reference)
@@ -123,10 +125,42 @@ def check_enough(count: int, what: str) -> None:
     """Precision and recall need more than k = 3 images a side (FID needs 2)."""
     least = metrics.NEAREST_NEIGHBOUR_K + 1
     if count < least:
+        holds = "hold" if what.endswith("samples") else "holds"
         raise UserError(
-            f"{what} hold {count} images: the k = {metrics.NEAREST_NEIGHBOUR_K} precision/recall needs at least {least}",
+            f"{what} {holds} {count} image{'' if count == 1 else 's'}: the k = {metrics.NEAREST_NEIGHBOUR_K} "
+            f"precision/recall needs at least {least}",
             f"score {PAPER_SAMPLES:,} samples, as the papers do",
         )
+
+
+def check_same_side(images: NpzImages, image_px: int, path: Path) -> None:
+    """FID compares like with like: a reference made at another resolution scores samples against other
+    images (the ADM evaluator resizes both to 299 px, so nothing else would say so)."""
+    height, width = images.shape[1:3]
+    if (height, width) != (image_px, image_px):
+        raise UserError(
+            f"the reference {path} holds {height} x {width} images but the samples are {image_px} x {image_px}",
+            f"pass the reference batch made at {image_px} px (ADM's VIRTUAL_imagenet{image_px}_labeled.npz)",
+        )
+
+
+def check_statistics(fid: metrics.Statistics, sfid: metrics.Statistics, widths, path: Path) -> None:
+    """mu (D,) and sigma (D, D) of the pool (FID) and spatial (sFID) features, every value finite: a
+    malformed reference once failed with a traceback after all sampling, or scored FID nan."""
+    pool, spatial, _ = widths
+    for name, statistics, width in (("mu/sigma", fid, pool), ("mu_s/sigma_s", sfid, spatial)):
+        mu, sigma = np.asarray(statistics.mu), np.asarray(statistics.sigma)
+        if mu.shape != (width,) or sigma.shape != (width, width):
+            raise UserError(
+                f"the reference {path}'s {name} have shapes {mu.shape} and {sigma.shape}, the Inception "
+                f"features {(width,)} and {(width, width)}",
+                "use a reference batch made for the ADM evaluator (or one without precomputed statistics)",
+            )
+        if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+            raise UserError(
+                f"the reference {path}'s {name} hold NaN or infinite values",
+                "use an intact reference batch (or one without precomputed statistics)",
+            )
 
 
 class Scorer:
@@ -144,16 +178,17 @@ class Scorer:
         cache_dir: str | Path | None = None,
         input_px: int = INPUT_PX,
         num_samples: int | None = None,
+        image_px: int | None = None,
     ):
         if num_samples is not None:
             check_enough(num_samples, "the samples")
         self.reference_path = Path(reference)
         self.evaluator = Evaluator(accelerator, weights, batch_size, cache_dir, input_px)
-        self.reference = self.evaluator.reference(self.reference_path)
+        self.reference = self.evaluator.reference(self.reference_path, image_px)
         self.collector = self.evaluator.collector()
 
     @classmethod
-    def from_flags(cls, accelerator, args) -> Scorer:
+    def from_flags(cls, accelerator, args, image_px: int) -> Scorer:
         """`sample --evaluate`'s: its reference, weights, batch size, cache, Inception input and count."""
         return cls(
             accelerator,
@@ -163,6 +198,7 @@ class Scorer:
             args.cache_dir,
             args.input_px,
             args.num_samples,
+            image_px,
         )
 
     def add(self, images, indices) -> None:

@@ -35,6 +35,7 @@ def load_original_dit(
     heads: int | None = None,
     prefer: str = "ema",
     trust_pickle: bool = False,
+    what: str = "original DiT",
 ) -> DiTTransformer2DModel:
     """A tied model (timestep shift 0, layer-norm eps 1e-6) that reproduces an original DiT checkpoint.
 
@@ -43,12 +44,14 @@ def load_original_dit(
     "module." prefix is stripped. The spec is inferred from shapes (depth, hidden, patch, channels, latent
     size, classes, learned sigma); the head count cannot be, so it comes from the DiT family table, `heads`,
     or `spec`. Files are read with `weights_only=True`; `trust_pickle=True` allows other pickled objects.
+    `what` names the repository in errors (SiT's and REPA's checkpoints have this layout too).
     """
-    state = original_state_dict(path_or_state_dict, prefer=prefer, trust_pickle=trust_pickle)
+    state = original_state_dict(path_or_state_dict, prefer=prefer, trust_pickle=trust_pickle, what=what)
     inferred = spec_from_original_state_dict(
         state,
         heads=heads if spec is None else spec.heads,
         latent_size=None if spec is None else spec.latent_size,
+        what=what,
     )
     if spec is not None:
         _check_same_network(spec, inferred)
@@ -132,11 +135,14 @@ def original_state_dict(
 
 
 def spec_from_original_state_dict(
-    state: dict[str, torch.Tensor], heads: int | None = None, latent_size: int | None = None
+    state: dict[str, torch.Tensor],
+    heads: int | None = None,
+    latent_size: int | None = None,
+    what: str = "original DiT",
 ) -> DiTSpec:
     """Depth, width, patch, channels, latent size, classes and learned sigma, read off the tensor shapes
     (`heads`, and `latent_size` when the state dict has no pos_embed, must be given where they cannot be)."""
-    _check_complete(state)
+    check_complete(state, what)
     hidden, in_channels, patch, _ = state["x_embedder.proj.weight"].shape
     depth = len({key.split(".")[1] for key in state if key.startswith("blocks.")})
     out_channels = state["final_layer.linear.weight"].shape[0] // (patch * patch)
@@ -171,7 +177,7 @@ _TOP_LAYERS = ("x_embedder.proj", "t_embedder.mlp.0", "t_embedder.mlp.2", "final
 _BLOCK_LAYERS = ("adaLN_modulation.1", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
 
 
-def _check_complete(state: dict[str, torch.Tensor]) -> None:
+def check_complete(state: dict[str, torch.Tensor], what: str = "original DiT") -> None:
     """Every tensor a DiT of this depth has (the depth: its highest block), before any is read: a partial
     state dict (a truncated save, a subset, another network) is one line naming what is missing."""
     blocks = {
@@ -187,9 +193,10 @@ def _check_complete(state: dict[str, torch.Tensor]) -> None:
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         raise UserError(
-            f"the original DiT checkpoint is incomplete: it lacks {', '.join(missing[:4])}{more} "
+            f"the {what} checkpoint is incomplete: it lacks {', '.join(missing[:4])}{more} "
             f"({len(state)} tensors found)",
-            "pass the whole .pt state dict of the DiT repository (a truncated or partial save cannot be imported)",
+            f"pass the whole .pt state dict of the {what} repository (a truncated or partial save cannot be "
+            "imported)",
         )
 
 

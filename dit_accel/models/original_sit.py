@@ -26,9 +26,10 @@ import math
 import torch
 
 from dit_accel.errors import UserError
-from dit_accel.models.original_dit import load_original_dit, original_state_dict
+from dit_accel.models.original_dit import check_complete, load_original_dit, original_state_dict
 
 LAYOUTS = ("sit", "repa")
+REPOSITORY = {"sit": "SiT", "repa": "REPA"}  # as errors name them
 TIMESTEP_FEATURES = 256  # the DiT's frequency embedding size (half cos, half sin)
 REPA_PROJECTOR_PREFIX = "projectors."
 
@@ -101,9 +102,11 @@ def load_flow_checkpoint(
     computes dit-accel's velocity at dit-accel's t; `notes` says what was changed or left out."""
     if layout not in LAYOUTS:
         raise UserError(f"the checkpoint layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    state = original_state_dict(path_or_state_dict, prefer=prefer, trust_pickle=trust_pickle)
+    what = REPOSITORY[layout]
+    state = original_state_dict(path_or_state_dict, prefer=prefer, trust_pickle=trust_pickle, what=what)
     notes = []
     state, projector = without_repa_projector(state)
+    check_complete(state, what)  # before the folds below read any tensor
     if projector:
         notes.append(
             f"REPA's projector ({len(projector)} tensors) left out: only REPA's training loss uses it"
@@ -114,4 +117,4 @@ def load_flow_checkpoint(
     if layout == "sit":
         state = sit_to_dit_accel(state)
         notes.append("time reversed (t = 1 - t_SiT) and velocity negated, folded into the weights")
-    return load_original_dit(state, heads=heads, prefer=prefer), notes
+    return load_original_dit(state, heads=heads, prefer=prefer, what=what), notes

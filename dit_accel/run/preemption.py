@@ -12,7 +12,7 @@ saves and stops like a preempted one instead of training on, orphaned, holding i
 `WorkerShield` keeps a rank's DataLoader workers out of it: the signal reaches them too (SLURM signals every
 process of the step, `dit-accel train` the launcher's process group), and torch's worker handler dies of a
 SIGTERM that its rank did not send, which fails the rank ("DataLoader worker ... killed by signal") before it
-can save. The rank decides when its workers end.
+can save. The rank decides when its workers end; a signal sent to a worker alone is passed on to its rank.
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ class WorkerShield:
 
     The signals are blocked in the worker and a thread waits for them (`sigwaitinfo` tells the sender): one
     from the rank (the DataLoader ending a stuck worker with SIGTERM) ends the worker as torch's own handler
-    would, any other (the scheduler's, meant for the rank) is dropped. Picklable, for spawned workers too."""
+    would; any other (a scheduler's or a user's) is meant for the run, so it is passed on to the rank, which
+    stops the run at its next step, saved, as if it had been sent the signal itself (a signal to the whole
+    process group reaches the rank anyway: the first one names the stop). Before, a signal to a worker alone
+    was dropped and the run trained to its end without a word. Picklable, for spawned workers too."""
 
     def __init__(self, signals) -> None:
         self.signals = tuple(int(sig) for sig in signals)
@@ -79,7 +82,12 @@ class WorkerShield:
 
     def _wait(self) -> None:
         while True:
-            if signal.sigwaitinfo(self.signals).si_pid == self.rank_pid:
+            info = signal.sigwaitinfo(self.signals)
+            if info.si_pid == self.rank_pid:
+                os._exit(0)
+            try:
+                os.kill(self.rank_pid, info.si_signo)
+            except OSError:  # the rank is gone: nothing left to stop
                 os._exit(0)
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -604,12 +605,18 @@ def recorded_settings(config: TrainConfig) -> tuple[dict, Path] | None:
     for path in candidates:
         if path.is_file():
             try:
-                return json.loads(path.read_text()), path
+                recorded = json.loads(path.read_text())
             except (OSError, ValueError) as error:
                 raise UserError(
                     f"cannot read the run's recorded settings {path}: {error}",
                     "restore the file, or delete it to resume with the defaults",
                 ) from None
+            if not isinstance(recorded, dict):
+                raise UserError(
+                    f"the run's recorded settings {path} are not a JSON object of flags",
+                    "restore the file, or delete it to resume with the defaults",
+                )
+            return recorded, path
     return None
 
 
@@ -628,7 +635,7 @@ def inherit_recorded(config: TrainConfig, given: set[str]) -> list[str]:
     for spec in dataclasses.fields(TrainConfig):
         if spec.name in skip or spec.name not in recorded:
             continue
-        value = tuple(recorded[spec.name]) if spec.name == "betas" else recorded[spec.name]
+        value = recorded_value(spec.name, recorded[spec.name], path)
         setattr(config, spec.name, value)
         if value != getattr(defaults, spec.name):
             flag = _flag(spec.name)
@@ -642,6 +649,32 @@ def inherit_recorded(config: TrainConfig, given: set[str]) -> list[str]:
             f"flags not given take the run's recorded values ({path}): {', '.join(taken)}"
         )
     return taken
+
+
+def recorded_value(name: str, value, path: Path):
+    """A recorded setting as the field's type, or one line naming the field: a train_config.json edited by
+    hand (or from elsewhere) must not reach the trainer as a TypeError deep in the step."""
+    import typing
+
+    hint = typing.get_type_hints(TrainConfig)[name]
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is None and type(None) in kinds:
+        return None
+    if hint == tuple[float, float]:
+        if isinstance(value, list) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value):
+            return tuple(float(v) for v in value)
+        kinds = ("a list of two numbers",)
+    elif (bool in kinds and isinstance(value, bool)) or (str in kinds and isinstance(value, str)):
+        return value
+    elif int in kinds and number and isinstance(value, int) or float in kinds and number:
+        return float(value) if float in kinds else value
+    names = {type(None): "null", bool: "bool", int: "int", float: "float", str: "str"}
+    raise UserError(
+        f"the run's recorded settings {path} give {name} = {json.dumps(value)}, which is not "
+        f"{' or '.join(names.get(kind, str(kind)) for kind in kinds)}",
+        f"correct or delete {name} in that file, or pass --{_flag(name)} on the command line",
+    )
 
 
 def inherited_notes() -> list[str]:

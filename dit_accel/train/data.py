@@ -3,10 +3,12 @@ DataLoader that feeds it to one rank in the keyed order of `dit_accel.data.order
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dit_accel.data.order import Collate, KeyedSamples, OrderedBatches, SampleNoise, SampleOrder
@@ -169,6 +171,50 @@ def _dataset_rows(config: TrainConfig, spec, once=None):
     )
     _check_classes(dataset, config, spec)
     return dataset
+
+
+def data_fingerprint(dataset) -> dict:
+    """What the run reads, in a few bytes for its checkpoints' train state: where (`source`), how many entries,
+    and a sha256 of their identities in order (a latent cache's shard checksums and normalisation, wherever
+    it lies; images: their place, and a dataset's fingerprint, rows and labels or a folder's paths and
+    labels), so that a resume on other or reordered data is announced (`resume.restore`), not silent."""
+    import hashlib
+
+    from dit_accel.data.latent_cache import LatentCache
+
+    digest = hashlib.sha256()
+    if isinstance(dataset, LatentCache):
+        source = str(dataset.dir.resolve())
+        shards = [[r["file"], r["count"], r.get("sha256", r["bytes"])] for r in dataset.manifest["shards"]]
+        digest.update(json.dumps([shards, dataset.manifest.get("latent_norm")]).encode())
+    else:  # images: where they are is part of what they are (a listing names files, it holds no checksums)
+        records, source = dataset.records, str(Path(dataset.root).resolve())
+        if hasattr(records, "rows"):  # a dataset's listing (hf_source.DatasetListing)
+            source = records.location
+        digest.update(source.encode())
+        if hasattr(records, "rows"):
+            digest.update(f"{records.fingerprint}:{records.split}".encode())
+            digest.update(np.asarray(records.rows, dtype=np.int64).tobytes())
+            digest.update(np.asarray(records.labels, dtype=np.int64).tobytes())
+        else:  # an image folder's listing: a datasets.Dataset of paths and labels
+            digest.update("\n".join(records.data.column("path").to_pylist()).encode())
+            digest.update(np.asarray(records.data.column("label").to_pylist(), dtype=np.int64).tobytes())
+    return {"source": source, "entries": len(dataset), "sha256": digest.hexdigest()}
+
+
+def data_change(recorded: dict | None, current: dict) -> str:
+    """How the data read now differs from what a checkpoint recorded, as a sentence; "" when it does not (or
+    the checkpoint recorded none)."""
+    if not recorded or recorded.get("sha256") == current["sha256"]:
+        return ""
+    changes = []
+    if recorded.get("source") != current["source"]:
+        changes.append(f"source {recorded.get('source')} -> {current['source']}")
+    if recorded.get("entries") != current["entries"]:
+        changes.append(f"{recorded.get('entries'):,} -> {current['entries']:,} entries")
+    if not changes:
+        changes.append(f"the same {current['entries']:,} entries, other ones or in another order")
+    return "the data changed on resume (" + "; ".join(changes) + ")"
 
 
 def check_latent_cache(cache, spec, path: str) -> None:

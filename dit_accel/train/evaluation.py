@@ -67,6 +67,7 @@ class TrainingEval:
             cache_dir=None,
             input_px=config.eval_input_px,
             num_samples=config.eval_samples,
+            image_px=spec.resolution,
         )
         self.labels = balanced_labels(config.eval_samples, spec.num_classes, config.seed)
         self.mine = shard(config.eval_samples, accelerator.process_index, accelerator.num_processes)
@@ -98,19 +99,35 @@ class TrainingEval:
                 params[name].copy_(tensor.to(params[name].device))
         return model
 
-    def run(self, step: int, components) -> dict | None:
-        """Every rank calls this at the same step; returns the logged metrics on the main process."""
+    def run(self, step: int, components, stop_request=None) -> int:
+        """Every rank calls this at the same step; the metrics go to metrics.jsonl and the trackers. Returns
+        the stop signal that cut it short, 0 when it ran to its end.
+
+        A stop signal must reach the checkpoint within a cluster's grace period whatever the loop is doing,
+        and 10,000 samples at 250 steps take longer than that: before each batch every rank votes on a stop
+        (`stop_vote`, as the training step does), for as many rounds as the largest share has batches, and
+        a stop ends the evaluation there, unscored, for the loop to save and exit."""
+        from dit_accel.distributed.consensus import stop_vote
         from dit_accel.sample.generate import sample_images
 
         started = time.perf_counter()
         model = self.network(components, self.weights(components))
-        for start in range(self.mine.start, self.mine.stop, self.batch_size):
+        rounds = math.ceil(math.ceil(len(self.labels) / self.accelerator.num_processes) / self.batch_size)
+        log.info(f"eval step {step}: sampling {len(self.labels):,} images, {rounds} batches per rank")
+        for round_index in range(rounds):
+            signum = stop_vote(self.accelerator, stop_request.signum if stop_request else 0)
+            if signum:
+                self.scorer.collector = self.scorer.evaluator.collector()  # what was added is dropped
+                log.info(f"eval step {step}: stopped by a signal after {round_index} of {rounds} batches")
+                return signum
+            start = self.mine.start + round_index * self.batch_size
             indices = range(start, min(start + self.batch_size, self.mine.stop))
-            labels = self.labels[indices.start : indices.stop]
-            images = sample_images(
-                model, self.spec, self.decoder, labels, indices, self.settings, device=components.device
-            )
-            self.scorer.add(images, indices)
+            if len(indices):  # a smaller share has run out: it still votes
+                labels = self.labels[indices.start : indices.stop]
+                images = sample_images(
+                    model, self.spec, self.decoder, labels, indices, self.settings, device=components.device
+                )
+                self.scorer.add(images, indices)
             if self.watchdog is not None:  # progress: a long evaluation is no stuck rank
                 self.watchdog.at(step, self.grad_accum)
         del model
@@ -132,4 +149,4 @@ class TrainingEval:
             with self.metrics_path.open("a") as handle:
                 handle.write(json.dumps(metrics) + "\n")
         self.accelerator.wait_for_everyone()
-        return metrics
+        return 0

@@ -55,7 +55,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.run.checkpoint import PLAN, TRAIN_CONFIG, Checkpointer  # here: --help needs none of these
     from dit_accel.run.faults import Faults
     from dit_accel.run.watchdog import Watchdog
-    from dit_accel.train.data import build_dataset, check_data_mode, make_loader
+    from dit_accel.train.data import build_dataset, check_data_mode, data_fingerprint, make_loader
     from dit_accel.train.evaluation import TrainingEval
     from dit_accel.train.resume import choose_start, claim_run_folder, restore
     from dit_accel.train.samples import TrainingSamples
@@ -103,7 +103,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     components = build_components(
         plan, config, accelerator, init=start.init, timestep_freq_shift=shift, latent_norm=latent_norm
     )
-    state = restore(start, accelerator, components, len(dataset), config.seed)
+    state = restore(start, accelerator, components, data_fingerprint(dataset), config.seed)
     faults.install(components.raw_model, state["step"], d.grad_accum)
     watchdog.watch(components.raw_model)  # after the faults' hooks: a sleep injected there is in the forward
 
@@ -229,7 +229,8 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
             progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
         preempted = bool(result.stop_ranks) and step < config.max_steps  # every rank saves this step, exits
         if evaluation.due(step) and not preempted:  # before the checkpoint: its metrics.jsonl holds the line
-            evaluation.run(step, components)
+            result.stop_signum = evaluation.run(step, components, stop_request)  # a stop cuts it short
+            preempted = bool(result.stop_signum) and step < config.max_steps
         if preempted or config.saves_checkpoint_at(step):
             last_good = checkpointer.save(step, dict(state, **order.position(step)))
             log.info(f"checkpoint {last_good}")

@@ -213,9 +213,12 @@ def choose_start(
     return start
 
 
-def restore(start: Start, accelerator, components, dataset_size: int, seed: int) -> dict:
+def restore(start: Start, accelerator, components, data: dict, seed: int) -> dict:
     """The run's state counters after the components exist: a checkpoint's (weights, AdamW, EMA, scheduler, RNG
-    streams restored with them), or step 0 with each rank's global RNG seeded (seed + rank)."""
+    streams restored with them), or step 0 with each rank's global RNG seeded (seed + rank). `data`: what the
+    run reads (`train.data.data_fingerprint`), kept in every checkpoint and held to the checkpoint's."""
+    from dit_accel.train.data import data_change
+
     for note in plan_notes(components.plan):  # AdamW's state is in place before step 1 on either path
         log.info(note)
     state = dict(start.state)
@@ -229,7 +232,7 @@ def restore(start: Start, accelerator, components, dataset_size: int, seed: int)
 
         set_seed(seed + accelerator.process_index)  # anything not keyed per sample
         create_states(components.optimizer)  # now, as a resumed run loads it: the same memory layout
-        return state
+        return dict(state, data=data)
     state.update(
         ckpt.load_checkpoint(
             accelerator, start.checkpoint, ema=components.ema, scheduler=components.scheduler
@@ -239,9 +242,13 @@ def restore(start: Start, accelerator, components, dataset_size: int, seed: int)
         components.ema.updates = state.get("applied_steps", state["step"])  # one EMA update per applied step
     for change in apply_recipe_changes(components, start.checkpoint, state["step"] + 1):
         log.info(change)
-    if state.get("dataset_size") != dataset_size:
+    recorded, state["data"] = state.get("data"), data
+    change = data_change(recorded, data)
+    if change:
+        log.warning(f"{change}: the samples after step {state['step']} are not the original run's")
+    elif recorded is None and state.get("dataset_size") != data["entries"]:  # a checkpoint from before `data`
         log.warning(
-            f"the dataset has {dataset_size} samples, the checkpoint's had {state.get('dataset_size')}: "
+            f"the dataset has {data['entries']} samples, the checkpoint's had {state.get('dataset_size')}: "
             f"the data order after resuming differs from the original run's"
         )
     return state

@@ -140,6 +140,22 @@ def plan_notes(plan: Plan) -> list[str]:
 DATA_WAIT_WARN_FRACTION = 0.1  # waiting for batches this share of a window's time: the GPUs idle, say so
 
 
+def data_wait_advice(decision) -> str:
+    """What to do about a step that waits for its batches, by what its workers do: decode images (online,
+    pixel, REPA's source images beside a cache) or only read a latent cache."""
+    decode_rate = "(`dit-accel doctor` times the decode against the plan: its `decode rate` row)"
+    if decision.latents != "precomputed":
+        return (
+            f"raise --num-workers or train on precomputed latents (`dit-accel extract-latents`) {decode_rate}"
+        )
+    if decision.repa:
+        return f"raise --num-workers: REPA's workers decode each latent's source image {decode_rate}"
+    return (
+        "the workers only read the latent cache, so its storage is the bottleneck: put the cache on local "
+        "disk (or where the page cache holds it), or raise --num-workers"
+    )
+
+
 class StepLog:
     """Every `log_every` steps: the mean loss since the last line, images/s, the share of the time the step
     waited for its batches (the slowest rank's: every rank waits for it at the all-reduce), and the GPU's
@@ -239,8 +255,7 @@ class StepLog:
             self.warned_data_wait = True
             log.warning(
                 f"the step waited for its batches {fraction:.0%} of the time of steps {step - steps + 1}-{step} "
-                "(the slowest rank): the GPUs idle that long; raise --num-workers or train on precomputed latents "
-                "(`dit-accel doctor` times the decode against the plan: its `decode rate` row)"
+                f"(the slowest rank): the GPUs idle that long; {data_wait_advice(self.plan.decision)}"
             )
 
     def _memory(self, metrics: dict) -> str:

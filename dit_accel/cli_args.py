@@ -50,7 +50,13 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        raise UserError(message, f"see `{self.prog} --help`")
+        raise UserError(self.suggested(message), f"see `{self.prog} --help`")
+
+    def suggested(self, message: str) -> str:
+        """`message` with the nearest known flag for each unknown one (`with_flag_suggestions`)."""
+        from planner.errors import with_flag_suggestions
+
+        return with_flag_suggestions(message, self._option_string_actions)
 
 
 def _number(text: str, kind):

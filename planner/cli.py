@@ -20,7 +20,7 @@ import sys
 
 from planner.calibration import load_calibration
 from planner.clusterfile import SHAPE_KEYS, preset_rows, read_cluster_file
-from planner.errors import PlanError
+from planner.errors import PlanError, with_flag_suggestions
 from planner.hardware import Assumptions, assumption_names, assumption_types, gpu_presets
 from planner.host import DATA_SOURCES
 from planner.outputs import (
@@ -46,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but its errors become one PlanError line (no usage block)."""
 
     def error(self, message):
+        message = with_flag_suggestions(message, self._option_string_actions)
         raise PlanError(f"{message} (see dit-plan --help)")
 
 

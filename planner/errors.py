@@ -17,3 +17,20 @@ class OneLineError(Exception):
 
 class PlanError(OneLineError, ValueError):
     """Bad input to the planner, an impossible request, or a plan.json that is not one."""
+
+
+def with_flag_suggestions(message: str, option_strings) -> str:
+    """argparse's "unrecognized arguments: --global-bacth 256" with, for each unknown flag, the nearest known
+    one ("did you mean --global-batch?"), as a typo'd --model already gets."""
+    import difflib
+
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    known = [option for option in option_strings if option.startswith("--")]
+    hints = []
+    for word in message.split(":", 1)[1].split():
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"did you mean {close[0]} for {word}?")
+    return f"{message} ({'; '.join(hints)})" if hints else message

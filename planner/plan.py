@@ -603,7 +603,8 @@ def _advice(
     communication = communication_warning(spec, decision, cluster, assumed, throughput)
     if communication:
         notes.append(communication)
-    if decision.precision == "fp32" and throughput.matmul == "ieee-fp32":
+    # TF32 is a GPU's: a plan made by --vram alone may be the CPU tour's, where the advice cannot apply
+    if decision.precision == "fp32" and throughput.matmul == "ieee-fp32" and preset is not None:
         notes.append(
             "--precision fp32 plans IEEE fp32 matmuls: train with --no-tf32 (dit-accel train turns TF32 on "
             "by default and then runs faster than planned); --precision tf32 plans the TF32 rate"

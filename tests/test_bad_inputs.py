@@ -54,6 +54,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "page_pt": str(root / "page.pt"),
         "whole_pt": str(root / "whole.pt"),
         "images": str(root / "images"),
+        "png": str(root / "images" / "a" / "0.png"),  # an existing grid to be refused, not overwritten
     }
 
 
@@ -276,6 +277,27 @@ CASES = [
     ("dit-plan port 99999", _dit_plan, [*TINY, "--main-process-port", "99999", "--out", "{out}/p"], "port"),
     ("dit-plan nodes -1", _dit_plan, [*TINY, "--nodes", "-1", "--out", "{out}/p"], "--nodes"),
     ("dit-plan out is a file", _dit_plan, [*TINY, "--out", "{file}"], "--out"),
+    # a typo'd flag names the nearest known one (a typo'd --model always did)
+    (
+        "dit-plan typo",
+        _dit_plan,
+        [*TINY, "--global-bacth", "8", "--out", "{out}/p"],
+        "did you mean --global-batch",
+    ),
+    ("trainer typo", _trainer, [*TRAIN, "--max-stpes", "3"], "did you mean --max-steps for --max-stpes?"),
+    ("sample typo", _dit_accel, [*SAMPLE, "--cfg-sacle", "2"], "did you mean --cfg-scale"),
+    (
+        "sample out exists",
+        _dit_accel,
+        ["sample", "--checkpoint", "{out}", "--out", "{png}"],
+        "already exists",
+    ),
+    (
+        "doctor typo",
+        _dit_accel,
+        ["doctor", "--plan", "{plan}", "--dat-path", "{images}"],
+        "did you mean --data-path",
+    ),
 ]
 
 

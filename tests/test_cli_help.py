@@ -99,6 +99,11 @@ def test_every_flag_has_a_help_line_with_its_default(name, monkeypatch):
             text = formatter._get_help_string(action)  # the line as --help prints it, before %-formatting
             if action.option_strings and action.default not in (None, "", argparse.SUPPRESS):
                 assert "default" in text.lower(), f"{parser.prog} {flag}: no default in {text!r}"
+            elif action.option_strings and not action.required:  # what happens when it is not given
+                said = ("default", "required", "unless", "not given", "without it", "if given", "only with")
+                assert any(word in text.lower() for word in said), (
+                    f"{parser.prog} {flag}: {text!r} says no default"
+                )
 
 
 def test_defaults_are_shown_as_typed():

@@ -24,7 +24,7 @@ from test_train_e2e import run_in_process
 from test_train_fsdp import QUIET, TINY, _assert_close, _finish, _losses, _start, _weights
 
 from dit_accel.models.compile import compile_blocks, compiled_blocks, resolve_compile
-from dit_accel.train.config import parse_config
+from dit_accel.train.flags import parse_config
 from planner.planfile import parse_plan
 
 WEIGHTS_ATOL = 1e-5  # 10x the measured difference, 300x below one AdamW step (lr 3e-3)

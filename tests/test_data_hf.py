@@ -361,6 +361,10 @@ def test_doctor_passes_each_form_and_says_what_a_rank_holds(forms, pixel_plan, f
     assert "4 classes, 4-4 images per class; 2 steps per epoch" in checks["classes"].reason
     assert "resident (row and label arrays" in checks["dataset memory"].reason
     assert "memory-mapped" in checks["dataset memory"].reason
+    # a dataset is a dataset, and its entries rows (it was "the image folder" and its "files")
+    assert f"from the dataset {forms[form]}" in checks["data vs plan"].reason
+    sampled = {check.name: check for check in check_data(pixel_plan, forms[form], None, None, False, options)}
+    assert "of 16 rows" in sampled["decoding"].reason and "files" not in sampled["decoding"].reason
 
 
 def test_doctor_fails_a_bad_dataset_with_its_one_line(forms, pixel_plan):

@@ -565,15 +565,16 @@ def decode_row(plan, images: Path, cpus: int, workers_per_rank: int):
 
 
 def test_the_decode_rate_is_timed_on_the_runs_images_against_the_plans_rate(tmp_path, photographs):
-    """The real decode of the run's own images, set against the plan's images/s per node: enough workers
-    pass; too few workers, no workers, or too few CPUs for the rate at all each warn with their fix."""
+    """The real decode of the run's own images, set against the plan's images/s per node. Only what holds on
+    any box is asserted here (a 4000 x 3000 JPEG takes well over 13 ms to decode anywhere): too few workers,
+    no workers, or too few CPUs for the rate each warn with their fix. Whether enough workers pass depends on
+    the box's speed (under load 6-11 on 2 cores it once took 630 ms an image, and the test failed): that
+    judgment is tested on given timings below."""
     plan = load_plan(write_plan(tmp_path / "plan", ONLINE_PLAN))
     rate = plan.plan.throughput.est_images_per_s
     assert 300 < rate < 1200, rate  # the figures below hold with a wide margin around ~600 img/s
     roomy = decode_row(plan, photographs, cpus=400, workers_per_rank=40)
-    assert (
-        roomy.status is Status.PASS and "3 sampled" in roomy.reason and "of its 320 workers" in roomy.reason
-    )
+    assert "3 sampled" in roomy.reason and "ms per image on one core here" in roomy.reason
     few = decode_row(plan, photographs, cpus=400, workers_per_rank=1)
     assert few.status is Status.WARN and "more than its 8 workers (8 ranks x 1)" in few.reason
     assert "--num-workers" in few.fix and "extract-latents" in few.fix
@@ -585,20 +586,52 @@ def test_the_decode_rate_is_timed_on_the_runs_images_against_the_plans_rate(tmp_
     assert "--latents precomputed" in starved.fix and "--cpus-per-task" in starved.fix
 
 
+@pytest.mark.parametrize(
+    ("seconds", "workers_per_rank", "cpus", "status", "says"),
+    [
+        (0.100, 40, 400, Status.PASS, "of its 320 workers"),  # 60 cores for 600 img/s: 320 workers are plenty
+        (0.630, 40, 400, Status.WARN, "more than its 320 workers"),  # the load that once failed the suite
+        (0.100, 1, 400, Status.WARN, "more than its 8 workers (8 ranks x 1)"),
+        (0.100, 0, 400, Status.WARN, "each rank decodes between its steps"),
+        (0.100, 1, 10, Status.WARN, "more than the 2 CPUs beside its 8 ranks"),
+        (0.0005, 0, 9, Status.PASS, "each rank decodes its own (--num-workers 0)"),  # 0.04 of a step: fine
+    ],
+)
+def test_the_decode_judgment_on_given_timings(seconds, workers_per_rank, cpus, status, says):
+    """The decision apart from the timing: 8 ranks on a node at 600 img/s, a given time per image."""
+    from dit_accel.doctor.decode_rate import DecodeBudget, DecodeTiming, judge_decode_rate
+
+    budget = DecodeBudget(600.0, ranks=8, workers_per_rank=workers_per_rank, cpus=cpus)
+    row = judge_decode_rate(DecodeTiming(seconds, timed=3, unreadable=[]), budget)
+    assert row.status is status and says in row.reason, row.reason
+    assert (
+        f"{seconds * 1e3:.1f} ms per image" in row.reason and f"needs {600 * seconds:.1f} cores" in row.reason
+    )
+
+
 def test_a_light_decode_on_a_node_with_no_spare_cpu_passes_and_a_bad_image_in_the_sample_warns(tmp_path):
     """One CPU per rank leaves no worker (the trainer's rule), and decoding in the rank is fine while it costs
     under 5% of the step; the fix never asks for more workers than the CPUs give; an image of the sample that
     does not decode is named (the decoding row tries only each class's first)."""
     from dit_accel.data.folder import validate_image_folder
-    from dit_accel.doctor.decode_rate import DecodeBudget, check_decode_rate, listing_pixels
+    from dit_accel.doctor.decode_rate import (
+        DecodeBudget,
+        DecodeTiming,
+        check_decode_rate,
+        judge_decode_rate,
+        listing_pixels,
+    )
 
     root = make_folder(tmp_path / "images", size=32)
     listing = validate_image_folder(root).listing
     pixels = listing_pixels(listing, 32)
-    light = check_decode_rate(pixels, len(listing), DecodeBudget(100.0, ranks=2, workers_per_rank=0, cpus=2))
-    assert light.status is Status.PASS and "11 sampled" in light.reason and "--num-workers 0" in light.reason
     heavy = check_decode_rate(pixels, len(listing), DecodeBudget(1e6, ranks=2, workers_per_rank=0, cpus=3))
     assert heavy.status is Status.WARN and "--num-workers" not in heavy.fix and "precompute" in heavy.fix
+    assert "11 sampled" in heavy.reason  # 12 images: the first decoded untimed
+    light = judge_decode_rate(
+        DecodeTiming(0.0001, 11, []), DecodeBudget(100.0, ranks=2, workers_per_rank=0, cpus=2)
+    )
+    assert light.status is Status.PASS and "--num-workers 0" in light.reason  # 0.5% of each step
     (root / "class_1" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     bad = check_decode_rate(pixels, len(listing), DecodeBudget(100.0, ranks=2, workers_per_rank=1, cpus=8))
     assert bad.status is Status.WARN and "1 more of the sample do not decode" in bad.reason

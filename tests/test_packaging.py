@@ -125,7 +125,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_dit_plan(tmp_path):
     recipe = _run(
         python,
         "-c",
-        "from dit_accel.train.recipe import recipe_file; from dit_accel.train.config import parse_config;"
+        "from dit_accel.train.recipe import recipe_file; from dit_accel.train.flags import parse_config;"
         "print(recipe_file('dit-xl2-256')); print(parse_config(['--plan', 'p.json', '--latents', 'l',"
         " '--output-dir', 'r', '--config', 'dit-xl2-256']).max_steps)",
         cwd=elsewhere,

@@ -526,3 +526,15 @@ def test_list_gpus_names_every_preset_with_its_memory(capsys):
         assert f"\n{name} " in out
     code, out, _ = run(["--list-gpus", "--format", "json"], capsys)
     assert {row["--gpu"] for row in json.loads(out)} == set(gpu_presets())
+
+
+def test_the_no_tf32_advice_is_for_a_named_gpu_only(tmp_path, capsys):
+    """`--precision fp32` on a plan made by --vram alone (the CPU tour's) told the user to train with
+    --no-tf32, which a CPU has no use for; with a GPU named it still says so."""
+    from planner.cli import main
+
+    base = ["--gpus", "2", "--global-batch", "32", "--precision", "fp32", "--model", "DiT-S/2"]
+    assert main([*base, "--vram", "8G", "--out", str(tmp_path / "cpu")]) == 0
+    assert "--no-tf32" not in capsys.readouterr().out
+    assert main([*base, "--gpu", "a100-80g", "--out", str(tmp_path / "gpu")]) == 0
+    assert "train with --no-tf32" in capsys.readouterr().out

@@ -343,7 +343,9 @@ def test_a_rank_stuck_before_a_collective_ends_the_run_naming_it(workspace, tmp_
     ), err[-3000:]
     assert find_hang(err).name == "rank 1 hung"
     assert not (out / LOCK_NAME).exists()  # the watchdog's os._exit released it first
-    assert took_s < 60  # set-up (about 10 s here) + the timeout + the watchdog's poll, never the 600 s sleep
+    # (rank 1 sleeps 600 s: exit 5 with these lines is the watchdog's end, not the sleep's; no verdict here
+    # depends on how long set-up took on a busy box, `took_s` is only printed)
+    print(f"hang test: {took_s:.0f} s from launch to exit", file=sys.stderr)
 
 
 @pytest.mark.launched

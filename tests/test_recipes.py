@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from dit_accel.errors import UserError
-from dit_accel.train.config import TrainConfig, parse_config
+from dit_accel.train.config import TrainConfig
+from dit_accel.train.flags import parse_config
 from dit_accel.train.recipe import read_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "configs" / "recipes"

@@ -149,7 +149,7 @@ def test_progress_in_a_log_is_whole_lines(tracked):
 
 
 def test_resume_latest_is_auto(workspace, tracked, tmp_path):
-    from dit_accel.train.config import parse_config
+    from dit_accel.train.flags import parse_config
 
     config = parse_config([str(a) for a in _args(workspace, tmp_path / "x", "--resume", "latest")])
     assert config.resume == "auto"
@@ -183,6 +183,7 @@ def test_a_resume_continues_with_the_runs_recorded_flags(workspace, tmp_path):
     assert sorted(p.name for p in ckpt.checkpoints_dir(run).iterdir())[-1] == "step_00000006"
     log = (run / "logs" / "rank0.log").read_text()
     assert "flags not given take the run's recorded values" in log and "--lr 0.002" in log
+    assert "parameters, one process;" in log and "replicated (DDP)" not in log  # nothing to replicate
     # a flag given on the resuming command line wins, and says so
     assert run_in_process([*required, "--max-steps", 7, "--resume", "auto", "--lr", "1e-3"]) == 0
     log = (run / "logs" / "rank0.log").read_text()
@@ -191,7 +192,7 @@ def test_a_resume_continues_with_the_runs_recorded_flags(workspace, tmp_path):
 
 
 def test_what_a_resume_inherits_and_what_it_never_does(tmp_path):
-    from dit_accel.train.config import parse_config
+    from dit_accel.train.flags import parse_config
 
     run = tmp_path / "run"
     run.mkdir()
@@ -341,7 +342,12 @@ def test_fine_tune_from_an_exported_pipeline_round_trip(workspace, tmp_path, cap
         == 0
     )
     pipe = tmp_path / "pipe"
+    capsys.readouterr()
     assert export_main(["--checkpoint", str(source), "--out", str(pipe)]) == 0
+    # 2 updates at decay 0.5: a quarter of the EMA is still its start, said as `sample` says it (once silent)
+    err = capsys.readouterr().err
+    assert "dit-accel export: warning: the EMA weights are still 25% their initial weights" in err
+    assert "the pipeline's images will look untrained; export the trained weights with --no-ema" in err
     exported = load_model(pipe)
     assert conditioning_embedder(exported).class_embedder.embedding_table.weight.shape[0] == 1001
     assert json.loads((pipe / "transformer" / "dit_accel_export.json").read_text())["num_classes"] == 4
@@ -450,3 +456,23 @@ def test_a_latent_cache_changed_under_a_resumed_run_is_announced(workspace, tmp_
     )
     state = ckpt.read_train_state(run / "checkpoints" / "step_00000002")
     assert state["data"]["source"] == str(other) and state["data"]["entries"] == 64
+
+
+def test_resuming_under_a_plan_of_the_other_objective_names_the_run_not_a_flag(workspace, tmp_path, capsys):
+    """A ddpm run resumed under a flow plan blamed `--objective ddpm`, a flag the user never typed (the
+    value came from the run's train_config.json): the message names the run, what it trains, and the two
+    ways out. A flag typed now still gets the flag's message."""
+    plan = json.loads(workspace["plan1"].read_text())
+    flow = tmp_path / "flow.json"
+    flow.write_text(json.dumps(dict(plan, objective="flow")))
+    run = tmp_path / "run"
+    required = ["--latents", workspace["latents"], "--output-dir", run, "--num-workers", 0]
+    assert run_in_process(["--plan", workspace["plan1"], *required, "--max-steps", 1]) == 0
+    capsys.readouterr()
+    err = _one_line(capsys, ["--plan", flow, *required, "--max-steps", 2, "--resume", "auto"])
+    assert f"the run in {run} trains ddpm (its recorded settings {run / ckpt.TRAIN_CONFIG} say so)" in err
+    assert "plans flow; resume it under a plan made with `dit-plan --objective ddpm`, or train flow" in err
+    assert "drop --objective" not in err
+    fresh = ["--output-dir", tmp_path / "fresh", "--latents", workspace["latents"], "--max-steps", 1]
+    err = _one_line(capsys, ["--plan", flow, *fresh, "--objective", "ddpm"])
+    assert "--objective ddpm contradicts the plan's objective flow" in err

@@ -411,8 +411,9 @@ def test_plan_and_data_mismatches_are_one_line_errors(workspace, tmp_path, capsy
 
 def test_a_step_that_waits_for_its_images_says_so_once(workspace, tmp_path):
     """A pixel run on 2000 x 1500 JPEGs decoded in the main process (--num-workers 0): each step's 8 decodes
-    take far longer than the tiny network's step, so metrics.jsonl shows most of the time spent waiting for
-    data, and from the second logged window on (the first includes the workers' start) one warning says so."""
+    take far longer than the tiny network's step, so metrics.jsonl shows the time spent waiting for data.
+    What holds on any box is asserted (the share is measured, between 0 and 1, and logged); the warning's
+    rule is tested on given shares (`test_the_data_wait_warning_comes_once_from_the_second_window`)."""
     import numpy as np
     from PIL import Image
 
@@ -431,10 +432,32 @@ def test_a_step_that_waits_for_its_images_says_so_once(workspace, tmp_path):
     assert run_in_process([*argv, *QUIET, "--no-tensorboard", "--max-steps", 4, "--checkpoint-every", 4]) == 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(0 <= line["data_wait_fraction"] <= 1 for line in lines)
-    assert all(line["data_wait_fraction"] > 0.5 for line in lines[1:]), lines
     text = (out / "logs" / "rank0.log").read_text()
-    assert text.count("the step waited for its batches") == 1 and "of the time of steps 2-2" in text
-    assert "raise --num-workers" in text and "| data wait " in text
+    assert text.count("the step waited for its batches") <= 1 and "| data wait " in text
+
+
+def test_the_data_wait_warning_comes_once_from_the_second_window(caplog):
+    """The rule apart from any timing: above the threshold, from the second logged window on (the first
+    holds the workers' start), once per run, with the advice for what the workers do."""
+    import logging
+    from types import SimpleNamespace
+
+    from dit_accel.train.steplog import DATA_WAIT_WARN_FRACTION, StepLog
+    from planner.decision import Decision
+
+    decision = Decision(8, 1, 0, precision="fp32", sharding="ddp", latents="pixel")
+    log = SimpleNamespace(windows=0, warned_data_wait=False, plan=SimpleNamespace(decision=decision))
+    with caplog.at_level(logging.WARNING, logger="dit_accel.train"):
+        StepLog._warn_data_wait(log, 0.99, 1, 1)  # the first window: never
+        StepLog._warn_data_wait(log, DATA_WAIT_WARN_FRACTION / 2, 2, 1)  # below the threshold
+        StepLog._warn_data_wait(log, 0.9, 3, 1)
+        StepLog._warn_data_wait(log, 0.95, 4, 1)  # said once already
+    warnings = [r.getMessage() for r in caplog.records if "waited for its batches" in r.getMessage()]
+    assert warnings == [
+        "the step waited for its batches 90% of the time of steps 3-3 (the slowest rank): the GPUs idle that "
+        "long; raise --num-workers or train on precomputed latents (`dit-accel extract-latents`) (`dit-accel "
+        "doctor` times the decode against the plan: its `decode rate` row)"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -800,3 +823,57 @@ def test_a_plan_for_a_lazily_made_adamw_state_says_this_trainer_makes_it_first(w
     argv = ["--plan", workspace["plan1"], "--latents", workspace["latents"], "--output-dir", eager, *QUIET]
     assert run_in_process([*argv, "--no-tensorboard", "--max-steps", 1]) == 0
     assert "adamw_state=lazy" not in (eager / "logs" / "rank0.log").read_text()
+
+
+def _variant_plan(workspace, folder: Path, **decision) -> Path:
+    """plan2 (2 processes) with other decisions, beside its accelerate config."""
+    import shutil
+
+    folder.mkdir(parents=True)
+    plan = json.loads(workspace["plan2"].read_text())
+    plan["decision"].update(decision)
+    (folder / "plan.json").write_text(json.dumps(plan))
+    shutil.copy(workspace["plan2"].parent / "accelerate_config.yaml", folder)
+    return folder / "plan.json"
+
+
+@pytest.mark.parametrize("problem", ["no cache", "no images", "dataset without labels", "no encoder"])
+def test_dit_accel_train_refuses_missing_inputs_before_it_launches(workspace, tmp_path, capsys, problem):
+    """What costs a glance is checked by `dit-accel train` before any process starts: one line, exit 2, no
+    run folder (each once surfaced only after the ranks had started, 7-25 s, behind torch elastic's lines,
+    with runs/NAME/logs/ left behind)."""
+    from dit_accel.cli import main
+
+    run = tmp_path / "run"
+    common = ["train", "--output-dir", str(run), "--num-workers", "0"]
+    if problem == "no cache":
+        argv = ["--plan", str(workspace["plan2"]), "--latents", str(tmp_path / "absent")]
+        expected = f"latent cache {tmp_path / 'absent'} does not exist"
+    elif problem == "no images":
+        plan = _variant_plan(workspace, tmp_path / "pixel", latents="pixel")
+        argv = ["--plan", str(plan), "--data-path", str(tmp_path / "absent")]
+        expected = f"--data-path {tmp_path / 'absent'} does not exist"
+    elif problem == "dataset without labels":
+        import datasets
+
+        rows = {
+            "image": [
+                {"bytes": p.read_bytes(), "path": None}
+                for p in sorted(workspace["images"].rglob("*.png"))[:4]
+            ]
+        }
+        features = datasets.Features({"image": datasets.Image()})
+        datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "saved"))
+        plan = _variant_plan(workspace, tmp_path / "pixel", latents="pixel")
+        argv = ["--plan", str(plan), "--data-path", str(tmp_path / "saved")]
+        expected = "has no column 'label' (its columns: image); pass --label-column"
+    else:
+        plan = _variant_plan(workspace, tmp_path / "repa", repa="dinov2-s", repa_projector_dim=16)
+        argv = ["--plan", str(plan), "--latents", str(workspace["latents"])]
+        argv += ["--repa-encoder", str(tmp_path / "absent.pth"), "--repa-projector-dim", "16"]
+        expected = f"--repa-encoder {tmp_path / 'absent.pth'} is not a file"
+    capsys.readouterr()
+    assert main([*common, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dit-accel train: error: ") and expected in err[0], err
+    assert not run.exists()

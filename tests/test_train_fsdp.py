@@ -568,7 +568,7 @@ def test_a_ddp_plan_refuses_an_fsdp_launch(tmp_path, monkeypatch):
 
 def test_tf32_flag_and_switch():
     from dit_accel.distributed.accelerator import set_tf32
-    from dit_accel.train.config import parse_config
+    from dit_accel.train.flags import parse_config
 
     required = ["--plan", "p", "--output-dir", "o", "--latents", "l"]
     assert parse_config(required).tf32 is True

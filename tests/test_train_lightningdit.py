@@ -129,6 +129,7 @@ def test_the_cache_is_normalised_per_channel_and_the_plan_is_lightningdits(runs)
 def test_a_resumed_lightningdit_run_ends_bit_identical_to_the_straight_one(runs):
     straight, resumed = runs["root"] / "straight", runs["root"] / "resumed"
     assert "resumed from" in (resumed / "logs" / "rank0.log").read_text()
+    assert "parameters, replicated (DDP);" in (straight / "logs" / "rank0.log").read_text()  # 2 processes
     a, b = (run / "checkpoints" / "step_00000004" for run in (straight, resumed))
     for name in (ckpt.MODEL_WEIGHTS, ckpt.EMA_WEIGHTS):
         x, y = load_file(str(a / name)), load_file(str(b / name))

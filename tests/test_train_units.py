@@ -11,8 +11,9 @@ from torch import nn
 
 from dit_accel.data.order import KeyedSamples, SampleNoise, SampleOrder, seeded_global_rngs
 from dit_accel.errors import UserError
-from dit_accel.train.config import TrainConfig, parse_config
+from dit_accel.train.config import TrainConfig
 from dit_accel.train.ema import EMA
+from dit_accel.train.flags import parse_config
 from dit_accel.train.optim import build_optimizer, build_scheduler, create_states, effective_lr
 
 ONE_BLOCK_PLAN = {  # a 1-block fp32 DDP plan on one process, for step-level tests
@@ -470,7 +471,7 @@ def test_a_fresh_run_has_adamw_state_before_its_first_step(caplog):
     plan = SimpleNamespace(assumptions={"adamw_state": "lazy"})
     components = SimpleNamespace(optimizer=build_optimizer(model, lr=1e-4), plan=plan)
     with caplog.at_level("INFO", logger="dit_accel.train"):
-        state = restore(Start(), SimpleNamespace(process_index=0), components, dataset_size=8, seed=0)
+        state = restore(Start(), SimpleNamespace(process_index=0), components, data={"entries": 8}, seed=0)
     assert "adamw_state=lazy" in caplog.text and "makes it before the first step" in caplog.text
     assert state["step"] == 0
     made = components.optimizer.state

@@ -159,7 +159,7 @@ def build_export_parser() -> argparse.ArgumentParser:
 @exits_cleanly("dit-accel export")
 def main(argv: list[str] | None = None) -> int:
     args = build_export_parser().parse_args(argv)  # before the imports: --help needs no torch
-    from dit_accel.sample.generate import default_vae_path, load_source
+    from dit_accel.sample.generate import default_vae_path, load_source, warn_about_the_ema
 
     refuse_file(args.out, "--out")
     source = load_source(args.checkpoint, use_ema=args.ema)
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "no VAE is recorded with this run: pass --vae DIR (the AutoencoderKL folder it was trained with)"
         )
     class_names = read_labels_file(args.labels) if args.labels else run_class_names(source)
+    warn_about_the_ema(source, "export")  # the request is good: what it will hold
     with warnings.catch_warnings(record=True) as caught:  # the library's warning, as this command's line
         warnings.simplefilter("always", UserWarning)
         out = write_pipeline(

@@ -237,6 +237,31 @@ class DatasetSummary(FolderSummary):
         return super().describe()
 
 
+def check_dataset_columns(path: str | os.PathLike, options: DatasetOptions) -> None:
+    """The split and its image and label columns, from what costs a glance (a saved dataset's memory map, a
+    parquet file's schema): the launcher asks it before any process starts. A stream's or a Hub name's
+    columns are checked by the ranks, which open them anyway."""
+    text = os.path.expanduser(str(path))
+    kind = dataset_kind(text)
+    if kind == "saved":
+        records, _, split = open_dataset(text, options)
+        _check_columns(records.features, options, f"{text} (split {split})")
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+        from datasets import Features
+
+        files = _data_files(text, PARQUET)
+        files = {options.split or "train": files[""]} if "" in files else files
+        split = _choose_split(sorted(files), options.split, text)
+        if not files[split]:
+            raise UserError(
+                f"no {PARQUET} files in {text} for the split {split}", "pass the files themselves"
+            )
+        # datasets reads its own features (an Image column among them) from the schema's metadata
+        features = Features.from_arrow_schema(pq.read_schema(files[split][0]))
+        _check_columns(features, options, f"{text} (split {split})")
+
+
 def validate_dataset(
     path: str | os.PathLike,
     options: DatasetOptions,

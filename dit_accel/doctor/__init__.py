@@ -53,7 +53,7 @@ class Probes:
 
 class _Parser(OneLineParser):
     def error(self, message):  # one line and exit 2, like every dit-accel error
-        raise UserError(f"{message} (see `{PROG} --help`)")
+        raise UserError(f"{self.suggested(message)} (see `{PROG} --help`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,15 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
         dest="data_path",
         type=Path,
         help="image folder (DIR/<class>/<image>) or a Hugging Face dataset (save_to_disk, parquet, webdataset); "
-        "beside --latents with REPA, where the cache's source images are now",
+        "beside --latents with REPA, where the cache's source images are now (default: none: give it or --latents)",
     )
     add_dataset_flags(parser)
-    parser.add_argument("--latents", type=Path, help="latent cache written by `dit-accel extract-latents`")
+    parser.add_argument(
+        "--latents",
+        type=Path,
+        help="latent cache written by `dit-accel extract-latents` (default: none: give it or --data-path)",
+    )
     parser.add_argument(
         "--repa-encoder",
         "--repa_encoder",
         dest="repa_encoder",
-        help="the run's --repa-encoder (a REPA plan's DINOv2 weights: loaded and checked against the plan)",
+        help="the run's --repa-encoder (a REPA plan's DINOv2 weights: loaded and checked against the plan) "
+        "(default: none: a REPA plan then fails its row)",
     )
     parser.add_argument(
         "--repa-projector-dim",
@@ -91,10 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         "plan's)",
     )
     parser.add_argument(
-        "--vae", help="the run's --vae (checked against the latent cache and the plan's latent mode)"
+        "--vae",
+        help="the run's --vae (checked against the latent cache and the plan's latent mode) (default: none)",
     )
     parser.add_argument(
-        "--output-dir", "--output_dir", dest="output_dir", type=Path, help="the run folder, e.g. runs/xl2"
+        "--output-dir",
+        "--output_dir",
+        dest="output_dir",
+        type=Path,
+        help="the run folder, e.g. runs/xl2 (default: none: its disk and lock are not checked)",
     )
     parser.add_argument(
         "--accelerate-config",
@@ -143,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--format", choices=("table", "json"), default="table", help="a table for people, JSON for scripts"
     )
-    parser.add_argument("--log", type=Path, help="read a failed run's log instead of checking this node")
+    parser.add_argument(
+        "--log",
+        type=Path,
+        help="read a failed run's log instead of checking this node (default: none: check this node)",
+    )
     return parser
 
 

@@ -41,7 +41,10 @@ def check_data_mode(plan: PlanFacts, data_path: Path | None, latents: Path | Non
         trainer_check(plan.plan, config)
     except UserError as error:
         return from_user_error("data vs plan", error)
-    source = f"the latent cache {latents}" if latents else f"the image folder {data_path}"
+    from dit_accel.data.source_kind import dataset_kind
+
+    images = "the image folder" if dataset_kind(str(data_path)) is None else "the dataset"
+    source = f"the latent cache {latents}" if latents else f"{images} {data_path}"
     return passed(GROUP, "data vs plan", f"the plan trains on {plan.latents} latents, from {source}")
 
 
@@ -104,7 +107,8 @@ def check_image_folder(
             return checks + _stream_checks(summary)
 
     total = summary.num_images + len(summary.bad_images)
-    decoded = "every image" if full else f"sampled {summary.images_decoded} of {total} files"
+    entries = "rows" if isinstance(summary, DatasetSummary) else "files"
+    decoded = "every image" if full else f"sampled {summary.images_decoded} of {total} {entries}"
     remain = "" if full else f"; undecodable ones may remain among the other {total - summary.images_decoded}"
     more = "" if full else " (use --full to decode all)"
     if summary.bad_images:

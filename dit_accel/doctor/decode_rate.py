@@ -105,9 +105,14 @@ PRECOMPUTE = "precompute latents (`dit-accel extract-latents`, then a plan made 
 def check_decode_rate(
     pixels: Callable[[int, bool], object], length: int, budget: DecodeBudget
 ) -> Check | None:
+    """The decode timed here (`seconds_per_image`), then judged (`judge_decode_rate`): apart, so that the
+    judgment is tested on given timings, never on how busy the machine running the tests is."""
     timing = seconds_per_image(pixels, length)
-    if timing is None:
-        return None
+    return judge_decode_rate(timing, budget) if timing is not None else None
+
+
+def judge_decode_rate(timing: DecodeTiming, budget: DecodeBudget) -> Check:
+    """The row for a measured decode time against what the plan asks of the node."""
     need = budget.images_per_s * timing.seconds  # cores busy decoding, for the node's ranks together
     ranks, workers = budget.ranks, budget.ranks * budget.workers_per_rank
     spare = budget.cpus - ranks  # each rank's own process keeps a core busy driving its GPU

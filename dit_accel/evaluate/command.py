@@ -26,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="reference batch .npz in the ADM layout, e.g. VIRTUAL_imagenet256_labeled.npz (its mu/sigma/"
         "mu_s/sigma_s are used when present)",
     )
-    parser.add_argument("--out", default=None, help="results JSON to write (written whole or not at all)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results JSON to write, whole or not at all (default: none: the table only)",
+    )
     parser.add_argument(
         "--batch-size",
         type=positive_int,

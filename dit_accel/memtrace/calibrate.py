@@ -545,7 +545,10 @@ def main(argv: list[str] | None = None) -> int:
         "micro-batch's point, whose first steps run slow",
     )
     parser.add_argument(
-        "--max-micro-batch", type=positive_int, default=None, help="stop the search for the largest fit here"
+        "--max-micro-batch",
+        type=positive_int,
+        default=None,
+        help="stop the search for the largest fit here (default: none: search until the GPU runs out)",
     )
     parser.add_argument(
         "--out", default="calibration.json", help="calibration file to write (default calibration.json)"
@@ -555,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="measure as on a card of this size (e.g. 80G) on a larger one: the caching allocator is capped "
         "there (torch.cuda.set_per_process_memory_fraction), so it releases its cache and retries, and runs "
-        "out of memory, where that card would",
+        "out of memory, where that card would (default: none: the card's own size)",
     )
     args = parser.parse_args(argv)
     vram_bytes = parse_bytes(args.vram) if args.vram is not None else None  # refused before CUDA starts

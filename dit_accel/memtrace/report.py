@@ -238,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         "forward and optimizer step, and the backward under cpu (default: cuda if available, else cpu)",
     )
     parser.add_argument(
-        "--micro-batch", type=positive_int, default=None, help="trace this micro-batch instead of the plan's"
+        "--micro-batch",
+        type=positive_int,
+        default=None,
+        help="trace this micro-batch instead of the plan's (default: none: the plan's own)",
     )
     parser.add_argument(
         "--vae",
@@ -247,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         "config.json to trace (weights are not read); default: the SD VAE's architecture",
     )
     parser.add_argument(
-        "--json", dest="json_out", default=None, help="also write the trace and comparison here"
+        "--json",
+        dest="json_out",
+        default=None,
+        help="also write the trace and comparison here (default: none: the terminal only)",
     )
     args = parser.parse_args(argv)
     from dit_accel.memtrace.driver import trace_training_step

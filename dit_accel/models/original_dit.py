@@ -71,7 +71,7 @@ def load_torch_file(path: Path, trust_pickle: bool = False, what: str = "origina
     """torch.load for a file the user named: what is not torch's zip nor a pickle (an empty file, an HTML
     error page saved as .pt, a truncated download) is named as such, not sent to the unpickler, whose errors
     for it range from KeyError to an empty message; a real pickle with Python objects asks for trust."""
-    fix = f"pass the {what} repository's .pt file, downloaded whole"
+    fix = f"pass --checkpoint the {what} repository's .pt file, downloaded whole"
     with path.open("rb") as handle:
         first = handle.read(1)
     if not zipfile.is_zipfile(path) and first != bytes([PICKLE_PROTOCOL_2_OR_LATER]):

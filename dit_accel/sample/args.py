@@ -167,7 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=positive_int, default=32, help="images per forward pass on each process"
     )
     parser.add_argument(
-        "--out", default=None, help="grid PNG to write; singles go to <name>_images/ next to it"
+        "--out",
+        default=None,
+        help="grid PNG to write; singles go to <name>_images/ next to it (default: none; one of --out or "
+        "--npz/--evaluate is needed)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out grid (default: an existing one is refused, as --npz refuses one)",
     )
     parser.add_argument(
         "--row-labels",
@@ -177,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
         "per class then, even with --per-class 1",
     )
     parser.add_argument(
-        "--npz", default=None, help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels)"
+        "--npz",
+        default=None,
+        help="evaluation batch to write (arr_0: uint8 NHWC, arr_1: labels) (default: none: not kept; an "
+        "existing file is refused)",
     )
     parser.add_argument(
         "--num-samples",
@@ -191,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REF.npz",
         help="score the batch as it is sampled against this ADM reference batch (e.g. "
         "VIRTUAL_imagenet256_labeled.npz): FID, sFID, IS, precision, recall as `dit-accel evaluate` "
-        "computes them, without writing images (add --npz to keep them too)",
+        "computes them, without writing images (add --npz to keep them too) (default: none: not scored)",
     )
     parser.add_argument(
         "--results",

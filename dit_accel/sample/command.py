@@ -88,6 +88,10 @@ def _check_args(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if args.out is not None and not args.out.lower().endswith(".png"):
         raise UserError(f"--out {args.out} must name a .png file (the grid)", "singles go next to it")
+    if args.out is not None and Path(args.out).exists() and not args.overwrite:  # as --npz refuses one
+        raise UserError(
+            f"{args.out} already exists", "delete it, choose another --out, or pass --overwrite to replace it"
+        )
     if args.labels is not None and not batch:
         raise UserError("--labels is for the evaluation batch: a grid has one row per --classes entry")
     args.overrides = apply_protocol(args)

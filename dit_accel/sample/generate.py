@@ -146,15 +146,18 @@ def load_source(path: str | os.PathLike, use_ema: bool = True, device: torch.dev
 EMA_INITIAL_SHARE_WARNING = 0.1  # above this share of its initial weights, EMA samples look untrained
 
 
-def warn_about_the_ema(source: Source) -> None:
-    """Once the request is known to be good, just before sampling starts."""
+def warn_about_the_ema(source: Source, command: str = "sample") -> None:
+    """Once the request is known to be good, just before sampling (or exporting) starts."""
     if source.info["weights"] == "ema":
-        warn_if_ema_is_mostly_initial(Path(source.info["checkpoint"]), source.train_config)
+        warn_if_ema_is_mostly_initial(Path(source.info["checkpoint"]), source.train_config, command)
 
 
-def warn_if_ema_is_mostly_initial(checkpoint: Path, train_config: dict) -> float | None:
+def warn_if_ema_is_mostly_initial(
+    checkpoint: Path, train_config: dict, command: str = "sample"
+) -> float | None:
     """Say so when the EMA has seen too few updates to forget the untrained weights it started from (0.9999
-    needs ~23k to forget 90%): such a grid is noise, not a broken run. Returns the share, or None if unknown."""
+    needs ~23k to forget 90%): such a grid (or exported pipeline) is noise, not a broken run. Returns the
+    share, or None if unknown."""
     from dit_accel.run import checkpoint as ckpt
     from dit_accel.run.weights import initial_weight_share
 
@@ -168,9 +171,10 @@ def warn_if_ema_is_mostly_initial(checkpoint: Path, train_config: dict) -> float
     decay = float(train_config.get("ema_decay", 0.9999))
     share = initial_weight_share(decay, bool(train_config.get("ema_warmup", False)), updates)
     if share > EMA_INITIAL_SHARE_WARNING:
+        what = "samples" if command == "sample" else "the pipeline's images"
         print(
-            f"dit-accel sample: warning: the EMA weights are still {share:.0%} their initial weights "
-            f"({updates} updates at decay {decay:g}), so samples will look untrained; sample the trained "
+            f"dit-accel {command}: warning: the EMA weights are still {share:.0%} their initial weights "
+            f"({updates} updates at decay {decay:g}), so {what} will look untrained; {command} the trained "
             f"weights with --no-ema, train longer, or train with --ema-warmup",
             file=sys.stderr,
         )

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import signal
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dit_accel.cli_args import OneLineParser, shown_default
+from dit_accel.cli_args import OneLineParser
 from dit_accel.diffusion.names import FLOW_PATHS, TIME_SAMPLINGS
 from dit_accel.errors import UserError
-from dit_accel.run.checkpoint import TRAIN_CONFIG
 
 NAN_POLICIES = ("abort", "skip")
 DEFAULT_NUM_WORKERS = 4  # DataLoader workers per rank unless the node's CPUs allow fewer
@@ -73,7 +70,7 @@ class TrainConfig:
         metadata={
             "help": "image folder (one sub-folder per class), or a Hugging Face dataset: a save_to_disk folder, "
             "parquet files (FILE, DIR or glob) or a dataset name in the local cache (docs/data.md); beside --latents "
-            "with REPA, where the cache's source images are now"
+            "with REPA, where the cache's source images are now (default: none: give it or --latents)"
         },
     )
     split: str | None = field(
@@ -85,12 +82,16 @@ class TrainConfig:
         default="label", metadata={"help": "a dataset's column of class labels (ClassLabel, int or str)"}
     )
     latents: str | None = field(
-        default=None, metadata={"help": "latent cache written by `dit-accel extract-latents`"}
+        default=None,
+        metadata={
+            "help": "latent cache written by `dit-accel extract-latents` (default: none: give it or --data-path)"
+        },
     )
     vae: str | None = field(
         default=None,
         metadata={
-            "help": "AutoencoderKL folder, or a released VA-VAE .pt, for online encoding (plan latents 'online')"
+            "help": "AutoencoderKL folder, or a released VA-VAE .pt, for online encoding (plan latents 'online') "
+            "(default: none: required by an online plan)"
         },
     )
     latent_stats: str | None = field(
@@ -107,7 +108,8 @@ class TrainConfig:
     resume: str | None = field(
         default=None,
         metadata={
-            "help": "'auto' or 'latest' (the newest complete checkpoint in the run folder) or a checkpoint/run folder"
+            "help": "'auto' or 'latest' (the newest complete checkpoint in the run folder) or a checkpoint/run "
+            "folder (default: none: a new run, refused in a folder that already holds checkpoints)"
         },
     )
     init_from: str | None = field(
@@ -115,7 +117,7 @@ class TrainConfig:
         metadata={
             "help": "start a NEW run (step 0, fresh optimizer) from these weights: a dit-accel run or checkpoint folder "
             "(e.g. one made by `dit-accel import-dit`) or a diffusers DiT transformer/pipeline folder; ignored once "
-            "--output-dir holds a checkpoint (the run then resumes from it)"
+            "--output-dir holds a checkpoint (the run then resumes from it) (default: none: the model's own init)"
         },
     )
     init_from_ema: bool = field(
@@ -153,7 +155,8 @@ class TrainConfig:
         default=False, metadata={"help": "multiply lr by global_batch / 256 (linear scaling rule)"}
     )
     grad_clip: float | None = field(
-        default=None, metadata={"help": "clip the gradient norm to this value (DiT: off)"}
+        default=None,
+        metadata={"help": "clip the gradient norm to this value (default: none, not clipped: DiT's)"},
     )
     ema_decay: float = field(default=0.9999, metadata={"help": "EMA decay per optimizer step, kept in fp32"})
     ema_warmup: bool = field(
@@ -290,7 +293,10 @@ class TrainConfig:
     )
     eval_reference: str | None = field(
         default=None,
-        metadata={"help": "--eval-every's ADM reference batch .npz, e.g. VIRTUAL_imagenet256_labeled.npz"},
+        metadata={
+            "help": "--eval-every's ADM reference batch .npz, e.g. VIRTUAL_imagenet256_labeled.npz "
+            "(default: none: required with --eval-every)"
+        },
     )
     eval_steps: int = field(
         default=250,
@@ -501,7 +507,7 @@ class _Parser(OneLineParser):
     """argparse that raises UserError (one line, exit 2) instead of printing usage and exiting."""
 
     def error(self, message):
-        raise UserError(f"{message} (see `python -m dit_accel.train --help`)")
+        raise UserError(f"{self.suggested(message)} (see `python -m dit_accel.train --help`)")
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
@@ -527,7 +533,7 @@ def build_parser(given_only: bool = False) -> argparse.ArgumentParser:
         "--config",
         default=unset,
         help="a recipe: a shipped recipe's name (e.g. dit-xl2-256 or demo-cpu; an unknown name lists them) or "
-        "a flat YAML file whose keys are these flags; flags on the command line override it",
+        "a flat YAML file whose keys are these flags; flags on the command line override it (default: none)",
     )
     for spec in dataclasses.fields(TrainConfig):
         flags = [f"--{spec.name.replace('_', '-')}"]
@@ -562,125 +568,6 @@ def build_parser(given_only: bool = False) -> argparse.ArgumentParser:
                 continue
             parser.add_argument(*flags, dest=spec.name, type=kind, default=default, help=help_text)
     return parser
-
-
-def parse_config(argv: list[str]) -> TrainConfig:
-    """The command line, after the recipe of `--config FILE` when there is one (the command line wins); with
-    --resume, every flag neither names takes the value the run recorded (`inherit_recorded`)."""
-    from dit_accel.train.recipe import recipe_argv
-
-    argv = list(argv)
-    namespace = build_parser().parse_args(argv)
-    if namespace.config:
-        fields = [field.name for field in dataclasses.fields(TrainConfig)]
-        argv = [*recipe_argv(namespace.config, fields), *argv]
-        namespace = build_parser().parse_args(argv)
-    values = vars(namespace)
-    values.pop("config")
-    values["betas"] = tuple(values["betas"])
-    config = TrainConfig(**values)
-    if config.resume:
-        inherit_recorded(config, given_fields(argv))
-    config.check()
-    return config
-
-
-# Never taken from the record: where the run is and how it starts are what this command line says.
-NOT_INHERITED = ("plan", "output_dir", "resume", "init_from", "init_from_ema")
-DATA_SOURCES = ("data_path", "latents")  # one choice: either given, neither is inherited
-_inherited_notes: list[str] = []  # what inherit_recorded took, logged by resume.choose_start
-
-
-def given_fields(argv: list[str]) -> set[str]:
-    """The TrainConfig fields `argv` names, whatever their values (the default's too)."""
-    return set(vars(build_parser(given_only=True).parse_args(argv))) - {"config"}
-
-
-def recorded_settings(config: TrainConfig) -> tuple[dict, Path] | None:
-    """The settings the run being resumed recorded: RUN/train_config.json (its latest start), else, for
-    `--resume PATH` from another folder, PATH's own (a run or checkpoint folder holds one)."""
-    candidates = [Path(config.output_dir) / TRAIN_CONFIG]
-    if config.resume not in ("auto", "latest"):
-        candidates.append(Path(config.resume) / TRAIN_CONFIG)
-    for path in candidates:
-        if path.is_file():
-            try:
-                recorded = json.loads(path.read_text())
-            except (OSError, ValueError) as error:
-                raise UserError(
-                    f"cannot read the run's recorded settings {path}: {error}",
-                    "restore the file, or delete it to resume with the defaults",
-                ) from None
-            if not isinstance(recorded, dict):
-                raise UserError(
-                    f"the run's recorded settings {path} are not a JSON object of flags",
-                    "restore the file, or delete it to resume with the defaults",
-                )
-            return recorded, path
-    return None
-
-
-def inherit_recorded(config: TrainConfig, given: set[str]) -> list[str]:
-    """A resumed run continues as it was: every field the command line (and its recipe) does not name takes
-    the run's recorded value, so `--resume auto` alone keeps the run's --lr, --log-every, --seed, ...; a
-    flag given says what changes (resume.apply_recipe_changes logs it). Returns the inherited fields whose
-    values differ from the defaults, as flags, also noted for the run's log."""
-    found = recorded_settings(config)
-    if found is None:
-        return []
-    recorded, path = found
-    skip = {*NOT_INHERITED, *given, *(DATA_SOURCES if given & set(DATA_SOURCES) else ())}
-    defaults = TrainConfig()
-    taken = []
-    for spec in dataclasses.fields(TrainConfig):
-        if spec.name in skip or spec.name not in recorded:
-            continue
-        value = recorded_value(spec.name, recorded[spec.name], path)
-        setattr(config, spec.name, value)
-        if value != getattr(defaults, spec.name):
-            flag = _flag(spec.name)
-            taken.append(
-                (f"--{flag}" if value else f"--no-{flag}")
-                if isinstance(value, bool)
-                else f"--{flag} {shown_default(value)}"
-            )
-    if taken:
-        _inherited_notes.append(
-            f"flags not given take the run's recorded values ({path}): {', '.join(taken)}"
-        )
-    return taken
-
-
-def recorded_value(name: str, value, path: Path):
-    """A recorded setting as the field's type, or one line naming the field: a train_config.json edited by
-    hand (or from elsewhere) must not reach the trainer as a TypeError deep in the step."""
-    import typing
-
-    hint = typing.get_type_hints(TrainConfig)[name]
-    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if value is None and type(None) in kinds:
-        return None
-    if hint == tuple[float, float]:
-        if isinstance(value, list) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value):
-            return tuple(float(v) for v in value)
-        kinds = ("a list of two numbers",)
-    elif (bool in kinds and isinstance(value, bool)) or (str in kinds and isinstance(value, str)):
-        return value
-    elif int in kinds and number and isinstance(value, int) or float in kinds and number:
-        return float(value) if float in kinds else value
-    names = {type(None): "null", bool: "bool", int: "int", float: "float", str: "str"}
-    raise UserError(
-        f"the run's recorded settings {path} give {name} = {json.dumps(value)}, which is not "
-        f"{' or '.join(names.get(kind, str(kind)) for kind in kinds)}",
-        f"correct or delete {name} in that file, or pass --{_flag(name)} on the command line",
-    )
-
-
-def inherited_notes() -> list[str]:
-    """What `inherit_recorded` took since the last call, for the run's log."""
-    notes, _inherited_notes[:] = list(_inherited_notes), []
-    return notes
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

@@ -62,6 +62,42 @@ def check_data_mode(plan: Plan, config: TrainConfig) -> None:
         )
 
 
+def check_inputs(plan: Plan, config: TrainConfig) -> None:
+    """Everything about the run's inputs that costs a glance, before a process, a model or a run folder
+    exists (`dit-accel train` asks it before it launches; each rank again before its run folder): the data
+    the plan's mode reads (`check_data_mode`), a latent cache's manifest, an image folder or dataset that is
+    there with its columns, REPA's encoder file. Reading the data itself stays the ranks' (and the
+    doctor's)."""
+    from dit_accel.repa.training import check_encoder_flag
+
+    check_data_mode(plan, config)
+    check_encoder_flag(plan.decision.repa, config.repa_encoder)
+    if config.repa_encoder and not Path(config.repa_encoder).expanduser().is_file():
+        raise UserError(
+            f"--repa-encoder {config.repa_encoder} is not a file",
+            "pass the encoder's published weights (e.g. dinov2_vitb14_pretrain.pth; docs/recipes.md)",
+        )
+    if config.latents:
+        from dit_accel.data.latent_cache import read_manifest
+
+        read_manifest(config.latents)  # there, complete, and a cache (an image folder is named as one)
+    if config.data_path:
+        from dit_accel.data.source_kind import DatasetOptions, dataset_kind
+
+        kind = dataset_kind(config.data_path)
+        if kind is None and not Path(config.data_path).expanduser().is_dir():
+            raise UserError(
+                f"--data-path {config.data_path} does not exist",
+                "pass an image folder (one sub-folder per class) or a dataset (docs/data.md)",
+            )
+        if kind is not None:
+            from dit_accel.data.hf_source import check_dataset_columns
+
+            check_dataset_columns(
+                config.data_path, DatasetOptions(config.split, config.image_column, config.label_column)
+            )
+
+
 def build_dataset(plan: Plan, config: TrainConfig, spec, index_dir=None, once=None):
     """The dataset the plan's latent mode reads, checked against the plan (resolution, VAE, classes).
 

@@ -72,13 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--plan", help="plan.json written by dit-plan; its accelerate_config.yaml must lie beside it"
+        "--plan",
+        help="plan.json written by dit-plan; its accelerate_config.yaml must lie beside it (required)",
     )
     parser.add_argument(
         "--accelerate-config",
         "--accelerate_config",
         dest="accelerate_config",
-        help=f"another Accelerate config than PLAN_DIR/{CONFIG_NAME}",
+        help=f"another Accelerate config than PLAN_DIR/{CONFIG_NAME} (default: none: the plan's)",
     )
     for name in LAUNCHER_OPTIONS:
         parser.add_argument(
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             print(shlex.join(["accelerate", "launch", *command[3:]]))
             return 0
         config = check_trainer_flags(command)
+        check_inputs_before_launch(config)
         from dit_accel.train.config import parse_signals
 
         return run_launcher(command, received, parse_signals(config.preempt_signals))
@@ -291,9 +293,24 @@ def main(argv: list[str] | None = None) -> int:
         received.restore()
 
 
+def check_inputs_before_launch(config) -> None:
+    """The inputs' cheap checks (`train.data.check_inputs`), here before any process starts: a missing
+    --data-path or encoder is one line at once, not one after the ranks' start-up and torch elastic's
+    lines, and no run folder is left behind."""
+    from dit_accel.train.data import check_inputs
+    from planner.errors import PlanError
+    from planner.planfile import read_plan
+
+    try:
+        plan = read_plan(config.plan)
+    except PlanError:  # the ranks refuse it in one line themselves, as for the process count
+        return
+    check_inputs(plan, config)
+
+
 def check_trainer_flags(command: list[str]):
     """The trainer's own flag checks, here before any process starts: a bad --lr is then one line, not one
     line per rank inside the launcher's failure report. Returns the trainer's config."""
-    from dit_accel.train.config import parse_config
+    from dit_accel.train.flags import parse_config
 
     return parse_config(command[command.index("dit_accel.train") + 1 :])

@@ -39,7 +39,8 @@ from dit_accel.errors import (
 from dit_accel.run.lock import release_all as release_run_folder
 from dit_accel.run.logs import log, setup_logging
 from dit_accel.run.preemption import StopRequest, die_with_parent, preempted_message
-from dit_accel.train.config import TrainConfig, parse_config, parse_signals, save_config
+from dit_accel.train.config import TrainConfig, parse_signals, save_config
+from dit_accel.train.flags import parse_config
 
 
 def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
@@ -55,7 +56,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     from dit_accel.run.checkpoint import PLAN, TRAIN_CONFIG, Checkpointer  # here: --help needs none of these
     from dit_accel.run.faults import Faults
     from dit_accel.run.watchdog import Watchdog
-    from dit_accel.train.data import build_dataset, check_data_mode, data_fingerprint, make_loader
+    from dit_accel.train.data import build_dataset, check_inputs, data_fingerprint, make_loader
     from dit_accel.train.evaluation import TrainingEval
     from dit_accel.train.resume import choose_start, claim_run_folder, restore
     from dit_accel.train.samples import TrainingSamples
@@ -75,7 +76,7 @@ def train(config: TrainConfig, stop_request: StopRequest | None = None) -> int:
     # The plan, and everything that can be refused before a process group or a model exists.
     plan = read_plan(config.plan)
     spec = plan.spec()
-    check_data_mode(plan, config)
+    check_inputs(plan, config)  # the data and encoder given, there, of the plan's kind: before the run folder
     check_launch(plan, int(os.environ.get("WORLD_SIZE", "1")), config.plan)
     trackers = chosen_trackers(config.report_to, config.tensorboard)  # a missing package: one line, now
     run_dir = Path(config.output_dir)

@@ -16,7 +16,8 @@ from dit_accel.errors import UserError
 from dit_accel.run import checkpoint as ckpt
 from dit_accel.run import lock as runlock
 from dit_accel.run.weights import load_weights
-from dit_accel.train.config import TrainConfig, inherited_notes
+from dit_accel.train.config import TrainConfig
+from dit_accel.train.flags import inherited_notes
 from dit_accel.train.optim import effective_lr
 from dit_accel.train.steplog import plan_notes
 from planner.planfile import Plan, read_plan

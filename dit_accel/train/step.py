@@ -21,6 +21,7 @@ from dit_accel.distributed.fsdp import full_tensor, shard_blocks, uses_fsdp
 from dit_accel.errors import UserError
 from dit_accel.train.config import TrainConfig
 from dit_accel.train.ema import EMA
+from dit_accel.train.flags import inherited_from
 from dit_accel.train.optim import build_optimizer, build_scheduler, effective_lr
 from dit_accel.train.resume import InitWeights, load_init_weights
 from planner.planfile import Plan
@@ -82,6 +83,14 @@ def run_objective(plan: Plan, config: TrainConfig) -> str:
     """The run's objective: --objective, else the plan's (dit-plan --objective). A launch that contradicts
     the plan is refused, as a precision the plan did not size is: the plan's sizes and recipe are one."""
     chosen = config.objective or plan.objective
+    record = inherited_from("objective")
+    if chosen != plan.objective and record is not None:  # the run's own objective, not a flag typed now
+        raise UserError(
+            f"the run in {config.output_dir} trains {chosen} (its recorded settings {record} say so), but the "
+            f"plan {config.plan} plans {plan.objective}",
+            f"resume it under a plan made with `dit-plan --objective {chosen}`, or train {plan.objective} as a "
+            "new run (another --output-dir)",
+        )
     if chosen != plan.objective:
         raise UserError(
             f"--objective {chosen} contradicts the plan's objective {plan.objective} ({config.plan})",

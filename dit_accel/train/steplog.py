@@ -233,7 +233,10 @@ class StepLog:
             f"{result.grad_norm:.3g} | {metrics['images_per_s']:.1f} img/s | {metrics['step_time_s']:.3f} "
             f"s/step | data wait {metrics['data_wait_fraction']:.0%} | {memory_text}"
         )
-        self._warn_data_wait(metrics["data_wait_fraction"], step, self.window_steps)
+        if (
+            self.device.type == "cuda"
+        ):  # "the GPUs idle" means nothing on a CPU, whose workers its cores bound
+            self._warn_data_wait(metrics["data_wait_fraction"], step, self.window_steps)
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if self.accelerator.is_main_process:

@@ -27,6 +27,7 @@ SHRINK = [
     ("--max-steps 800", "--max-steps 6"),
     ("--max-steps 100", "--max-steps 3"),
     ("--per-class 8", "--per-class 1"),
+    ("--num-samples 256 --batch-size 64", "--num-samples 8 --batch-size 8 --steps 3"),
     ("--steps 25", "--steps 3"),
     ("num_inference_steps=25", "num_inference_steps=2"),
 ]
@@ -73,11 +74,16 @@ def test_the_readme_cpu_tour_runs_as_written(tmp_path):
     grid = Image.open(tmp_path / "grid.png")
     assert grid.height >= 4 * 16  # one row per class
     assert Image.open(tmp_path / "pipeline.png").size == (64, 64)
+    plumbing = json.loads((tmp_path / "plumbing.json").read_text())  # the FID path, offline, labelled
+    assert plumbing["num_samples"] == 8 and "NOT an FID" in plumbing["plumbing_check"]
+    assert "-- PLUMBING CHECK, not an FID" in output_of(
+        "dit-accel sample --checkpoint runs/demo --num-samples"
+    )
     assert (
         json.loads((tmp_path / "pipeline" / "model_index.json").read_text())["id2label"]["2"] == "red_circle"
     )
 
-    # A pixel-space run has no DiTPipeline form: said at once, in one line, before any VAE is asked for.
+    # The tour's run (flow, pixel space) has no DiTPipeline form: said at once, in one line, before any VAE.
     refused = run(["dit-accel", "export", "--checkpoint", "runs/demo", "--out", "pixel-pipeline"])
-    assert refused.returncode == 2 and "pixel space" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "flow model" in refused.stderr, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "pixel-pipeline").exists()

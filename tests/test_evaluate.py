@@ -581,3 +581,44 @@ def test_the_default_weights_place_is_the_torch_hub_cache_worked_out_without_tor
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert hub_checkpoints_dir() == Path(torch.hub.get_dir()) / "checkpoints"
+
+
+def test_every_missing_input_is_named_at_once(evaluation, tmp_path, monkeypatch, capsys):
+    """Neither the weights nor the reference: both in one line (the weights alone were named, then the
+    reference on the next try)."""
+    from dit_accel.evaluate.command import main
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # no weights in its hub cache
+    argv = ["--samples", str(evaluation / "alike.npz"), "--reference", str(tmp_path / "absent.npz")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and "--reference" in err[0]
+        and "absent.npz does not exist and the Inception-v3" in err[0]
+    )
+    assert "VIRTUAL_imagenet256_labeled.npz" in err[0] and "curl -L --create-dirs" in err[0]
+
+
+def test_the_plumbing_check_runs_the_whole_path_offline_and_says_it_is_no_fid(
+    evaluation, tmp_path, monkeypatch, capsys
+):
+    """No weights anywhere: `--plumbing-check` scores on a random network fitted to the reference, and the
+    table, the FID line and the JSON all say that these numbers are no metric."""
+    import json
+
+    from dit_accel.evaluate.command import main
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    argv = ["--samples", str(evaluation / "alike.npz"), "--reference", str(evaluation / "reference.npz")]
+    out = tmp_path / "plumbing.json"
+    assert main([*argv, "--plumbing-check", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        printed.startswith("!!! PLUMBING CHECK with a random Inception network")
+        and "-- PLUMBING CHECK, not an FID" in printed
+    )
+    scores = json.loads(out.read_text())
+    assert "NOT an FID" in scores["plumbing_check"] and "NOT an FID" in scores["inception_weights"]
+    assert scores["num_samples"] == 10 and math.isfinite(scores["fid"]) and 0 <= scores["precision"] <= 1
+    assert not (tmp_path / "cache").exists()  # a random network's statistics are never cached

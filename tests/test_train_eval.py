@@ -158,16 +158,21 @@ def test_a_flow_run_is_scored_with_the_ode_sample_uses_for_it(workspace, tmp_pat
     assert scores["fid"] == pytest.approx(logged["eval/fid"], rel=1e-6)
 
 
-@pytest.mark.parametrize("problem", ["no reference", "no weights"])
+@pytest.mark.parametrize("problem", ["no reference", "no weights", "neither"])
 def test_missing_files_are_refused_in_one_line_before_training(workspace, tmp_path, capsys, problem):
+    """Everything missing is named in one line: with neither the reference nor the weights there, the
+    weights alone were named first, and the reference only on the next try."""
     run = tmp_path / "run"
     reference = workspace / "reference.npz" if problem == "no weights" else tmp_path / "absent.npz"
     flags = [*EVAL, "--eval-reference", reference, "--max-steps", 1]
+    if problem == "no reference":
+        flags += ["--inception-weights", workspace / "inception.pth"]
     env = {"TORCH_HOME": str(tmp_path / "torch")}  # no weights in its hub cache
     assert _train(workspace, run, *flags, env=env) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("dit_accel.train: error: "), err
-    assert ("absent.npz does not exist" if problem == "no reference" else "curl -L --create-dirs") in err
+    assert ("absent.npz does not exist" in err) == (problem != "no weights")
+    assert ("curl -L --create-dirs" in err) == (problem != "no reference")
     assert not run.exists()  # refused with the flags: no run folder, no process group, no model
 
 

@@ -251,9 +251,28 @@ def build_parser() -> argparse.ArgumentParser:
         "downsampling, 32 channels normalised per channel, for LightningDiT) (default sd-vae)",
     )
     parser.add_argument(
+        "--reference",
+        metavar="REF.npz",
+        help="also write the images as an evaluation reference batch in the ADM layout (arr_0: uint8 N x H x "
+        "W x 3), for `sample --evaluate REF.npz --plumbing-check` (default: none)",
+    )
+    parser.add_argument(
         "--force", action="store_true", help="replace DIR (and VAE_DIR) if not empty (default: refuse)"
     )
     return parser
+
+
+def write_reference_batch(folder: Path, path: Path) -> Path:
+    """Every image of the demo folder, in listing order, as an ADM-layout .npz, written whole or not at all."""
+    from dit_accel.atomic import write_atomically
+    from dit_accel.data.folder import validate_image_folder
+
+    listing = validate_image_folder(folder).listing
+    images = np.stack(
+        [np.asarray(listing.load(i).convert("RGB"), dtype=np.uint8) for i in range(len(listing))]
+    )
+    write_atomically(path, lambda file: np.savez(file, images, np.asarray(listing.labels, dtype=np.int64)))
+    return path
 
 
 @exits_cleanly("dit-accel demo-data")
@@ -261,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.vae:
         _check_vae_target(args.vae, args.resolution, args.force, args.vae_family)
+    if args.reference and Path(args.reference).exists() and not args.force:
+        raise UserError(f"{args.reference} already exists", "delete it, or pass --force to replace it")
     target = write_demo_data(
         args.out,
         classes=args.classes,
@@ -281,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             f"wrote a tiny random AutoencoderKL of the {args.vae_family} family ({side}x{side}x{tokenizer.channels} "
             f"latents) to {vae}"
         )
+    if args.reference:
+        reference = write_reference_batch(target, Path(args.reference))
+        print(f"wrote the images as a reference batch to {reference} (for --plumbing-check: not an FID)")
     return 0
 
 

@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="results JSON to write, whole or not at all (default: none: the table only)",
     )
     parser.add_argument(
+        "--plumbing-check",
+        action="store_true",
+        help="run the whole path offline on a random Inception network (no weights needed): the table and the "
+        "JSON, loudly labelled, with numbers that are NOT an FID (default: off)",
+    )
+    parser.add_argument(
         "--batch-size",
         type=positive_int,
         default=64,
@@ -62,11 +68,21 @@ def evaluate(args) -> int:
 
     from dit_accel.evaluate.evaluator import Evaluator, check_enough
     from dit_accel.evaluate.features import NpzImages
+    from dit_accel.evaluate.weights import check_evaluation_files
 
+    if not args.plumbing_check:  # every missing file named at once
+        check_evaluation_files(args.reference, args.inception_weights, "--reference")
     accelerator = Accelerator(cpu=not _cuda_available())
     samples = NpzImages(args.samples, "--samples")
     check_enough(len(samples), "the samples")
-    evaluator = Evaluator(accelerator, args.inception_weights, args.batch_size, args.cache_dir, args.input_px)
+    evaluator = Evaluator(
+        accelerator,
+        args.inception_weights,
+        args.batch_size,
+        args.cache_dir,
+        args.input_px,
+        args.plumbing_check,
+    )
     side = samples.shape[1] if samples.shape[1] == samples.shape[2] else None
     reference = evaluator.reference(args.reference, side)  # checked before the samples' features
     features = evaluator.npz_features(samples, desc="sample features")

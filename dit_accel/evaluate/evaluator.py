@@ -31,7 +31,14 @@ from dit_accel.evaluate.weights import default_weights_path
 __all__ = ["PAPER_SAMPLES", "Evaluator", "check_enough"]
 
 
+PLUMBING = "a random Inception network (--plumbing-check): NOT an FID, NOT an Inception Score"
+
+
 class Evaluator:
+    """The network and the reference statistics. `plumbing`: a random network instead of the published
+    weights (`inception.random_inception`, its BatchNorm fitted to the reference's first images when the
+    reference is read), so the whole path runs offline; every number it gives is labelled as no metric."""
+
     def __init__(
         self,
         accelerator=None,
@@ -39,12 +46,14 @@ class Evaluator:
         batch_size: int = ADM_BATCH,
         cache_dir: str | Path | None = None,
         input_px: int = INPUT_PX,
+        plumbing: bool = False,
     ):
         self.accelerator = accelerator
         self.device = accelerator.device if accelerator else "cpu"
-        self.weights = Path(weights) if weights else default_weights_path()
-        self.network = load_inception(self.weights, self.device, input_px)
-        self.weights_sha256 = file_sha256(self.weights)
+        self.plumbing = plumbing
+        self.weights = PLUMBING if plumbing else Path(weights) if weights else default_weights_path()
+        self.network = None if plumbing else load_inception(self.weights, self.device, input_px)
+        self.weights_sha256 = "plumbing" if plumbing else file_sha256(self.weights)
         self.batch_size, self.input_px = batch_size, input_px
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.is_main = accelerator is None or accelerator.is_main_process
@@ -72,8 +81,12 @@ class Evaluator:
         images = NpzImages(path, "the reference")
         if image_px is not None:
             check_same_side(images, image_px, path)
+        if self.plumbing:  # fitted to the reference itself; nothing cached
+            from dit_accel.evaluate.inception import random_inception
+
+            self.network = random_inception(images.read(0, min(len(images), 64)), self.device)
         cached_at = cache_path(path, self.weights_sha256, self.input_px, self.cache_dir)
-        cached = read_cache(cached_at)
+        cached = None if self.plumbing else read_cache(cached_at)
         if cached is not None:
             check_statistics(cached.fid, cached.sfid, self.network.feature_widths, cached_at)
             return cached
@@ -84,7 +97,7 @@ class Evaluator:
         features = self.npz_features(images, desc="reference features")
         fid, sfid = precomputed or (metrics.statistics(features.pool), metrics.statistics(features.spatial))
         reference = ReferenceBatch(features.pool, fid, sfid, len(features), precomputed is not None)
-        if self.is_main:
+        if self.is_main and not self.plumbing:
             try:
                 write_cache(cached_at, reference)
             except OSError as error:
@@ -118,7 +131,7 @@ class Evaluator:
             "num_reference": reference.num_images,
             "reference_statistics": "precomputed" if reference.precomputed else "computed from its images",
             "inception_score_splits": math.ceil(len(samples) / metrics.IS_SPLIT_SIZE),
-        }
+        } | ({"plumbing_check": PLUMBING} if self.plumbing else {})
 
 
 def check_enough(count: int, what: str) -> None:
@@ -179,11 +192,20 @@ class Scorer:
         input_px: int = INPUT_PX,
         num_samples: int | None = None,
         image_px: int | None = None,
+        plumbing: bool = False,
+        reference_flag: str = "--evaluate",
     ):
+        from dit_accel.evaluate.weights import check_evaluation_files
+
         if num_samples is not None:
             check_enough(num_samples, "the samples")
+        if plumbing:
+            if not Path(reference).is_file():
+                raise UserError(f"{reference_flag} {reference} does not exist", "pass a reference batch .npz")
+        else:  # every missing file named at once
+            check_evaluation_files(reference, weights, reference_flag)
         self.reference_path = Path(reference)
-        self.evaluator = Evaluator(accelerator, weights, batch_size, cache_dir, input_px)
+        self.evaluator = Evaluator(accelerator, weights, batch_size, cache_dir, input_px, plumbing)
         self.reference = self.evaluator.reference(self.reference_path, image_px)
         self.collector = self.evaluator.collector()
 
@@ -199,6 +221,7 @@ class Scorer:
             args.input_px,
             args.num_samples,
             image_px,
+            args.plumbing_check,
         )
 
     def add(self, images, indices) -> None:

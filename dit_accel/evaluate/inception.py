@@ -258,6 +258,25 @@ def load_inception(
     return network.to(device).eval().requires_grad_(False)
 
 
+PLUMBING_INPUT_PX = 75  # the least the network takes: the plumbing check scores nothing, so it costs little
+
+
+def random_inception(images, device: torch.device | str = "cpu", seed: int = 0) -> InceptionV3:
+    """A randomly initialised network (`seed`), its BatchNorm statistics those of `images` (uint8 NHWC: one
+    forward in training mode, a cumulative average) so that its features are of order 1, at the least input
+    size: `--plumbing-check`, which runs the whole evaluation path without the published weights. Its
+    numbers compare with nothing."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        network = InceptionV3(PLUMBING_INPUT_PX)
+    for module in network.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = None
+    with torch.no_grad():
+        network.train()(torch.as_tensor(images))
+    return network.to(device).eval().requires_grad_(False)
+
+
 @contextlib.contextmanager
 def full_fp32():
     """CUDA convolutions and matmuls in true float32 (no TF32), as TensorFlow ran the evaluator's graph."""

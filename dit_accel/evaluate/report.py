@@ -46,8 +46,11 @@ def report(scores: dict, reference, out: str | Path | None) -> None:
     with its sample count, a warning when the count is not the papers', and the JSON written whole."""
     from dit_accel.atomic import write_json_atomically
 
+    plumbing = scores.get("plumbing_check")
+    if plumbing:
+        print(f"!!! PLUMBING CHECK with {plumbing}: the path runs, the numbers mean nothing")
     print(table(scores, reference.describe()))
-    print(fid_line(scores, reference.describe()))
+    print(fid_line(scores, reference.describe()) + (" -- PLUMBING CHECK, not an FID" if plumbing else ""))
     if warning := sample_count_warning(scores["num_samples"]):
         print(warning)
     if out:

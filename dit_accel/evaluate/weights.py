@@ -33,6 +33,33 @@ def default_weights_path() -> Path:
     return folder / WEIGHTS_NAMES[0]
 
 
+REFERENCE_FETCH = (
+    "fetch the ADM reference batch once (e.g. VIRTUAL_imagenet256_labeled.npz from openai/guided-diffusion's "
+    'evaluations; docs/evaluation.md, "What you need once")'
+)
+
+
+def check_evaluation_files(
+    reference: str | os.PathLike | None, weights: str | os.PathLike | None, flag: str
+) -> Path:
+    """The reference batch (`flag` names its option) and the Inception weights, both looked for before
+    either is read, so that everything missing is named in one line, not one round trip each. Returns the
+    weights' path."""
+    problems, fixes = [], []
+    if reference is not None and not Path(reference).is_file():
+        problems.append(f"{flag} {reference} does not exist")
+        fixes.append(REFERENCE_FETCH)
+    try:
+        path = weights_file(weights)
+    except UserError as missing:
+        problems.append(missing.problem)
+        fixes.append(missing.fix)
+        path = None
+    if problems:
+        raise UserError(" and ".join(problems), "; ".join(fixes))
+    return path
+
+
 def weights_file(weights: str | os.PathLike | None) -> Path:
     """`weights` (--inception-weights), else the cache's file; a missing one is a one-line error saying how to
     fetch it (nothing is downloaded)."""

@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=299,
         help="--evaluate: side the Inception resizes images to: the TF graph's 299; only tests lower it",
     )
+    parser.add_argument(
+        "--plumbing-check",
+        action="store_true",
+        help="--evaluate on a random Inception network (no weights needed): the whole path and its table, "
+        "loudly labelled, with numbers that are NOT an FID (default: off)",
+    )
     return parser
 
 

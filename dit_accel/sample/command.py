@@ -92,6 +92,10 @@ def _check_args(args) -> None:
         raise UserError(
             f"{args.out} already exists", "delete it, choose another --out, or pass --overwrite to replace it"
         )
+    if args.plumbing_check and not args.evaluate:
+        raise UserError(
+            "--plumbing-check is --evaluate's", "add --evaluate REF.npz, or drop --plumbing-check"
+        )
     if args.labels is not None and not batch:
         raise UserError("--labels is for the evaluation batch: a grid has one row per --classes entry")
     args.overrides = apply_protocol(args)

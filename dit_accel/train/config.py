@@ -472,7 +472,7 @@ class TrainConfig:
     def check_eval(self) -> None:
         """--eval-every's numbers and files, before anything starts: the reference batch and the Inception
         weights (--inception-weights, else the torch hub cache's file) must be there."""
-        from dit_accel.evaluate.weights import weights_file
+        from dit_accel.evaluate.weights import check_evaluation_files
 
         if self.eval_samples < 4 or self.eval_input_px < 75 or self.eval_cfg_scale < 0:
             raise UserError(
@@ -485,11 +485,7 @@ class TrainConfig:
             raise UserError(
                 "--eval-every needs --eval-reference REF.npz", f"pass an ADM reference batch: {fetch}"
             )
-        if not Path(self.eval_reference).is_file():
-            raise UserError(
-                f"--eval-reference {self.eval_reference} does not exist", f"pass the file: {fetch}"
-            )
-        weights_file(self.inception_weights)
+        check_evaluation_files(self.eval_reference, self.inception_weights, "--eval-reference")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

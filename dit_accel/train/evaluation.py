@@ -68,6 +68,7 @@ class TrainingEval:
             input_px=config.eval_input_px,
             num_samples=config.eval_samples,
             image_px=spec.resolution,
+            reference_flag="--eval-reference",
         )
         self.labels = balanced_labels(config.eval_samples, spec.num_classes, config.seed)
         self.mine = shard(config.eval_samples, accelerator.process_index, accelerator.num_processes)

@@ -201,3 +201,38 @@ def test_the_trainer_command_exits_2_on_an_unknown_key(tiny_plan, tmp_path, caps
     # `dit-accel train --config FILE` hands the recipe to the trainer unchanged
     command = launch_command(["--plan", str(tiny_plan), "--config", str(recipe), "--lr", "1e-3"])
     assert command[-4:] == ["--config", str(recipe), "--lr", "1e-3"]
+
+
+@pytest.mark.launched
+def test_the_repa_cpu_block_of_the_recipes_doc_runs_as_written(tmp_path):
+    """docs/recipes.md, "REPA on a CPU": every command of the marked block, through the console scripts, in a
+    fresh folder; the run's checkpoint holds the trained projector beside the network."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "recipes.md").read_text()
+    (block,) = re.findall(r"<!-- cpu-repa -->\s*```bash\n(.*?)```", text, flags=re.S)
+    commands = [" ".join(line.split()) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    assert [c.split()[:2] for c in commands] == [
+        ["dit-accel", "demo-data"],
+        ["dit-plan", "--model"],
+        ["dit-accel", "doctor"],
+        ["dit-accel", "train"],
+    ]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, f"$ {command}\n{done.stdout}\n{done.stderr}"
+    weights = load_file(
+        next((tmp_path / "runs" / "repa" / "checkpoints" / "step_00000020").rglob("model.safetensors"))
+    )
+    assert any(key.startswith("repa_projector") for key in weights)
+    log = (tmp_path / "runs" / "repa" / "logs" / "rank0.log").read_text()
+    assert "is no published DINOv2 backbone" in log

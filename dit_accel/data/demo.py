@@ -251,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "downsampling, 32 channels normalised per channel, for LightningDiT) (default sd-vae)",
     )
     parser.add_argument(
+        "--repa-encoder",
+        metavar="FILE.pth",
+        help="also write a tiny random encoder in DINOv2's layout here, for REPA on a CPU (`dit-accel train "
+        "--repa-encoder FILE.pth` under a `dit-plan --repa dinov2-s` plan; docs/recipes.md) (default: none)",
+    )
+    parser.add_argument(
         "--reference",
         metavar="REF.npz",
         help="also write the images as an evaluation reference batch in the ADM layout (arr_0: uint8 N x H x "
@@ -280,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.vae:
         _check_vae_target(args.vae, args.resolution, args.force, args.vae_family)
-    if args.reference and Path(args.reference).exists() and not args.force:
-        raise UserError(f"{args.reference} already exists", "delete it, or pass --force to replace it")
+    for given in (args.reference, args.repa_encoder):
+        if given and Path(given).exists() and not args.force:
+            raise UserError(f"{given} already exists", "delete it, or pass --force to replace it")
     target = write_demo_data(
         args.out,
         classes=args.classes,
@@ -301,6 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"wrote a tiny random AutoencoderKL of the {args.vae_family} family ({side}x{side}x{tokenizer.channels} "
             f"latents) to {vae}"
+        )
+    if args.repa_encoder:
+        from dit_accel.repa.encoder import DEMO_ENCODER, write_demo_encoder
+
+        write_demo_encoder(args.repa_encoder, seed=args.seed)
+        print(
+            f"wrote a tiny random DINOv2-layout encoder (width {DEMO_ENCODER['dim']}, depth "
+            f"{DEMO_ENCODER['depth']}) to {args.repa_encoder}"
         )
     if args.reference:
         reference = write_reference_batch(target, Path(args.reference))

@@ -251,3 +251,22 @@ def preprocess(images: torch.Tensor, grid: int) -> torch.Tensor:
     if x.shape[-2:] != (side, side):
         x = F.interpolate(x, size=(side, side), mode="bicubic", align_corners=False)
     return x
+
+
+DEMO_ENCODER = dict(dim=64, depth=2, mlp_hidden=128)  # DINOv2's layout at a CPU's size
+
+
+def write_demo_encoder(path, seed: int = 0):
+    """A tiny random encoder in DINOv2's published layout (a plain state dict, as torch.hub's .pth is), so
+    that REPA runs on a CPU with no download (`demo-data --repa-encoder`). Its features align the network
+    with nothing meaningful: the plumbing is the point. Written whole or not at all."""
+    from dit_accel.atomic import write_atomically
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = DinoV2(**DEMO_ENCODER)
+        with torch.no_grad():
+            for param in encoder.parameters():
+                param.normal_(0, 0.2)
+    state = {key: value.clone() for key, value in encoder.state_dict().items()}
+    return write_atomically(path, lambda file: torch.save(state, file))

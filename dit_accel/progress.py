@@ -3,8 +3,9 @@ extract-latents and sampling.
 
 On a terminal it is tqdm. When the output is not a terminal (a SLURM log, `| tee`, a CI job) tqdm's
 carriage-return redraws pile up into a single line of many kilobytes, so there the same calls print a plain
-line instead: at the start, each time another `every_percent` of the total is done, when `every_s` seconds
-have passed since the last line, and at the end.
+line instead (also when only the log lines on stdout are piped: a bar between them would be torn): at the
+start, each time another `every_percent` of the total is done, when `every_s` seconds have passed since the
+last line, and at the end.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def progress_bar(
     """tqdm on a terminal, `PlainProgress` elsewhere; both take the calls the project makes (iterate,
     `update`, `set_postfix`, `close`, `leave`)."""
     file = sys.stderr if file is None else file
-    if is_terminal(file):
+    # a bar only when the log lines share its terminal: with stdout piped (`| tee run.log`) they reached the
+    # screen after the bar's redraw, glued to its end ("loss=0.0368step 800/800")
+    if is_terminal(file) and is_terminal(sys.stdout):
         from tqdm import tqdm
 
         return tqdm(

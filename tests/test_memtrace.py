@@ -300,6 +300,9 @@ def test_verify_holds_tiny_figures_to_an_absolute_floor(tmp_path, capsys):
     expandable = saved["reserved"]["expandable"]
     assert expandable["error"] > memtrace_compare.RESERVED_TOLERANCE["expandable"]  # relatively far off
     assert abs(expandable["planner_peak_bytes"] - expandable["replayed_peak_bytes"]) < 64 * 2**20
+    # the row says which floor holds it ("+24.5%" under "held to within 3%" once said nothing)
+    row = next(line for line in out.splitlines() if line.startswith("reserved peak, expandable segments"))
+    assert row.endswith("(within the 64 MiB floor)"), row
 
 
 def test_verify_exits_1_when_the_planner_is_outside_tolerance(tmp_path, capsys):

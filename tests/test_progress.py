@@ -38,12 +38,18 @@ def test_a_pipe_gets_a_plain_line_every_ten_percent():
     assert max(map(len, lines)) < 120 and len(lines) == len(encoding) + len(sampling)
 
 
-def test_a_terminal_gets_tqdm_and_a_file_gets_plain_lines():
+def test_a_terminal_gets_tqdm_and_a_file_gets_plain_lines(monkeypatch):
     leader, follower = os.openpty()
     with os.fdopen(follower, "w") as terminal:
+        monkeypatch.setattr(sys, "stdout", terminal)  # the log lines on the same terminal
         bar = progress_bar(total=3, file=terminal)
         assert isinstance(bar, tqdm)
         bar.close()
+        # the log lines piped (`dit-accel train ... | tee run.log`) while the bar's stream is the terminal: a
+        # bar there was redrawn before tee printed a log line, which then stuck to its end
+        monkeypatch.setattr(sys, "stdout", io.StringIO())
+        assert isinstance(progress_bar(total=3, file=terminal), PlainProgress)
+        monkeypatch.undo()
     os.close(leader)
     stream = io.StringIO()
     bar = progress_bar(total=4, desc="train", unit="step", initial=2, file=stream)

@@ -79,7 +79,11 @@ def format_report(
     )
     for mode, replayed, planned, error in comparison.reserved:
         rows.append((f"reserved peak, {mode} segments", _gib(replayed), _gib(planned), _percent(error)))
-    rows = [(*row[:3], row[3] + (" (outside tolerance)" if row[0] in missed else "")) for row in rows]
+    held = comparison.held_by_floor(result.precision)
+    rows = [
+        (*row[:3], row[3] + (" (outside tolerance)" if row[0] in missed else held.get(row[0], "")))
+        for row in rows
+    ]
     depths = _depths_text(result)
     lines = [
         f"traced training step of {plan_path}: micro-batch {result.micro_batch}, {result.precision} "

@@ -220,6 +220,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="price of one GPU-hour for the run's cost, with --steps or --epochs (default: not shown)",
     )
     tt.add_argument(
+        "--recipe",
+        nargs="?",
+        const="auto",
+        metavar="NAME",
+        help="add what these hours buy: the recipe's published FID-50K milestones (DiT, SiT, REPA, LightningDiT, "
+        "or a shipped recipe's name; alone: the one the plan's flags imply) at this plan's steps, hours and "
+        "cost (default: not shown)",
+    )
+    tt.add_argument(
+        "--target-fid",
+        metavar="FID",
+        help="the cheapest published milestone this network reached at or under FID (guided unless "
+        "--target-guidance unguided), in this plan's hours; a sweep ranks by it (default: none)",
+    )
+    tt.add_argument(
+        "--target-guidance",
+        choices=["guided", "unguided"],
+        default="guided",
+        help="which published FID --target-fid is held to (default: %(default)s)",
+    )
+    tt.add_argument(
         "--eval-every",
         metavar="N",
         help="the trainer's --eval-every: add the sampling time of an FID evaluation every N steps to the time "
@@ -499,6 +520,9 @@ def common_kwargs(args) -> dict:
         eval_steps=args.eval_steps,
         eval_cfg_scale=args.eval_cfg_scale,
         model_options={"qk_norm": True} if args.qk_norm else None,
+        recipe=args.recipe,
+        target_fid=args.target_fid,
+        target_guidance=args.target_guidance,
         **custom,
     )
 
@@ -615,6 +639,8 @@ def run(argv: list[str] | None) -> int:
                 rows.append(sweep_row(combo, make_plan(**combo, **kwargs), None))
             except PlanError as error:
                 rows.append(sweep_row(combo, None, str(error)))
+        if args.target_fid is not None:  # ranked by the hours to the target's milestone, the fastest first
+            rows.sort(key=lambda row: row.get("target_hours", float("inf")))
         chart = None
         if args.plot is not None and any("micro_batch" in row for row in rows):
             from planner.plot import sweep_chart

@@ -286,6 +286,9 @@ def make_plan(
     eval_steps=EVAL_DEFAULTS["steps"],
     eval_cfg_scale=EVAL_DEFAULTS["cfg_scale"],
     model_options: dict | None = None,
+    recipe: str | None = None,
+    target_fid=None,
+    target_guidance: str = "guided",
 ) -> dict:
     """The plan for training `model` on `nodes` x `gpus` GPUs (see the module docstring).
 
@@ -294,6 +297,8 @@ def make_plan(
     they apply to this plan (planner/calibration.py), and `assumptions` still override them. `steps` (or
     `epochs` with `dataset_size`) adds the time to train, GPU-hours and, with `gpu_hour_cost`, the cost;
     `eval_every` (with `eval_samples`, `eval_steps`, `eval_cfg_scale`) the trainer's evaluations' sampling.
+    `recipe` ("" or "auto": the one the flags imply) or `target_fid` adds `forecast`: the published FID
+    milestones at this plan's hours (planner.forecast).
     """
     inputs = {k: v for k, v in locals().items() if k not in ("assumptions", "calibration")}  # as given
     inputs["assumptions"] = dict(assumptions) if isinstance(assumptions, dict) else None
@@ -356,8 +361,11 @@ def make_plan(
     matmul = resolve_matmul(precision, preset)
     steps = train_steps(global_batch, steps, epochs, dataset_size)
     price = _positive_number(gpu_hour_cost, "--gpu-hour-cost") if gpu_hour_cost is not None else None
-    if price is not None and steps is None:
-        raise PlanError("--gpu-hour-cost prices a run: give --steps N (or --epochs E --dataset-size S) too")
+    if price is not None and steps is None and recipe is None and target_fid is None:
+        raise PlanError(
+            "--gpu-hour-cost prices a run: give --steps N (or --epochs E --dataset-size S), --recipe or "
+            "--target-fid too"
+        )
     calibrated = None
     if calibration is not None:
         if isinstance(calibration, dict):
@@ -520,7 +528,35 @@ def make_plan(
         "assumptions": dataclasses.asdict(assumed),
         "calibration": calibrated,  # null, or the file, GPU and date of the measured figures used
         "warnings": warnings,
+        "forecast": plan_forecast(
+            spec, objective, repa, global_batch, world, throughput, price, recipe, target_fid, target_guidance
+        ),
     }
+
+
+def plan_forecast(
+    spec, objective, repa, global_batch, world, throughput, price, recipe, target_fid, guidance
+):
+    """`forecast.forecast` for this plan, or None when neither --recipe nor --target-fid asked for one."""
+    from planner.forecast import forecast, implied_method, method_of
+
+    if recipe is None and target_fid is None:
+        return None
+    method = (
+        implied_method(spec.family, objective, repa) if recipe in (None, "", "auto") else method_of(recipe)
+    )
+    return forecast(
+        model=spec.name,
+        tokenizer=spec.tokenizer,
+        resolution=spec.resolution,
+        method=method,
+        global_batch=global_batch,
+        world_size=world,
+        rates=(throughput.images_per_s, throughput.images_per_s_low, throughput.images_per_s_high),
+        price=price,
+        target_fid=None if target_fid is None else _positive_number(target_fid, "--target-fid"),
+        guidance=guidance,
+    )
 
 
 def _repa_encoder(name: str, projector_dim: int) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from planner.report.tables import SWEEP_HEADERS, TEXT_COLUMNS, plan_notes, plan_tables, sweep_table, title
+from planner.report.tables import TEXT_COLUMNS, plan_notes, plan_tables, sweep_headers, sweep_table, title
 
 # in math mode or as accents where the text font lacks the glyph (no TS1 font needed)
 _TEX = {
@@ -117,5 +117,5 @@ def plan_latex(plan: dict, chart: str | None = None) -> str:
 
 def sweep_latex(rows: list[dict]) -> str:
     return latex_document(
-        "dit-plan sweep", [], [("Sweep", SWEEP_HEADERS, sweep_table(rows), TEXT_COLUMNS["sweep"])], []
+        "dit-plan sweep", [], [("Sweep", sweep_headers(rows), sweep_table(rows), TEXT_COLUMNS["sweep"])], []
     )

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.report.tables import SWEEP_HEADERS, TABLEFMT, plan_notes, plan_tables, sweep_table, title
+from planner.report.tables import (
+    TABLEFMT,
+    forecast_lines,
+    plan_notes,
+    plan_tables,
+    sweep_headers,
+    sweep_table,
+    title,
+)
 
 
 def markdown_table(headers, rows, fmt: str = "markdown") -> str:
@@ -16,6 +24,7 @@ def plan_markdown_text(plan: dict, fmt: str = "markdown") -> str:
     out = [f"### {title(plan)}", *plan_notes(plan), ""]
     for name, _, headers, rows in plan_tables(plan):
         out += [f"### {name}", markdown_table(headers, rows, fmt), ""]
+    out += [*forecast_lines(plan), ""] if forecast_lines(plan) else []
     if plan["warnings"]:
         out.append("### Warnings")
         out += ["- " + w for w in plan["warnings"]]
@@ -23,4 +32,4 @@ def plan_markdown_text(plan: dict, fmt: str = "markdown") -> str:
 
 
 def sweep_markdown_text(rows: list[dict], fmt: str = "markdown") -> str:
-    return markdown_table(SWEEP_HEADERS, sweep_table(rows), fmt) + "\n"
+    return markdown_table(sweep_headers(rows), sweep_table(rows), fmt) + "\n"

@@ -13,6 +13,8 @@ from planner.report.tables import (
     PHASE_NAMES,
     alternative_rows,
     decision_rows,
+    forecast_lines,
+    forecast_rows,
     gib_cell,
     host_rows,
     human_value,
@@ -169,6 +171,26 @@ def plan_markdown(plan: dict, provenance: dict | None = None, chart: str | None 
             markdown_table(*time_to_train_rows(plan)),
             "",
         ]
+    if plan.get("forecast"):
+        f = plan["forecast"]
+        lines += ["## What these hours buy", ""]
+        if f["rows"]:
+            lines += [
+                f"{f['method']}'s published FID-50K milestones, each at this plan's steps to the same images seen "
+                f"(steps x global batch), timed at the estimated images/s (range from the MFU range).",
+                "",
+                markdown_table(*forecast_rows(plan)),
+                "",
+            ]
+        lines += [f"- {line}" for line in forecast_lines(plan)]
+        sources = f["rows"] + [row for row in (f["target"], f["best"]) if row and row not in f["rows"]]
+        if sources:
+            lines += ["", "Sources:", ""]
+            lines += [
+                f"- {row['method']} {row['steps']:,} steps x {row['global_batch']}: {row['source']}"
+                for row in sources
+            ]
+        lines.append("")
     path = plan["search"]["path"]
     lines += [
         "## Host RAM per node (exitcode -9)",

@@ -18,6 +18,7 @@ TEXT_COLUMNS = {
     "time": ("choice",),
     "host": (),
     "sweep": ("note",),
+    "forecast": (),
 }
 
 
@@ -175,6 +176,56 @@ def time_to_train_rows(plan: dict) -> tuple[list, list]:
             )
         )
     return headers, rows
+
+
+def _steps_text(steps: int) -> str:
+    """400000 -> 400K, 7000000 -> 7M: a milestone as papers name it."""
+    return f"{steps / 1e6:g}M" if steps >= 1e6 else f"{steps / 1e3:g}K"
+
+
+def forecast_rows(plan: dict) -> tuple[list, list]:
+    """What these hours buy: each published milestone of the plan's recipe (its images seen, its FID-50K
+    guided / unguided) at this plan's steps, wall-clock and GPU-hours (and cost with --gpu-hour-cost)."""
+    f = plan.get("forecast")
+    if not f or not f["rows"]:
+        return [], []
+    priced = any(row["cost"] is not None for row in f["rows"])
+    headers = ["published run", "images", "FID cfg", "no cfg", "steps here", "time", "(range)", "GPU-h"]
+    headers += ["cost"] if priced else []
+    rows = []
+    for row in f["rows"]:
+        fid = [f"{row[key]:g}" if row[key] is not None else "-" for key in ("fid_guided", "fid_unguided")]
+        rows.append(
+            [
+                f"{row['method']} {_steps_text(row['steps'])} x {row['global_batch']}",
+                f"{row['images_seen'] / 1e6:,.1f}M",
+                *fid,
+                f"{row['steps']:,}",
+                duration(row["time_s"]),
+                f"{duration(row['time_s_low'])} - {duration(row['time_s_high'])}",
+                f"{row['gpu_hours']:,.0f}",
+            ]
+            + ([money_cell(row["cost"])] if priced else [])
+        )
+    return headers, rows
+
+
+def forecast_lines(plan: dict) -> list[str]:
+    """The lines under the forecast table: the --target-fid answer, and what the rows are and are not."""
+    from planner.forecast import target_sentence
+
+    f = plan.get("forecast")
+    if not f:
+        return []
+    lines = [line for line in [target_sentence(f)] if line]
+    lines += f["notes"]
+    if f["rows"]:
+        lines.append(
+            "published FID-50K at equal images seen, under each paper's sampling protocol (`dit-accel sample "
+            "--protocol`), timed at this plan's img/s: the public record, not a prediction for your data "
+            '(docs/planner.md, "What these hours buy")'
+        )
+    return lines
 
 
 def describe(plan: dict, component: str) -> str:
@@ -420,12 +471,30 @@ def sweep_row(combo: dict, plan: dict | None, error: str | None) -> dict:
             est_images_per_s=plan["throughput"]["est_images_per_s"],
             note="",
         )
+        target = (plan.get("forecast") or {}).get("target")
+        if target is not None:  # --target-fid: this combination's hours and cost to the milestone
+            row.update(
+                target_hours=target["time_s"] / 3600,
+                target_gpu_hours=target["gpu_hours"],
+                target_cost=target["cost"],
+                target_method=target["method"],
+            )
     else:
         row.update(note=error)
     return row
 
 
+def sweep_headers(rows: list[dict]) -> list[str]:
+    """SWEEP_HEADERS, with the hours, GPU-hours and cost to --target-fid's milestone when a row has them."""
+    if not any("target_hours" in r for r in rows):
+        return SWEEP_HEADERS
+    priced = any(r.get("target_cost") is not None for r in rows)
+    return [*SWEEP_HEADERS[:-1], "h to FID", "GPU-h to FID", *(["cost to FID"] if priced else []), "note"]
+
+
 def sweep_table(rows: list[dict]) -> list[list]:
+    targeted = any("target_hours" in r for r in rows)
+    priced = any(r.get("target_cost") is not None for r in rows)
     table = []
     for r in rows:
         planned = "micro_batch" in r
@@ -444,6 +513,19 @@ def sweep_table(rows: list[dict]) -> list[list]:
                 gib_cell(r["peak_bytes"]) if planned else "-",
                 share_cell(r["peak_bytes"], r["vram_bytes"]) if planned else "-",
                 f"{r['est_images_per_s']:.0f}" if planned else "-",
+                *(
+                    [
+                        f"{r['target_hours']:,.1f}" if "target_hours" in r else "-",
+                        f"{r['target_gpu_hours']:,.0f}" if "target_hours" in r else "-",
+                    ]
+                    if targeted
+                    else []
+                ),
+                *(
+                    [money_cell(r["target_cost"]) if r.get("target_cost") is not None else "-"]
+                    if priced
+                    else []
+                ),
                 r["note"],
             ]
         )
@@ -458,6 +540,7 @@ def plan_tables(plan: dict) -> list[tuple[str, str, list, list]]:
         (f"Memory per GPU at its peak ({peak})", "memory", *memory_rows(plan)),
         ("Alternatives (fastest first)", "alternatives", *alternative_rows(plan)),
         ("Time to train", "time", *time_to_train_rows(plan)),
+        ("What these hours buy", "forecast", *forecast_rows(plan)),
     ]
     return [table for table in tables if table[3]]
 

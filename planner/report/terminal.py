@@ -7,7 +7,15 @@ import textwrap
 
 from tabulate import tabulate
 
-from planner.report.tables import SWEEP_HEADERS, TEXT_COLUMNS, plan_notes, plan_tables, sweep_table, title
+from planner.report.tables import (
+    TEXT_COLUMNS,
+    forecast_lines,
+    plan_notes,
+    plan_tables,
+    sweep_headers,
+    sweep_table,
+    title,
+)
 
 TERMINAL_COLUMNS = 100  # what the terminal tables fit unless --wide
 # The columns of each table left out first when wrapping its text is not enough (with a footnote).
@@ -15,6 +23,7 @@ LEAVE_OUT_FIRST = {
     "decision": ("latents", "EMA", "% VRAM", "precision"),
     "alternatives": ("% VRAM",),
     "sweep": ("precision", "% VRAM", "ckpt blocks"),
+    "forecast": ("(range)",),
 }
 
 
@@ -120,6 +129,9 @@ def plan_text(plan: dict, wide: bool = False) -> str:
     out = [title(plan), *plan_notes(plan), ""]
     for name, kind, headers, rows in plan_tables(plan):
         out += [name, terminal_table(kind, headers, rows, wide), ""]
+    forecast = forecast_lines(plan)  # the --target-fid answer and what the milestones are
+    if forecast:
+        out += [*(textwrap.fill(line, TERMINAL_COLUMNS) for line in forecast), ""]
     if plan["warnings"]:
         out.append("Warnings")
         out += ["! " + w for w in plan["warnings"]]
@@ -127,4 +139,4 @@ def plan_text(plan: dict, wide: bool = False) -> str:
 
 
 def sweep_text(rows: list[dict], wide: bool = False) -> str:
-    return terminal_table("sweep", SWEEP_HEADERS, sweep_table(rows), wide) + "\n"
+    return terminal_table("sweep", sweep_headers(rows), sweep_table(rows), wide) + "\n"

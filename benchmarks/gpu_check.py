@@ -303,6 +303,9 @@ def summarise(work: Path, out: Path) -> dict:
     if "eager" in summary["runs"] and "compiled" in summary["runs"]:
         eager, compiled = summary["runs"]["eager"], summary["runs"]["compiled"]
         summary["compiled_over_eager"] = compiled["images_per_s"] / eager["images_per_s"]
+    profile_path = work / "profile" / "profile.json"  # benchmarks/profile_step.py: where the step's time goes
+    if profile_path.exists():
+        summary["profile"] = json.loads(profile_path.read_text())
     for name, plan_folder in CALIBRATIONS.items():
         path = out / f"{name}.json"
         if path.exists():
@@ -377,6 +380,11 @@ def markdown(summary: dict) -> str:
                 f"{percent(p.get('allocated_error'))} | {gib(p.get('planned_peak_bytes'))} | "
                 f"{gib(p['max_reserved_bytes'] + outside)} | {percent(p.get('peak_error'))} | {p['images_per_s']:.1f} |"
             )
+    if summary.get("profile"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, however this file was loaded
+        from profile_step import markdown as profile_markdown
+
+        lines += ["", profile_markdown(summary["profile"]).rstrip()]
     lines += ["", "Stages: " + ", ".join(map(stage_text, summary["stages"]))]
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,8 @@
 #   (a) the trainer eager: images/s, max allocated / reserved memory against the plan, at the micro-batch
 #       `dit-plan --gpu h200 --gpus 1` plans for DiT-XL/2 @256 bf16 (synthetic latent cache);
 #   (b) the same run compiled (--compile): images/s;
+#   (b') the compiled step under torch.profiler (benchmarks/profile_step.py): time by kind (matmul, attention,
+#       norms, elementwise, optimizer, EMA, communication, idle), the top kernels, the matmuls' TFLOP/s;
 #   (c) LightningDiT-XL/1 on VA-VAE latents (a tiny random VA-VAE of the real geometry: 16x, 32 channels),
 #       compiled, with the lightningdit-xl1-64ep recipe's losses, at the micro-batch its own plan picks:
 #       images/s, memory against that plan;
@@ -13,13 +15,13 @@
 # from benchmarks/gpu_wheels.sh), the tree not installed (PYTHONPATH), no dit-plan / dit-accel / python.
 #
 #   bash benchmarks/gpu_wheels.sh                            # here, once: .whl/
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480)
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #   bash benchmarks/gpu_check.sh --dry-run                   # any machine, on the CPU: tiny sizes, same flow
 #
 # Into $OUT (at most 8 files): summary.json, summary.md, log-tail.txt, plan.json, calibration.json,
 # calibration-ckpt14.json, runs.tar.gz (metrics and logs, no weights). Everything else (data, plans, run
 # folders) is made in a scratch folder outside $OUT: $GPU_CHECK_WORK, or a new one under /tmp.
-# BUDGET_S (default 420) bounds the whole check; each stage gets its cap or what is left, whichever is less.
+# BUDGET_S (default 480) bounds the whole check; each stage gets its cap or what is left, whichever is less.
 # SKIP=compiled,calibrate (stage names, comma-separated) leaves stages out, e.g. in a rerun on a warm machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ dry_run=0
 [[ "${1:-}" == "--dry-run" ]] && dry_run=1
 out="${OUT:-${TMPDIR:-/tmp}/gpu_check_out}"
 work="${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}"
-budget_s="${BUDGET_S:-420}"
+budget_s="${BUDGET_S:-480}"
 mkdir -p "$out" "$work"
 : > "$work/stages.tsv"
 log="$work/check.log"
@@ -115,6 +117,10 @@ train=(python3 -m dit_accel.cli train --plan "$work/plan/plan.json" --latents "$
     --report-to none --no-progress-bar --preempt-signals '' --num-workers "$workers")
 stage eager 120 "${train[@]}" --output-dir "$work/run-eager" --no-compile
 stage compiled 170 "${train[@]}" --output-dir "$work/run-compiled" --compile
+
+# 2b. Where the compiled step's time goes: a few steps under torch.profiler, summarised by kind.
+stage profile 120 python3 benchmarks/profile_step.py --plan "$work/plan/plan.json" --out "$work/profile" \
+    --warmup 2 --steps 3
 
 # 3. LightningDiT-XL/1 compiled on VA-VAE latents (the recipe's cosine term and lognormal t), for its own plan.
 stage plan-lightningdit 30 python3 -m planner.cli "${lightningdit_args[@]}" --latents precomputed \

@@ -36,10 +36,16 @@ PATTERNS = (
     ("ema", r"lerp"),
     ("optimizer", r"adam|fused_adamw|multi_tensor_apply"),
     ("attention", r"flash|fmha|attention|sdpa|efficient_attention|cudnn_.*attn"),
-    ("matmul", r"gemm|matmul|\bmm\b|aten::mm|addmm|bmm|cutlass|sm90_|sm80_|xmma|linear|aten::_scaled_mm|nvjet"),
+    (
+        "matmul",
+        r"gemm|matmul|\bmm\b|aten::mm|addmm|bmm|cutlass|sm90_|sm80_|xmma|linear|aten::_scaled_mm|nvjet",
+    ),
     ("norm and modulation", r"layer_norm|layernorm|rms_norm|rmsnorm|group_norm|norm_|modulat"),
-    ("elementwise", r"elementwise|vectorized|triton_poi|triton_per|triton_red|gelu|silu|mul|add|copy|cat|fill|"
-     r"softmax|where|div|sub|exp|pow|sqrt|mean|sum|clamp|neg|to_copy|_to_copy"),
+    (
+        "elementwise",
+        r"elementwise|vectorized|triton_poi|triton_per|triton_red|gelu|silu|mul|add|copy|cat|fill|"
+        r"softmax|where|div|sub|exp|pow|sqrt|mean|sum|clamp|neg|to_copy|_to_copy",
+    ),
 )
 RANGES = {"dit_accel.optimizer_step": "optimizer", "dit_accel.ema_update": "ema"}
 
@@ -86,7 +92,7 @@ def markdown(summary: dict) -> str:
         f"Profiled {summary['steps']} steps on {summary['device']}: {summary['wall_s_per_step'] * 1e3:.1f} ms "
         "per optimizer step"
         + (
-            f"; the matmuls at {summary['matmul_tflops']:.1f} TFLOP/s of the step's FLOPs"
+            f"; the matmuls at {summary['matmul_tflops']:.3g} TFLOP/s of the step's FLOPs"
             if summary["matmul_tflops"]
             else ""
         ),
@@ -164,13 +170,15 @@ def profile(plan_path: str, out: Path, warmup: int, steps: int, compile_blocks: 
         for event in events:
             for kernel in getattr(event, "kernels", []):
                 leaves.append((kernel.name, kernel.duration / 1e6, inside(event)))
-    else:
+    else:  # every operator's own time (without its children's): together, the whole CPU time
         for event in events:
-            if not event.cpu_children and event.name not in RANGES:  # leaf operators: their own time
+            if event.name not in RANGES:
                 leaves.append((event.name, event.self_cpu_time_total / 1e6, inside(event)))
     images = decision.micro_batch * parts.grad_accum
     summary = summarise(leaves, wall_s, device, image_step_flops(spec, decision) * images, steps)
-    summary.update(plan=str(plan_path), model=spec.name, micro_batch=decision.micro_batch, compiled=compile_blocks)
+    summary.update(
+        plan=str(plan_path), model=spec.name, micro_batch=decision.micro_batch, compiled=compile_blocks
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "profile.md").write_text(markdown(summary))

@@ -266,8 +266,15 @@ def test_the_dry_run_passes_on_a_simulated_device_machine(tmp_path):
     stages = {s["name"]: s for s in summary["stages"]}
     for name in ("plan", "images", "latents", "eager", "compiled"):
         assert stages[name]["status"] == "ok", tail
-    for name in ("plan-lightningdit", "images-vavae", "latents-vavae", "lightningdit"):
+    for name in ("plan-lightningdit", "images-vavae", "latents-vavae", "lightningdit", "profile"):
         assert stages[name]["status"] == "ok", tail
+    profile = summary["profile"]  # the step's time by kind, on the CPU here: operators, not kernels
+    assert (
+        profile["device"] == "cpu" and profile["steps"] == 3 and profile["kinds"]["matmul"]["s_per_step"] > 0
+    )
+    assert profile["kinds"]["optimizer"]["s_per_step"] > 0 and profile["kinds"]["ema"]["s_per_step"] > 0
+    assert abs(sum(k["share"] for k in profile["kinds"].values()) - 1) < 1e-6 and len(profile["top"]) == 10
+    assert "| kind | ms per step | share |" in (out / "summary.md").read_text()
     assert stages["calibrate"]["exit"] == 2 and "no CUDA GPU" in tail  # calibrate refuses a CPU in one line
     assert summary["machine"]["dit_accel_from"] == str(machine["tree"].resolve())
     assert summary["machine"]["diffusers_from"] == str((work / "site").resolve())  # from the carried wheel
@@ -464,3 +471,48 @@ def test_the_modes_table_sets_each_calibration_against_the_planner_and_derives_t
         400.0,
     )
     assert f"- bf16, 0 checkpointed, micro-batch 64: VAE encoder MFU {rate:.3f}" in table
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
+        ("aten::addmm", "matmul"),
+        ("flash_fwd_kernel", "attention"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("triton_per_fused_native_layer_norm_0", "norm and modulation"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "elementwise"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<LerpFunctor>", "ema"),
+        ("void at::native::fused_adam_kernel", "optimizer"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+        ("TorchDynamo Cache Lookup", "other"),
+    ],
+)
+def test_the_profile_sorts_kernels_into_kinds_by_name(name, kind):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.kind_of(name) == kind
+
+
+def test_the_profile_summary_takes_the_marked_ranges_and_the_idle_time():
+    """On a GPU the wall time the kernels leave is idle; an op inside the optimizer's or the EMA's marked range
+    is theirs whatever its name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    events = [
+        ("sm90_gemm", 0.6, None),
+        ("vectorized_elementwise_kernel", 0.1, "dit_accel.optimizer_step"),
+        ("multi_tensor_apply_kernel<LerpFunctor>", 0.05, "dit_accel.ema_update"),
+    ]
+    summary = module.summarise(events, wall_s=1.0, device="cuda", step_flops=3e14, steps=1)
+    kinds = {kind: value["s_per_step"] for kind, value in summary["kinds"].items()}
+    assert kinds["matmul"] == 0.6 and kinds["optimizer"] == 0.1 and kinds["ema"] == 0.05
+    assert kinds["idle between kernels"] == pytest.approx(0.25) and summary["matmul_tflops"] == pytest.approx(
+        500
+    )

@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 
 GIB = 2**30
-RUNS = ("eager", "compiled", "lightningdit")
+RUNS = ("eager", "compiled", "fp8", "lightningdit")
 RUN_PLANS = {
     "eager": "plan",
     "compiled": "plan",
+    "fp8": "plan-fp8",
     "lightningdit": "plan-lightningdit",
 }  # run: its plan in WORK
 CALIBRATIONS = {"calibration": "plan", "calibration-ckpt14": "plan-ckpt14"}  # file in OUT: plan in WORK
@@ -132,6 +133,9 @@ def run_summary(run_dir: Path, plan) -> dict | None:
         line.split("compiled blocks: ", 1)[1] for line in log_text.splitlines() if "compiled blocks: " in line
     ]
     return {
+        "final_loss": lines[-1].get(
+            "loss"
+        ),  # the last logged window's: FP8 beside bf16, the same data and seed
         "model": plan.spec().name,
         "micro_batch": plan.decision.micro_batch,
         "est_images_per_s": plan.throughput.est_images_per_s if plan.throughput else None,
@@ -346,17 +350,19 @@ def markdown(summary: dict) -> str:
     if summary["runs"]:
         lines += [
             "| run | model, micro-batch | images/s (median of windows 2+) | planned img/s | MFU | max allocated GiB "
-            "| plan: tensors GiB | max reserved GiB | plan: reserved GiB | plan: peak GiB | compiled blocks |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| plan: tensors GiB | max reserved GiB | plan: reserved GiB | plan: peak GiB | compiled blocks "
+            "| last loss |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for mode, run in summary["runs"].items():
         mfu = f"{run['mfu']:.1%}" if run["mfu"] is not None else "n/a"
         planned = f"{run['est_images_per_s']:.0f}" if run.get("est_images_per_s") else "n/a"
+        loss = f"{run['final_loss']:.4f}" if run.get("final_loss") is not None else "n/a"
         lines.append(
             f"| {mode} | {run.get('model')}, {run.get('micro_batch')} | {run['images_per_s']:.1f} | {planned} | "
             f"{mfu} | {gib(run['max_allocated_bytes'])} | "
             f"{gib(run['plan_tensor_bytes'])} | {gib(run['max_reserved_bytes'])} | {gib(run['plan_reserved_bytes'])} | "
-            f"{gib(run['plan_peak_bytes'])} | {run['compiled_blocks'] or 'none'} |"
+            f"{gib(run['plan_peak_bytes'])} | {run['compiled_blocks'] or 'none'} | {loss} |"
         )
     if "compiled_over_eager" in summary:
         lines += ["", f"compiled / eager: {summary['compiled_over_eager']:.3f}x"]

@@ -4,7 +4,8 @@
 #   (a) the trainer eager: images/s, max allocated / reserved memory against the plan, at the micro-batch
 #       `dit-plan --gpu h200 --gpus 1` plans for DiT-XL/2 @256 bf16 (synthetic latent cache);
 #   (b) the same run compiled (--compile): images/s;
-#   (b') the compiled step under torch.profiler (benchmarks/profile_step.py): time by kind (matmul, attention,
+#   (b') the same compiled run with --fp8 (torchao float8 matmuls in the blocks): img/s, memory, loss;
+#   (b'') the compiled step under torch.profiler (benchmarks/profile_step.py): time by kind (matmul, attention,
 #       norms, elementwise, optimizer, EMA, communication, idle), the top kernels, the matmuls' TFLOP/s;
 #   (c) LightningDiT-XL/1 on VA-VAE latents (a tiny random VA-VAE of the real geometry: 16x, 32 channels),
 #       compiled, with the lightningdit-xl1-64ep recipe's losses, at the micro-batch its own plan picks:
@@ -118,7 +119,17 @@ train=(python3 -m dit_accel.cli train --plan "$work/plan/plan.json" --latents "$
 stage eager 120 "${train[@]}" --output-dir "$work/run-eager" --no-compile
 stage compiled 170 "${train[@]}" --output-dir "$work/run-compiled" --compile
 
-# 2b. Where the compiled step's time goes: a few steps under torch.profiler, summarised by kind.
+# 2b. FP8 matmuls (torchao float8 training, carried as a wheel): the compiled run again with --fp8, the same
+# data and seed, beside it: img/s, memory and the loss. Its plan is the same bf16 one (the dry run's fp32
+# plan, for a CPU's sake, gets a bf16 twin here: --fp8 trains beside bf16 only).
+stage plan-fp8 30 python3 -m planner.cli "${plan_args[@]}" --precision bf16 --latents precomputed \
+    --out "$work/plan-fp8" &&
+    stage fp8 170 python3 -m dit_accel.cli train --plan "$work/plan-fp8/plan.json" --latents "$work/latents" \
+        --max-steps "$steps" --log-every "$log_every" --checkpoint-every 1000000 --no-final-checkpoint \
+        --report-to none --no-progress-bar --preempt-signals '' --num-workers "$workers" \
+        --output-dir "$work/run-fp8" --compile --fp8
+
+# 2c. Where the compiled step's time goes: a few steps under torch.profiler, summarised by kind.
 stage profile 120 python3 benchmarks/profile_step.py --plan "$work/plan/plan.json" --out "$work/profile" \
     --warmup 2 --steps 3
 

@@ -16,4 +16,8 @@ dest="${1:-.whl}"
 mkdir -p "$dest"
 "${PYTHON:-python3}" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
     --python-version 3.12 -d "$dest" "diffusers==${DIFFUSERS_VERSION:-0.42.1}"
+# torchao, for the check's FP8 stage (dit-accel train --fp8): a cp310-abi3 wheel, so any CPython >= 3.10; its
+# C++ extensions want torch >= 2.11 (the machine's), and its float8 training needs none of them.
+"${PYTHON:-python3}" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$dest" "torchao==${TORCHAO_VERSION:-0.18.0}"
 ls "$dest"

@@ -52,7 +52,7 @@ DEVICE_PACKAGES = frozenset(
     torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop
     wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split()
 )
-CARRIED = ("diffusers",)  # what benchmarks/gpu_wheels.sh downloads
+CARRIED = ("diffusers", "torchao")  # what benchmarks/gpu_wheels.sh downloads
 # What a carried wheel declares but never imports on the machine's Python 3.12:
 UNUSED = {"importlib-metadata": "diffusers imports it only on Python < 3.8"}
 NOT_THERE = ("diffusers", "datasets")
@@ -266,8 +266,20 @@ def test_the_dry_run_passes_on_a_simulated_device_machine(tmp_path):
     stages = {s["name"]: s for s in summary["stages"]}
     for name in ("plan", "images", "latents", "eager", "compiled"):
         assert stages[name]["status"] == "ok", tail
-    for name in ("plan-lightningdit", "images-vavae", "latents-vavae", "lightningdit", "profile"):
+    for name in (
+        "plan-lightningdit",
+        "images-vavae",
+        "latents-vavae",
+        "lightningdit",
+        "profile",
+        "plan-fp8",
+        "fp8",
+    ):
         assert stages[name]["status"] == "ok", tail
+    fp8 = summary["runs"][
+        "fp8"
+    ]  # torchao from the carried wheel, emulated on this CPU, beside the compiled run
+    assert fp8["steps"] == 4 and fp8["compiled_blocks"] == "2/2" and fp8["final_loss"] > 0
     profile = summary["profile"]  # the step's time by kind, on the CPU here: operators, not kernels
     assert (
         profile["device"] == "cpu" and profile["steps"] == 3 and profile["kinds"]["matmul"]["s_per_step"] > 0

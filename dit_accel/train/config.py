@@ -235,6 +235,14 @@ class TrainConfig:
     tf32: bool = field(
         default=True, metadata={"help": "TF32 matmuls and convolutions on CUDA (--no-tf32 for full fp32)"}
     )
+    fp8: bool = field(
+        default=False,
+        metadata={
+            "help": "FP8 matmuls in the transformer blocks' linear layers (torchao float8 training, dynamic "
+            "tensorwise scaling), bf16 elsewhere; a bf16 plan only; on a CPU torchao emulates it (tests). The "
+            "plan's memory and img/s are bf16's: FP8's are unmeasured (default: off)"
+        },
+    )
     compile: bool | None = field(
         default=None,
         metadata={

@@ -222,6 +222,13 @@ def restore(start: Start, accelerator, components, data: dict, seed: int) -> dic
 
     for note in plan_notes(components.plan):  # AdamW's state is in place before step 1 on either path
         log.info(note)
+    if components.fp8 is not None:
+        f = components.fp8
+        log.info(
+            f"fp8: {f['linears']} linear layers of the blocks in FP8 ({f['library']}, {f['recipe']}"
+            f"{'; emulated on this CPU' if f['emulated'] else ''}), {f['linears_kept']} kept in bf16; the plan's "
+            "memory and img/s are bf16's, FP8's are unmeasured"
+        )
     state = dict(start.state)
     if start.init is not None:
         start.init.parameters.clear()  # the host copy (4 bytes per parameter on every rank) is on the device now

@@ -50,6 +50,7 @@ class Components:
     autocast_dtype: torch.dtype | None = None  # bare device only: the dtype the step autocasts to
     latent_norm: object | None = None  # models.vae.LatentNorm: the data's (a cache's, or online the VAE's)
     repa: object | None = None  # dit_accel.repa.align.Repa (--repa-encoder): encoder, capture, coefficient
+    fp8: dict | None = None  # --fp8: models.fp8's record (library, recipe, the linears converted)
 
     @property
     def raw_model(self) -> nn.Module:
@@ -70,6 +71,8 @@ class Components:
         record = dict(sidecar(self.raw_model), objective=objective_description(self.objective))
         if self.latent_norm is not None:  # how to decode what the model makes (sample, export)
             record["latent_norm"] = self.latent_norm.to_json()
+        if self.fp8 is not None:  # how it was trained; what it holds is plain weights
+            record["fp8"] = self.fp8
         return record
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -172,6 +175,11 @@ def build_components(
     # REPA: its projector joins the network, seeded (`repa_encoder`: a built one, for traces)
     repa = build_for_run(model, config, plan, spec, device, repa_encoder)
     set_checkpointed_blocks(model, decision.checkpointed_blocks)
+    fp8 = None
+    if config.fp8:  # the blocks' linears in FP8 (torchao), before compiling and sharding them
+        from dit_accel.models.fp8 import use_float8
+
+        fp8 = use_float8(model, device.type, decision.precision)
     if accelerator is not None:  # the trainer's step; verify traces the eager step on fake tensors
         compile_for_run(model, config.compile, plan.compile, device)  # after checkpointing, before FSDP/DDP
     model.train()
@@ -212,6 +220,7 @@ def build_components(
         autocast_dtype=autocast_dtype,
         latent_norm=latent_norm,
         repa=repa,
+        fp8=fp8,
     )
 
 

@@ -469,7 +469,7 @@ def test_a_fresh_run_has_adamw_state_before_its_first_step(caplog):
 
     model = nn.Linear(4, 3)
     plan = SimpleNamespace(assumptions={"adamw_state": "lazy"})
-    components = SimpleNamespace(optimizer=build_optimizer(model, lr=1e-4), plan=plan)
+    components = SimpleNamespace(optimizer=build_optimizer(model, lr=1e-4), plan=plan, fp8=None)
     with caplog.at_level("INFO", logger="dit_accel.train"):
         state = restore(Start(), SimpleNamespace(process_index=0), components, data={"entries": 8}, seed=0)
     assert "adamw_state=lazy" in caplog.text and "makes it before the first step" in caplog.text

@@ -122,13 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--model",
         default="DiT-XL/2",
-        help="DiT-{S,B,L,XL}/{2,4,8} (comma list sweeps) (default: %(default)s)",
+        help="DiT-{S,B,L,XL}/{2,4,8}, or LightningDiT-{B,L,XL}/{1,2} on VA-VAE latents (comma list sweeps) "
+        "(default: %(default)s)",
     )
     tr.add_argument(
         "--resolution",
         default="256",
         metavar="PX",
-        help="image side in pixels, a multiple of 8 x patch (comma list sweeps) (default: %(default)s)",
+        help="image side in pixels, a multiple of the tokenizer's downsampling x patch (8 x patch for DiT's SD VAE, "
+        "16 x patch for LightningDiT's VA-VAE) (comma list sweeps) (default: %(default)s)",
     )
     tr.add_argument(
         "--precision",

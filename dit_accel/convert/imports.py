@@ -155,8 +155,8 @@ def build_import_parser(layout: str = "dit") -> argparse.ArgumentParser:
         "--heads",
         type=positive_int,
         default=None,
-        help="attention heads, only for a network outside the DiT family table (shapes do not tell) (default: "
-        "none: the family table's count)",
+        help="attention heads, only for a network outside the published sizes (shapes do not tell) (default: "
+        "none: the DiT family table's, or a LightningDiT's rotary table's)",
     )
     parser.add_argument(
         "--weights",

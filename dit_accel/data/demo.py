@@ -240,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--vae",
         metavar="VAE_DIR",
-        help="also write a tiny random AutoencoderKL here (8x downsampling, 4 latent channels) for the "
-        "offline latent-space flow: extract-latents, training on the cache, export (default: none)",
+        help="also write a tiny random AutoencoderKL here (--vae-family's geometry: 8x and 4 latent channels, or "
+        "16x and 32) for the offline latent-space flow: extract-latents, training on the cache, export "
+        "(default: none)",
     )
     parser.add_argument(
         "--vae-family",

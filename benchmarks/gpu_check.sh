@@ -112,10 +112,11 @@ stage plan 60 python3 -m planner.cli "${plan_args[@]}" --latents precomputed --o
     exit 1
 }
 
-# 2. The trainer, eager then compiled, at the plan's micro-batch; no checkpoint (10 GiB for DiT-XL/2).
-train=(python3 -m dit_accel.cli train --plan "$work/plan/plan.json" --latents "$work/latents"
-    --max-steps "$steps" --log-every "$log_every" --checkpoint-every 1000000 --no-final-checkpoint
+# 2. The trainer, eager then compiled, at the plan's micro-batch.
+# every run of the check: its length and logging, no checkpoint (10 GiB for DiT-XL/2), killed without a save
+run_flags=(--max-steps "$steps" --log-every "$log_every" --checkpoint-every 1000000 --no-final-checkpoint
     --report-to none --no-progress-bar --preempt-signals '' --num-workers "$workers")
+train=(python3 -m dit_accel.cli train --plan "$work/plan/plan.json" --latents "$work/latents" "${run_flags[@]}")
 stage eager 120 "${train[@]}" --output-dir "$work/run-eager" --no-compile
 stage compiled 170 "${train[@]}" --output-dir "$work/run-compiled" --compile
 
@@ -125,9 +126,7 @@ stage compiled 170 "${train[@]}" --output-dir "$work/run-compiled" --compile
 stage plan-fp8 30 python3 -m planner.cli "${plan_args[@]}" --precision bf16 --latents precomputed \
     --out "$work/plan-fp8" &&
     stage fp8 170 python3 -m dit_accel.cli train --plan "$work/plan-fp8/plan.json" --latents "$work/latents" \
-        --max-steps "$steps" --log-every "$log_every" --checkpoint-every 1000000 --no-final-checkpoint \
-        --report-to none --no-progress-bar --preempt-signals '' --num-workers "$workers" \
-        --output-dir "$work/run-fp8" --compile --fp8
+        "${run_flags[@]}" --output-dir "$work/run-fp8" --compile --fp8
 
 # 2c. Where the compiled step's time goes: a few steps under torch.profiler, summarised by kind.
 stage profile 120 python3 benchmarks/profile_step.py --plan "$work/plan/plan.json" --out "$work/profile" \
@@ -141,10 +140,8 @@ stage plan-lightningdit 30 python3 -m planner.cli "${lightningdit_args[@]}" --la
     stage latents-vavae 60 python3 -m dit_accel.cli extract-latents --data-path "$work/images-vavae" \
         --vae "$work/vavae" --resolution "$resolution" --out "$work/latents-vavae" --num-workers "$workers" &&
     stage lightningdit 150 python3 -m dit_accel.cli train --config lightningdit-xl1-64ep \
-        --plan "$work/plan-lightningdit/plan.json" --latents "$work/latents-vavae" --max-steps "$steps" \
-        --log-every "$log_every" --checkpoint-every 1000000 --no-final-checkpoint --sample-every 0 \
-        --report-to none --no-progress-bar --preempt-signals '' --num-workers "$workers" \
-        --output-dir "$work/run-lightningdit" --compile
+        --plan "$work/plan-lightningdit/plan.json" --latents "$work/latents-vavae" "${run_flags[@]}" \
+        --sample-every 0 --output-dir "$work/run-lightningdit" --compile
 
 # 4. The calibration points, written after each one (on the CPU calibrate refuses in one line: exit 2).
 if ((dry_run)); then

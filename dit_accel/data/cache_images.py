@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dit_accel.data.folder import load_rgb, training_pixels
+from dit_accel.data.latent_cache import shard_path
 from dit_accel.data.source_kind import DatasetOptions, dataset_kind
 from dit_accel.errors import UserError
 
@@ -85,7 +86,7 @@ class CacheImages:
         )
         names, sizes = [], []
         for record in manifest["shards"]:
-            shard_names, shard_sizes = shard_sources(cache_dir / record["file"])
+            shard_names, shard_sizes = shard_sources(shard_path(cache_dir, record["file"]))
             names += shard_names
             sizes += shard_sizes
         check_source_names(names, self.kind, cache_dir)

@@ -65,8 +65,7 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
             f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads {FORMAT!r}",
             "re-run extract-latents into a new folder",
         )
-    check_manifest_layout(cache, manifest)
-    for record in manifest["shards"]:
+    for record in manifest["shards"]:  # each confined to the folder (`shard_path`) before anything else
         path = shard_path(cache, record["file"])
         size = path.stat().st_size if path.is_file() else None
         if size != record["bytes"]:
@@ -75,6 +74,7 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
                 f"latent cache {cache} is damaged: {record['file']} {found}",
                 "re-run the same extract-latents command to rewrite it",
             )
+    check_manifest_layout(cache, manifest)
     return manifest
 
 
@@ -98,8 +98,6 @@ def check_manifest_layout(cache: Path, manifest: dict) -> None:
     adding up to the manifest's, and no shard file on disk that the manifest does not list (a dropped
     shard would shrink the data set without a word)."""
     records = manifest["shards"]
-    for record in records:
-        shard_path(cache, record["file"])
     fix = "re-run the same extract-latents command (with --overwrite if it refuses) to rewrite the cache"
     numbers = [record.get("shard", index) for index, record in enumerate(records)]
     if numbers != list(range(len(records))):
@@ -208,14 +206,14 @@ def verify_cache(cache_dir: str | os.PathLike) -> int:
     if manifest["format"] == PUBLISHED_FORMAT:
         checked = 0
         for record in manifest["shards"]:
-            with open(cache / record["file"], "rb") as stream:
+            with open(shard_path(cache, record["file"]), "rb") as stream:
                 for block in iter(lambda: stream.read(1 << 24), b""):
                     checked += len(block)
         return checked
     checked = 0
     for record in manifest["shards"]:
         digest = hashlib.sha256()
-        with open(cache / record["file"], "rb") as stream:
+        with open(shard_path(cache, record["file"]), "rb") as stream:
             for block in iter(lambda: stream.read(1 << 24), b""):
                 digest.update(block)
                 checked += len(block)

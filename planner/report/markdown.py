@@ -24,7 +24,8 @@ def plan_markdown_text(plan: dict, fmt: str = "markdown") -> str:
     out = [f"### {title(plan)}", *plan_notes(plan), ""]
     for name, _, headers, rows in plan_tables(plan):
         out += [f"### {name}", markdown_table(headers, rows, fmt), ""]
-    out += [*forecast_lines(plan), ""] if forecast_lines(plan) else []
+    forecast = forecast_lines(plan)
+    out += [*forecast, ""] if forecast else []
     if plan["warnings"]:
         out.append("### Warnings")
         out += ["- " + w for w in plan["warnings"]]

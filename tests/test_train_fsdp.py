@@ -9,7 +9,6 @@ the other two.
 import json
 import math
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -433,44 +432,94 @@ def test_load_for_inference_reads_a_sharded_checkpoint(runs):
     assert out.shape == (2, spec.out_channels, 32, 32) and torch.isfinite(out).all()
 
 
-@pytest.mark.launched
-def test_a_crafted_sharded_index_runs_nothing_on_resume_sample_or_init(runs, tmp_path):
-    """torch.distributed.checkpoint reads a sharded save's `.metadata` with plain pickle.load: a copy of the
-    zero3 run whose index calls os.system, its manifest rewritten, is refused in one line by the launched
-    resume and by every reader of the raw weights, and the command never runs (tests/test_untrusted_checkpoint.py
-    has the other pickles)."""
+def _crafted(runs, sharding: str, folder: str, attack: str, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of a launched run whose newest checkpoint's `folder` meets `attack` (tests/sharded_attacks.py; "weight
+    as bytes": a model tensor re-declared as a pickled bytes entry), its manifest rewritten as an attacker
+    would: (run, the attacked folder, the marker its payload would touch)."""
     import shutil
 
-    from test_untrusted_checkpoint import SystemPayload, _revouch
+    import sharded_attacks as attacks
+    from test_untrusted_checkpoint import _revouch
 
-    from dit_accel.run.pickles import check_before_load
-
-    run = tmp_path / "run"
-    shutil.copytree(runs["zero3"], run)
+    run = tmp_path / f"{sharding}-{folder}-{attack.replace(' ', '-')}"
+    shutil.copytree(runs[sharding], run)
     newest = run / "checkpoints" / "step_00000004"
-    marker = tmp_path / "PWNED"
-    for folder in (ckpt.SHARDED_MODEL, "optimizer_0"):
-        copy = tmp_path / f"{folder}.copy"
-        shutil.copytree(newest / folder, copy)
-        (newest / folder / ".metadata").write_bytes(pickle.dumps(SystemPayload(marker)))
-        _revouch(newest)
-        with pytest.raises(UserError, match=rf"{folder}/\.metadata asks for posix\.system"):
-            check_before_load(newest, 0)
-        if folder == ckpt.SHARDED_MODEL:
-            with pytest.raises(UserError, match=r"\.metadata asks for posix\.system"):
-                load_for_inference(run, use_ema=False)  # sample, export and --init-from read it so
-            started = _start(
-                runs["plans"]["zero3"], runs["root"] / "images", run, "--resume", "auto", "--max-steps", 5
-            )
-            output, _ = started[1].communicate(timeout=300)
-            assert (
-                started[1].returncode != 0 and "Traceback" not in output.split("torch/distributed/elastic")[0]
-            )
-            assert f"{newest / folder / '.metadata'} asks for posix.system" in output, output[-3000:]
-        shutil.rmtree(newest / folder)
-        shutil.move(copy, newest / folder)
-        _revouch(newest)
-    assert not marker.exists()
+    marker = tmp_path / f"PWNED-{run.name}"
+    if attack == "weight as bytes":
+        attacks.bytes_entry(newest / folder, marker, fqn=attacks.first_tensor(newest / folder))
+    else:
+        attacks.ATTACKS[attack](newest / folder, marker)
+    _revouch(newest)
+    return run, newest / folder, marker
+
+
+OPTIMIZER_SAVE = "optimizer_0"
+SHARDED_ATTACKS = [*sorted(__import__("sharded_attacks").ATTACKS), "weight as bytes"]
+
+
+@pytest.mark.launched
+def test_no_crafted_sharded_save_runs_code_on_a_launched_resume_or_init_from(runs, tmp_path):
+    """The audit's routes as they were reported, each a real 2-process launch on a crafted copy of a launched
+    run: a bytes entry of AdamW's zero2 save pointed at a payload, the same save's index replaced by rank-local
+    ones, a zero3 model weight re-declared as bytes (`--resume auto`), and that model weight through
+    `--init-from`. Each is refused in one line before torch reads the folder, and no payload runs."""
+    cases = {
+        "resume zero2 optimizer bytes": ("zero2", OPTIMIZER_SAVE, "bytes entry", "--resume", "auto"),
+        "resume zero2 rank-local index": ("zero2", OPTIMIZER_SAVE, "rank-local index", "--resume", "auto"),
+        "resume zero3 model weight": ("zero3", ckpt.SHARDED_MODEL, "weight as bytes", "--resume", "auto"),
+        "init-from zero2 model weight": ("zero2", ckpt.SHARDED_MODEL, "weight as bytes", "--init-from"),
+    }
+    started, markers = {}, []
+    for name, (sharding, folder, attack, *how) in cases.items():
+        run, attacked, marker = _crafted(runs, sharding, folder, attack, tmp_path)
+        markers.append(marker)
+        out, extra = (run, how) if how[0] == "--resume" else (tmp_path / f"fine-{run.name}", [*how, run])
+        plan = runs["plans"][sharding]
+        started[name] = (attacked, _start(plan, runs["root"] / "images", out, *extra, "--max-steps", 5))
+    for name, (attacked, (_, process)) in started.items():
+        output, _ = process.communicate(timeout=300)
+        before_elastic = output.split("torch/distributed/elastic")[0]
+        assert process.returncode != 0 and "Traceback" not in before_elastic, (name, output[-3000:])
+        refusal = [line for line in output.splitlines() if f"{attacked}" in line and "refused" in line]
+        assert refusal, (name, output[-3000:])
+    assert not any(marker.exists() for marker in markers)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_every_crafted_sharded_save_is_refused_by_every_reader(runs, tmp_path, capsys, sharding):
+    """Every attack on both folders of a launched zero2 and zero3 save: what each rank checks before
+    `load_state` refuses it in one line; on the model's folder `sample --no-ema` and `export --no-ema` (which
+    `--init-from` shares, `run.weights.load_for_inference`) exit 2 with one line. No payload runs."""
+    from dit_accel.cli import main as dit_accel
+    from dit_accel.run.sharded import check_sharded_saves
+
+    markers = []
+    for folder in (OPTIMIZER_SAVE, ckpt.SHARDED_MODEL):
+        for attack in SHARDED_ATTACKS:
+            if (attack == "weight as bytes") != (folder == ckpt.SHARDED_MODEL) and "bytes" in attack:
+                continue  # a model's save holds no bytes entries: its attack re-declares a weight
+            run, attacked, marker = _crafted(runs, sharding, folder, attack, tmp_path)
+            markers.append(marker)
+            with pytest.raises(UserError, match="refused") as refusal:
+                check_sharded_saves(attacked.parent)
+            assert str(attacked) in str(refusal.value) and len(str(refusal.value).splitlines()) == 1
+            if folder != ckpt.SHARDED_MODEL:
+                continue
+            capsys.readouterr()
+            commands = {
+                "sample": [*("--npz", tmp_path / f"{run.name}.npz", "--num-samples", 2, "--steps", 2)],
+                "export": ["--out", tmp_path / f"{run.name}-pipe"],
+            }
+            for command, flags in commands.items():
+                argv = [command, "--checkpoint", run, "--no-ema", *flags]
+                assert dit_accel([str(arg) for arg in argv]) == 2, (command, attack)
+                err = capsys.readouterr().err.strip()
+                assert len(err.splitlines()) == 1 and str(attacked) in err and "refused" in err, (
+                    command,
+                    err,
+                )
+    assert not any(marker.exists() for marker in markers)
 
 
 # --- in-process: the units, the YAML and the launch-config checks --------------------------------------------

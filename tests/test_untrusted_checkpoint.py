@@ -3,12 +3,11 @@
 Each attack is the real one: a copy of a real run's checkpoint, one of its pickles replaced by a pickle
 whose `__reduce__` calls `os.system` to touch a marker file, and COMPLETE's manifest rewritten to vouch for
 it (whoever builds a folder writes its manifest too). The resume is refused in one line naming the file,
-and the marker never appears. The sharded saves' `.metadata` attack is in tests/test_train_fsdp.py.
+and the marker never appears. The sharded saves' attacks are in tests/test_sharded_trust.py and tests/test_train_fsdp.py.
 """
 
 import json
 import os
-import pickle
 import shutil
 import stat
 import subprocess
@@ -18,22 +17,13 @@ from pathlib import Path
 import pytest
 import test_train_e2e as e2e
 import torch
+from sharded_attacks import SystemPayload
 
 from dit_accel.errors import UserError
 from dit_accel.run import lineage
 from dit_accel.run import pickles as run_pickles
 
 workspace = e2e.workspace
-
-
-class SystemPayload:
-    """The attack: `os.system` called while unpickling (pickled by reference as posix.system)."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def _single(workspace, run: Path, *args) -> list:
@@ -158,7 +148,7 @@ def test_an_older_checkpoint_with_its_scheduler_pickle_resumes_exactly(workspace
     (checkpoint / run_pickles.SCHEDULER_STATE).unlink()
     torch.save(state, checkpoint / run_pickles.LEGACY_SCHEDULER_STATE)
     _revouch(checkpoint)
-    assert run_pickles.load_scheduler_state(checkpoint) == state
+    assert run_pickles.load_weights_only(checkpoint / run_pickles.LEGACY_SCHEDULER_STATE) == state
     other, _ = _copy(trained, tmp_path / "json")
     for folder in (run, other):
         argv = [*_single(workspace, folder), "--no-tensorboard", "--resume", "auto", "--max-steps", 3]
@@ -167,20 +157,6 @@ def test_an_older_checkpoint_with_its_scheduler_pickle_resumes_exactly(workspace
 
     a, b = (load_file(str(f / "checkpoints" / "step_00000003" / "model.safetensors")) for f in (run, other))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_the_safe_unpickler_builds_a_real_index_and_refuses_any_other_global(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    state = {"model": {"w": torch.randn(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)}, "lr": 1e-4}
-    dcp.save(state, checkpoint_id=str(tmp_path / "save"), no_dist=True)
-    metadata = run_pickles.check_dcp_metadata(tmp_path / "save")
-    assert set(metadata.state_dict_metadata) == {"model.w", "model.b", "lr"}
-    marker = tmp_path / "PWNED"
-    (tmp_path / "save" / ".metadata").write_bytes(pickle.dumps(SystemPayload(marker)))
-    with pytest.raises(UserError, match=r"\.metadata asks for posix\.system .*refused"):
-        run_pickles.check_dcp_metadata(tmp_path / "save")
-    assert not marker.exists()
 
 
 def test_checkpoint_files_take_the_umask_like_every_other_file(trained, tmp_path):
@@ -211,3 +187,76 @@ def test_a_diffusers_folders_legacy_bin_is_read_weights_only(tmp_path):
     with pytest.raises(UserError, match="cannot be read as plain tensors .*refused"):
         load_model(folder)
     assert not marker.exists()
+
+
+# --- numbers a resume reads: checked, or overruled by what the launch knows ----------------------------------
+
+
+def _resumed_weights(workspace, run: Path, capsys) -> tuple[dict, str]:
+    from safetensors.torch import load_file
+
+    capsys.readouterr()
+    argv = [*_single(workspace, run), "--no-tensorboard", "--resume", "auto", "--max-steps", 3]
+    assert e2e.run_in_process(argv) == 0
+    said = capsys.readouterr()
+    return load_file(str(run / "checkpoints" / "step_00000003" / "model.safetensors")), said.out + said.err
+
+
+def _crafted_numbers(checkpoint: Path, what: str) -> None:
+    if what in ("lr 0.5", "lr NaN"):  # the scheduler's record: written for people, read by no resume
+        path = checkpoint / run_pickles.SCHEDULER_STATE
+        scheduler = json.loads(path.read_text())
+        scheduler["base_lrs"] = [0.5 if what == "lr 0.5" else float("nan")]
+        path.write_text(json.dumps(scheduler))
+    else:  # AdamW's param groups, as Accelerate stores them (read back weights-only)
+        state = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+        state["param_groups"][0].update(lr=0.5, initial_lr=0.5, eps=0.0, maximize=True)
+        torch.save(state, checkpoint / "optimizer.bin")
+    _revouch(checkpoint)
+
+
+def test_no_number_in_a_checkpoint_steers_the_lr_or_adamw(workspace, trained, tmp_path, capsys):
+    """The audit's finding: lr_scheduler.json's base_lrs 0.5 trained at 0.5 without a word, NaN wrote NaN
+    weights. The lr is now the launch's at the applied step (train_state.json), AdamW's settings the launch's:
+    each crafted copy resumes to the very weights of an untouched copy, and a crafted optimizer is named."""
+    plain, _ = _copy(trained, tmp_path / "plain")
+    reference, said = _resumed_weights(workspace, plain, capsys)
+    assert "changed on resume" not in said and "AdamW's" not in said
+    for what in ("lr 0.5", "lr NaN", "optimizer groups"):
+        run, checkpoint = _copy(trained, tmp_path / what.replace(" ", "-"))
+        _crafted_numbers(checkpoint, what)
+        weights, said = _resumed_weights(workspace, run, capsys)
+        assert all(torch.equal(weights[k], reference[k]) for k in reference), what
+        if what == "optimizer groups":
+            assert "--lr changed on resume: 0.5 -> 0.003, applied from step 3" in said, said
+            assert "AdamW's eps in" in said and "is 0, this trainer's 1e-08" in said, said
+            assert "AdamW's maximize in" in said, said
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("step", "10", "step is '10', not a whole number of at least 0"),
+        ("step", -5, "step is -5, not a whole number of at least 0"),
+        ("step", True, "step is True, not a whole number"),
+        ("applied_steps", 9, "applied_steps 9 is more than the steps taken (2)"),
+        ("world_size", 0, "world_size is 0, not a whole number of at least 1"),
+        ("samples_seen", 1e30, "samples_seen is 1e+30, not a whole number"),
+        (None, [1, 2], "holds a JSON list, not an object"),
+        (None, "{not json", "is not JSON"),
+        (None, "NaN", "is not JSON"),
+    ],
+)
+def test_a_crafted_train_state_is_one_line_before_anything_loads(
+    workspace, trained, tmp_path, capsys, field, value, says
+):
+    run, checkpoint = _copy(trained, tmp_path)
+    path = checkpoint / "train_state.json"
+    if field is None:
+        path.write_text(value if isinstance(value, str) else json.dumps(value))
+    else:
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), **{field: value})))
+    _revouch(checkpoint)
+    err = _resume(workspace, run, capsys)
+    assert f"{path}" in err and says in err, err
+    assert not (run / "checkpoints" / "step_00000003").exists()

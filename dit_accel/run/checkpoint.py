@@ -51,15 +51,16 @@ from pathlib import Path
 from dit_accel.atomic import replace_folder, write_bytes_atomically, write_json_atomically
 from dit_accel.distributed.consensus import agreed, gathered, main_decides
 from dit_accel.errors import UserError
-from dit_accel.run import lineage
+from dit_accel.run import lineage, records
 from dit_accel.run.pickles import (
     LEGACY_SCHEDULER_STATE,
     SCHEDULER_STATE,
     check_before_load,
-    load_scheduler_state,
+    load_weights_only,
     refused,
     scheduler_state_json,
 )
+from dit_accel.run.sharded import check_sharded_saves
 from planner.filemode import permissions
 
 log = logging.getLogger("dit_accel.train")
@@ -180,13 +181,14 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
 
 
 def read_train_state(checkpoint: str | Path) -> dict:
-    return json.loads((Path(checkpoint) / TRAIN_STATE).read_text())
+    """The checkpoint's train_state.json, its counts checked (run.records)."""
+    return records.read_train_state(Path(checkpoint) / TRAIN_STATE)
 
 
 def read_train_config(checkpoint: str | Path) -> dict:
-    """The TrainConfig a checkpoint was written with ({} for one without train_config.json)."""
+    """The TrainConfig a checkpoint was written with ({} for one without train_config.json), as an object."""
     path = Path(checkpoint) / TRAIN_CONFIG
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return records.read_json_object(path) if path.is_file() else {}
 
 
 def _fsync(path: str | Path) -> None:
@@ -485,20 +487,23 @@ class _AlreadyRead:
 
 def load_checkpoint(accelerator, checkpoint: str | Path, *, ema, scheduler) -> dict:
     """Restore everything `save_checkpoint` wrote, on every rank; returns the train state. Nothing read runs
-    code (run.pickles): the pickles Accelerate reads are checked or read weights-only, the scheduler is JSON."""
+    code (run.pickles, run.sharded), and no stored number steers the learning rate: the schedule is a function
+    of the applied steps (train_state.json, checked), so lr_scheduler.json is written for people, never read."""
     import pickle
 
     checkpoint = Path(checkpoint)
     if not is_complete(checkpoint):
         raise UserError(f"checkpoint {checkpoint} is incomplete (no {COMPLETE} marker): use another one")
+    state = read_train_state(checkpoint)
     check_before_load(checkpoint, accelerator.process_index)
-    scheduler_state = load_scheduler_state(checkpoint)
+    check_sharded_saves(checkpoint)
     # An older checkpoint holds the scheduler as custom_checkpoint_0.pkl, and Accelerate refuses a folder whose
-    # count of such files differs from its registered objects: a stand-in takes the file, already read
-    # weights-only above (so Accelerate's own weights_only=False read of it meets nothing but plain data).
+    # count of such files differs from its registered objects: a stand-in takes the file, read weights-only
+    # here first (so Accelerate's own weights_only=False read of it meets nothing but plain data).
     legacy = (checkpoint / LEGACY_SCHEDULER_STATE).is_file() and not (checkpoint / SCHEDULER_STATE).is_file()
     stand_in = _AlreadyRead()
     if legacy:
+        load_weights_only(checkpoint / LEGACY_SCHEDULER_STATE)
         accelerator.register_for_checkpointing(stand_in)
     try:
         accelerator.load_state(str(checkpoint))
@@ -510,7 +515,7 @@ def load_checkpoint(accelerator, checkpoint: str | Path, *, ema, scheduler) -> d
     finally:
         if legacy:
             accelerator._custom_objects.remove(stand_in)  # later saves write lr_scheduler.json only
-    scheduler.load_state_dict(scheduler_state)
+    scheduler.last_epoch = state.get("applied_steps", state["step"])  # train.resume sets the lrs from it
     if ema is not None:
         ema.load(checkpoint / EMA_WEIGHTS)
-    return read_train_state(checkpoint)
+    return state

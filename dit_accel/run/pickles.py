@@ -8,11 +8,13 @@ without a word, and torch.distributed.checkpoint (the sharded saves) reads each 
 plain `pickle.load`. So:
 
 - the lr scheduler is not registered with Accelerate: its state is `lr_scheduler.json`, and an older
-  checkpoint's custom_checkpoint_0.pkl is read weights-only (`load_scheduler_state`);
+  checkpoint's custom_checkpoint_0.pkl is read weights-only before Accelerate reads it (and the
+  resume never takes a number from either: the lr is a function of the applied steps);
 - before `load_state`, every rank reads its own RNG file (and the fp16 scaler's) weights-only and refuses
   one that does not load (`check_before_load`), so a resume is exact or does not happen;
-- a `.metadata` file is unpickled first by `SafeUnpickler`, which builds only the classes that metadata is
-  made of (`check_dcp_metadata`), before torch.distributed.checkpoint reads it.
+- every sharded save is checked whole first (`run.sharded`): its one `.metadata` unpickled by a restricted
+  unpickler, its storage confined to its folder, and every entry torch would unpickle with
+  `weights_only=False` read weights-only there and held to plain data.
 
 A refusal is one line naming the file and what it asked for; the SHA-256 manifest in COMPLETE does not
 help here, since whoever builds a folder writes its manifest too.
@@ -30,7 +32,6 @@ from dit_accel.errors import UserError
 SCHEDULER_STATE = "lr_scheduler.json"  # the lr scheduler's state_dict, as JSON
 LEGACY_SCHEDULER_STATE = "custom_checkpoint_0.pkl"  # what Accelerate wrote for it before
 SCALER_STATE = "scaler.pt"  # Accelerate's name for the fp16 GradScaler's state
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded save
 RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")  # what Accelerate restores from it
 
 _FIX = "resume from a checkpoint this trainer wrote (--resume auto skips none; pass an older --resume PATH)"
@@ -68,7 +69,7 @@ def load_weights_only(path: Path):
 def check_before_load(checkpoint: Path, rank: int) -> None:
     """What this rank's `accelerator.load_state` will read besides the weights and AdamW's state, checked
     first: its RNG states (Accelerate would skip a file that fails to load and resume inexactly), the fp16
-    scaler's state where there is one, and the index of every sharded save."""
+    scaler's state where there is one (`run.sharded` checks the sharded saves)."""
     checkpoint = Path(checkpoint)
     if not (checkpoint / "model.safetensors").is_file() and (checkpoint / "pytorch_model.bin").is_file():
         raise refused(checkpoint / "pytorch_model.bin", "stands where this trainer writes model.safetensors")
@@ -82,87 +83,9 @@ def check_before_load(checkpoint: Path, rank: int) -> None:
         )
     if (checkpoint / SCALER_STATE).is_file():
         load_weights_only(checkpoint / SCALER_STATE)
-    for metadata in sorted(checkpoint.glob(f"*/{DCP_METADATA}")):
-        check_dcp_metadata(metadata.parent)
-
-
-def load_scheduler_state(checkpoint: Path) -> dict:
-    """The lr scheduler's state_dict: lr_scheduler.json, or an older checkpoint's pickle read weights-only."""
-    checkpoint = Path(checkpoint)
-    path = checkpoint / SCHEDULER_STATE
-    if path.is_file():
-        try:
-            state = json.loads(path.read_text())
-        except ValueError as error:
-            raise UserError(f"{path} is not JSON ({error})", _FIX) from None
-    elif (checkpoint / LEGACY_SCHEDULER_STATE).is_file():
-        state = load_weights_only(checkpoint / LEGACY_SCHEDULER_STATE)
-    else:
-        raise UserError(
-            f"{checkpoint} has no {SCHEDULER_STATE}: not a complete checkpoint of this trainer", _FIX
-        )
-    if not isinstance(state, dict) or "last_epoch" not in state or "base_lrs" not in state:
-        raise UserError(
-            f"{path if path.is_file() else checkpoint / LEGACY_SCHEDULER_STATE} is not an lr scheduler's state",
-            _FIX,
-        )
-    return state
 
 
 def scheduler_state_json(scheduler) -> str:
     """The scheduler's state_dict as JSON (LambdaLR with a `WarmupConstant`: numbers, lists and one small
     dict), exact: Python writes every float so that it reads back bit for bit."""
     return json.dumps(scheduler.state_dict(), sort_keys=True) + "\n"
-
-
-# --- torch.distributed.checkpoint's .metadata ------------------------------------------------------------
-
-
-def _allowed(module: str, name: str) -> bool:
-    """The classes a sharded save's index is made of: torch.distributed.checkpoint's metadata dataclasses
-    and enums, the filesystem writer's storage records, torch's sizes, dtypes and layouts, and paths."""
-    import dataclasses
-    import enum
-
-    import torch
-
-    if module == "torch.distributed.checkpoint.metadata":
-        import torch.distributed.checkpoint.metadata as metadata
-
-        found = getattr(metadata, name, None)
-        return isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
-    if module == "torch":
-        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
-    return (module, name) in {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("collections", "OrderedDict"),
-    }
-
-
-class SafeUnpickler(pickle.Unpickler):
-    """An unpickler that builds only `_allowed` classes (Python's documented way to restrict globals): a
-    pickle asking for anything else, `os.system` above all, is refused before it is called."""
-
-    def find_class(self, module: str, name: str):
-        if not _allowed(module, name):
-            raise pickle.UnpicklingError(f"{module}.{name}")
-        return super().find_class(module, name)
-
-
-def check_dcp_metadata(folder: Path):
-    """The index of a sharded save (`FOLDER/.metadata`), unpickled by SafeUnpickler; refused in one line when
-    it asks for anything else. Returns it."""
-    path = Path(folder) / DCP_METADATA
-    try:
-        with path.open("rb") as handle:
-            metadata = SafeUnpickler(handle).load()
-    except pickle.UnpicklingError as error:
-        raise refused(path, f"asks for {error} (a sharded save's index holds plain records only)") from None
-    except (EOFError, OSError, ValueError, TypeError, AttributeError) as error:
-        raise refused(path, f"cannot be read ({type(error).__name__}: {error})") from None
-    if type(metadata).__name__ != "Metadata":
-        raise refused(path, f"holds a {type(metadata).__name__}, not a sharded save's index")
-    return metadata

@@ -123,9 +123,9 @@ def read_sharded_model(folder: Path, model) -> dict:
     into `model`'s layout: no process group needed."""
     import torch.distributed.checkpoint as dcp
 
-    from dit_accel.run.pickles import check_dcp_metadata
+    from dit_accel.run.sharded import check_sharded_save
 
-    check_dcp_metadata(folder)  # torch.distributed.checkpoint unpickles it with plain pickle.load
+    check_sharded_save(folder, tensors_only=True)  # torch would unpickle its index and any bytes entry
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
     return state

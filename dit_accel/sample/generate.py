@@ -161,10 +161,9 @@ def warn_if_ema_is_mostly_initial(
     from dit_accel.run import checkpoint as ckpt
     from dit_accel.run.weights import initial_weight_share
 
-    try:
-        state = ckpt.read_train_state(checkpoint)
-    except (OSError, ValueError):
+    if not (Path(checkpoint) / ckpt.TRAIN_STATE).is_file():
         return None
+    state = ckpt.read_train_state(checkpoint)  # a crafted one: one line
     if state.get("imported_from") or state.get("init_from"):  # imported, or --init-from: a trained start
         return None
     updates = int(state.get("applied_steps", state.get("step", 0)))

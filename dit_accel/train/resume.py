@@ -263,13 +263,16 @@ def restore(start: Start, accelerator, components, data: dict, seed: int) -> dic
 
 
 def apply_recipe_changes(components, checkpoint: Path, first_step: int) -> list[str]:
-    """AdamW's lr, betas and weight decay and the warmup come back from the checkpoint with its state
-    (accelerate's load_state restores the param groups and the scheduler's base lrs); the values of this
-    launch replace them from `first_step` on. Returns one log line per change, nothing when none changed
-    (then nothing is touched, so a plain resume stays bit-exact)."""
+    """This launch's AdamW settings and lr schedule, applied over whatever the checkpoint's optimizer state
+    carried: its param groups come back from a file (accelerate's load_state), and no number in a file
+    steers the training. The lr is the launch's lr at the applied step (`scheduler.last_epoch`, set from
+    train_state.json). Returns one log line per value that differs from the checkpoint's, nothing when none
+    did; the values written are then the ones the checkpoint held, so a plain resume stays bit-exact."""
     config, optimizer, scheduler = components.config, components.optimizer, components.scheduler
+    defaults = getattr(optimizer, "optimizer", optimizer).defaults  # this launch's, never loaded from a file
     group = optimizer.param_groups[0]
     warmup = scheduler.lr_lambdas[0]
+    saved = ckpt.read_train_config(checkpoint)
     wanted = {
         "lr": effective_lr(config.lr, components.plan.global_batch, config.scale_lr),
         "betas": tuple(float(b) for b in config.betas),
@@ -277,10 +280,10 @@ def apply_recipe_changes(components, checkpoint: Path, first_step: int) -> list[
         "warmup_steps": int(config.warmup_steps),
     }
     found = {
-        "lr": group["initial_lr"],
-        "betas": tuple(float(b) for b in group["betas"]),
-        "weight_decay": float(group["weight_decay"]),
-        "warmup_steps": int(getattr(warmup, "warmup_steps", 0)),
+        "lr": group.get("initial_lr"),
+        "betas": tuple(group.get("betas", ())),
+        "weight_decay": group.get("weight_decay"),
+        "warmup_steps": saved.get("warmup_steps", wanted["warmup_steps"]),
     }
     changes = [
         f"--{name.replace('_', '-')} changed on resume: {_shown(found[name])} -> {_shown(wanted[name])}, "
@@ -288,7 +291,12 @@ def apply_recipe_changes(components, checkpoint: Path, first_step: int) -> list[
         for name in wanted
         if found[name] != wanted[name]
     ]
-    saved = ckpt.read_train_config(checkpoint)
+    changes += [
+        f"AdamW's {name} in {checkpoint} is {_shown(group.get(name))}, this trainer's {_shown(value)}: "
+        f"{_shown(value)} applies from step {first_step}"
+        for name, value in defaults.items()
+        if name not in ("lr", "betas", "weight_decay") and name in group and group[name] != value
+    ]
     for name in (
         "grad_clip",
         "ema_decay",
@@ -304,13 +312,12 @@ def apply_recipe_changes(components, checkpoint: Path, first_step: int) -> list[
                 f"{_shown(getattr(config, name))}, applied from step {first_step}"
                 + (" (the data order and noise now differ from the original run's)" if name == "seed" else "")
             )
-    if found == wanted:
-        return changes
     if hasattr(warmup, "warmup_steps"):
         warmup.warmup_steps = wanted["warmup_steps"]
     scheduler.base_lrs = [wanted["lr"] for _ in optimizer.param_groups]
     factor = warmup(scheduler.last_epoch)
     for param_group in optimizer.param_groups:
+        param_group.update(defaults)
         param_group.update(
             initial_lr=wanted["lr"],
             lr=wanted["lr"] * factor,

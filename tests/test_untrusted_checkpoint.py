@@ -260,3 +260,34 @@ def test_a_crafted_train_state_is_one_line_before_anything_loads(
     err = _resume(workspace, run, capsys)
     assert f"{path}" in err and says in err, err
     assert not (run / "checkpoints" / "step_00000003").exists()
+
+
+@pytest.mark.parametrize(
+    "entry, says",
+    [
+        ({"../../../../etc/hostname": {"bytes": 1, "sha256": "0" * 64}}, "which is not a file inside"),
+        ({"/etc/hostname": {"bytes": 1, "sha256": "0" * 64}}, "which is not a file inside"),
+        ({"model.safetensors": "big"}, "lacks its id, sequence or manifest"),
+        ({"model.safetensors": {"bytes": "12", "sha256": "0"}}, "no size and sha256"),
+        ([], "lacks its id, sequence or manifest"),
+    ],
+)
+def test_a_manifest_cannot_point_the_check_outside_the_checkpoint(trained, tmp_path, entry, says):
+    """COMPLETE's manifest once named ../../etc/hostname and the check hashed that file; a list or a string
+    for an entry was a traceback. Each is damage now, named in one line, and --resume auto passes over it."""
+    _, checkpoint = _copy(trained, tmp_path)
+    marker = json.loads((checkpoint / "COMPLETE").read_text())
+    marker["manifest"] = entry if isinstance(entry, list) else dict(marker["manifest"], **entry)
+    (checkpoint / "COMPLETE").write_text(json.dumps(marker))
+    found = lineage.damage(checkpoint)
+    assert found is not None and says in found and len(found.splitlines()) == 1, found
+
+
+def test_a_manifest_entry_linked_out_of_the_checkpoint_is_refused(trained, tmp_path):
+    _, checkpoint = _copy(trained, tmp_path)
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    os.symlink(tmp_path / "elsewhere", checkpoint / "extra")
+    marker = json.loads((checkpoint / "COMPLETE").read_text())
+    marker["manifest"]["extra"] = {"bytes": 1, "sha256": "0" * 64}
+    (checkpoint / "COMPLETE").write_text(json.dumps(marker))
+    assert "names 'extra', which is not a file inside the checkpoint" in lineage.damage(checkpoint)

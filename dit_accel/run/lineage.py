@@ -172,6 +172,9 @@ def damage(folder: Path, names: list[str] | None = None) -> str | None:
     manifest = marker.get("manifest")
     if manifest is None:
         return None
+    problem = _manifest_problem(folder, manifest)
+    if problem:
+        return problem
     if names is not None:
         manifest = {
             name: entry
@@ -191,6 +194,23 @@ def damage(folder: Path, names: list[str] | None = None) -> str | None:
     for name, found in zip(names, hash_files([folder / name for name in names])):
         if found["sha256"] != manifest[name]["sha256"]:
             return f"{folder / name} does not match its sha256 in {folder / MARKER} (corrupted or edited)"
+    return None
+
+
+def _manifest_problem(folder: Path, manifest: dict) -> str | None:
+    """A manifest entry that would steer the check outside the checkpoint, or whose size is not a count."""
+    where, inside = folder / MARKER, folder.resolve()
+    for name, entry in manifest.items():
+        path = Path(name)
+        if (
+            not name
+            or path.is_absolute()
+            or ".." in path.parts
+            or not (folder / path).resolve().is_relative_to(inside)
+        ):
+            return f"{where} names {name!r}, which is not a file inside the checkpoint (edited)"
+        if type(entry["bytes"]) is not int or not isinstance(entry["sha256"], str):
+            return f"{where} gives {name!r} no size and sha256 (edited or damaged)"
     return None
 
 

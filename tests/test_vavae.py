@@ -169,9 +169,18 @@ def test_a_vavae_file_that_is_not_one_is_refused_in_one_line_and_runs_nothing(re
 
     crafted = tmp_path / "crafted.pt"
     torch.save({"state_dict": state, "attack": Payload()}, crafted)
-    with pytest.raises(UserError, match="holds Python objects besides tensors"):
+    with pytest.raises(UserError, match="holds Python objects besides tensors") as refusal:
         load_vae(str(crafted))
     assert not marker.exists()
+    # the fix names no flag: extract-latents, train and sample have no --trust-checkpoint
+    assert "--trust-checkpoint" not in str(refusal.value) and "save its tensors alone once" in str(
+        refusal.value
+    )
+    for shape in ((0, 3, 3, 3), ()):
+        odd = tmp_path / f"conv-{len(shape)}.pt"
+        torch.save(dict(state, **{"encoder.conv_in.weight": torch.zeros(shape)}), odd)
+        with pytest.raises(UserError, match=r"encoder\.conv_in\.weight has shape .*not a convolution's"):
+            load_vae(str(odd))
 
 
 def test_per_channel_normalisation_round_trips_and_reads_lightningdits_stats_file(tmp_path):

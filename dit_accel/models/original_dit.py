@@ -67,10 +67,16 @@ def load_original_dit(
 PICKLE_PROTOCOL_2_OR_LATER = 0x80  # the first byte of torch.save's legacy (pre-zip) format
 
 
-def load_torch_file(path: Path, trust_pickle: bool = False, what: str = "original DiT"):
+def load_torch_file(
+    path: Path,
+    trust_pickle: bool = False,
+    what: str = "original DiT",
+    trust_fix: str = "pass --trust-checkpoint only if you trust where it came from",
+):
     """torch.load for a file the user named: what is not torch's zip nor a pickle (an empty file, an HTML
     error page saved as .pt, a truncated download) is named as such, not sent to the unpickler, whose errors
-    for it range from KeyError to an empty message; a real pickle with Python objects asks for trust."""
+    for it range from KeyError to an empty message; a real pickle with Python objects asks for trust, in the
+    words of `trust_fix` (the import commands have --trust-checkpoint; a reader without it says what to do)."""
     fix = f"pass --checkpoint the {what} repository's .pt file, downloaded whole"
     with path.open("rb") as handle:
         first = handle.read(1)
@@ -83,8 +89,9 @@ def load_torch_file(path: Path, trust_pickle: bool = False, what: str = "origina
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as error:
         raise UserError(
-            f"{path} holds Python objects besides tensors (a training checkpoint's args?): pass --trust-checkpoint "
-            f"only if you trust where it came from ({first_line(error)})"
+            f"{path} holds Python objects besides tensors (a training checkpoint's args?) and is read "
+            f"weights-only ({first_line(error)[:100]})",
+            trust_fix,
         ) from None
     except (RuntimeError, EOFError, IndexError, KeyError, ValueError, OSError) as error:  # truncated, damaged
         raise UserError(

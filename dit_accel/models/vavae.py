@@ -112,7 +112,14 @@ def _rename(key: str, levels: int) -> str | None:
 def config_from_ldm_state(state: dict[str, torch.Tensor]) -> dict:
     """`vavae_config`'s arguments read off an LDM autoencoder's tensors."""
     try:
-        base = state["encoder.conv_in.weight"].shape[0]
+        conv_in = state["encoder.conv_in.weight"]
+        if conv_in.dim() != 4 or conv_in.shape[0] == 0:
+            raise UserError(
+                f"the VA-VAE checkpoint's encoder.conv_in.weight has shape {tuple(conv_in.shape)}, not a "
+                "convolution's (out, in, k, k)",
+                _FIX,
+            )
+        base = conv_in.shape[0]
         levels = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("encoder.down."))
         blocks = 1 + max(int(k.split(".")[4]) for k in state if k.startswith("encoder.down.0.block."))
         multipliers = tuple(
@@ -137,12 +144,18 @@ def _groups(channels: int) -> int:
     return 32 if channels % 32 == 0 else next(g for g in (16, 8, 4, 2, 1) if channels % g == 0)
 
 
+_TENSORS_ONLY_FIX = (
+    'where you trust the file, save its tensors alone once (python -c "import torch; torch.save(torch.load('
+    "'IN.pt', weights_only=False)['state_dict'], 'OUT.pt')\") and pass OUT.pt"
+)
+
+
 def load_vavae_checkpoint(path: str | Path):
     """(AutoencoderKL, notes) from a released VA-VAE `.pt` (a state dict, or {"state_dict": ...}), read
     weights-only; one line for a file that is not one."""
     from dit_accel.models.original_dit import load_torch_file
 
-    raw = load_torch_file(Path(path), what="VA-VAE")
+    raw = load_torch_file(Path(path), what="VA-VAE", trust_fix=_TENSORS_ONLY_FIX)
     state = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
     if not isinstance(state, dict) or "encoder.conv_in.weight" not in state:
         raise UserError(f"{path} is not a VA-VAE checkpoint (no encoder.conv_in.weight)", _FIX)

@@ -231,8 +231,33 @@ def _edit_one_count(manifest) -> None:  # and the total, consistently: only the 
             lambda out: _edit_manifest(out, lambda m: m.update(count=m["count"] - 1)),
             "its shards count 18 entries, its manifest 17",
         ),
+        (  # the same file listed twice (under shard numbers that still run 0..n-1): read twice once
+            lambda out: _edit_manifest(
+                out, lambda m: m["shards"].__setitem__(1, dict(m["shards"][0], shard=1))
+            ),
+            "its manifest lists the same shard twice (shard-00000.safetensors)",
+        ),
+        (
+            lambda out: _edit_manifest(out, lambda m: m.update(count=str(m["count"]))),
+            "count is '18', not a whole",
+        ),
+        (
+            lambda out: _edit_manifest(out, lambda m: m.update(shards={"0": m["shards"][0]})),
+            "shards is a dict, not a list of shard records",
+        ),
+        (lambda out: (out / "manifest.json").write_text("[1, 2]"), "holds a JSON list, not a manifest"),
     ],
-    ids=["dot-dot", "absolute", "dropped-shard", "shard-count", "total-count"],
+    ids=[
+        "dot-dot",
+        "absolute",
+        "dropped-shard",
+        "shard-count",
+        "total-count",
+        "shard-twice",
+        "count-string",
+        "shards-object",
+        "a-list",
+    ],
 )
 def test_an_edited_manifest_is_refused_before_training_reads_it(assets, tmp_path, damage, expected):
     """Each once passed silently (a shard read from wherever the manifest pointed, a data set one shard

@@ -120,6 +120,22 @@ def test_a_damaged_published_folder_is_refused_in_one_line(tmp_path, damage, exp
         read_manifest(folder)
 
 
+def test_a_shard_downloaded_twice_under_another_name_is_read_once_or_refused(tmp_path):
+    """A published folder is read by listing: a re-downloaded shard beside the first doubled its entries.
+    Two shards of one count share a header; their contents tell them apart."""
+    import shutil
+
+    folder = write_published(tmp_path / "latents", counts=(5, 5))
+    assert read_manifest(folder)["count"] == 10  # same size, same header, other latents: two shards
+    shutil.copy(
+        folder / "latents_rank00_shard001.safetensors", folder / "latents_rank00_shard001 (1).safetensors"
+    )
+    with pytest.raises(
+        UserError, match=r"holds the same shard twice \(latents_rank00_shard001 \(1\)\.safetensors and "
+    ):
+        read_manifest(folder)
+
+
 def test_a_payload_in_latents_stats_never_runs(tmp_path):
     folder = write_published(tmp_path / "latents")
     marker = tmp_path / "PWNED"

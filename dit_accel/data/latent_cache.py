@@ -60,11 +60,17 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
         raise UserError(
             f"cannot read {manifest_path} ({error})", "re-run extract-latents to rewrite it"
         ) from None
+    if not isinstance(manifest, dict):
+        raise UserError(
+            f"{manifest_path} holds a JSON {type(manifest).__name__}, not a manifest",
+            "re-run extract-latents to rewrite it",
+        )
     if manifest.get("format") not in (FORMAT, PUBLISHED_FORMAT):
         raise UserError(
             f"latent cache {cache} has format {manifest.get('format')!r}, this dit-accel reads {FORMAT!r}",
             "re-run extract-latents into a new folder",
         )
+    check_manifest_types(manifest_path, manifest)
     for record in manifest["shards"]:  # each confined to the folder (`shard_path`) before anything else
         path = shard_path(cache, record["file"])
         size = path.stat().st_size if path.is_file() else None
@@ -92,6 +98,30 @@ def shard_path(cache: Path, name) -> Path:
     return path
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_manifest_types(path: Path, manifest: dict) -> None:
+    """The manifest's fields of the kinds the reader uses: a count, and shards as a list of records each
+    with a file name, an entry count and a byte size (a string "256" once read as a count of 256)."""
+    fix = "re-run the same extract-latents command (with --overwrite if it refuses) to rewrite the cache"
+    if not _whole(manifest.get("count")):
+        raise UserError(f"{path}: count is {manifest.get('count')!r}, not a whole number", fix)
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        raise UserError(f"{path}: shards is a {type(shards).__name__}, not a list of shard records", fix)
+    for index, record in enumerate(shards):
+        if not isinstance(record, dict) or not isinstance(record.get("file"), str):
+            raise UserError(f"{path}: shard record {index} is not an object with a file name", fix)
+        for field in ("count", "bytes"):
+            if not _whole(record.get(field)):
+                raise UserError(
+                    f"{path}: shard {record['file']}'s {field} is {record.get(field)!r}, not a whole number",
+                    fix,
+                )
+
+
 def check_manifest_layout(cache: Path, manifest: dict) -> None:
     """What a cheap look can tell of an edited or mixed cache (the shards' checksums are `verify_cache`'s, a
     read of the whole cache: `dit-accel doctor --full`): shards numbered 0..n-1 in order, their counts
@@ -109,7 +139,18 @@ def check_manifest_layout(cache: Path, manifest: dict) -> None:
             f"{manifest['count']}",
             fix,
         )
-    listed = {record["file"] for record in records}
+    names = [record["file"] for record in records]
+    sums = [record["sha256"] for record in records if record.get("sha256")]
+    twice = sorted({name for name in names if names.count(name) > 1}) or sorted(
+        {record["file"] for record in records if record.get("sha256") and sums.count(record["sha256"]) > 1}
+    )
+    if twice:
+        raise UserError(
+            f"latent cache {cache} is damaged: its manifest lists the same shard twice ({', '.join(twice[:3])}): "
+            "its entries would be trained on twice",
+            fix,
+        )
+    listed = set(names)
     unlisted = sorted(path.name for path in cache.glob("shard-*.safetensors") if path.name not in listed)
     if unlisted:
         raise UserError(
@@ -130,6 +171,35 @@ def _holds_images(folder: Path) -> bool:
         if child.is_dir() and any(p.suffix.lower() in IMAGE_EXTENSIONS for p in list(child.iterdir())[:16]):
             return True
     return False
+
+
+def content_key(path: Path, edge_bytes: int = 1 << 20) -> tuple:
+    """What tells two shard files apart without reading them whole: the size, and a hash of the first and
+    last MiB (the header and the first and last latents). Two shards of one count share a header, not data."""
+    import hashlib
+
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        digest.update(handle.read(edge_bytes))
+        handle.seek(max(0, size - edge_bytes))
+        digest.update(handle.read(edge_bytes))
+    return size, digest.hexdigest()
+
+
+def refuse_copies(cache: Path, files: list[Path]) -> None:
+    """A folder read by listing holds each shard once: a re-downloaded shard under a second name would be
+    trained on twice."""
+    seen: dict[tuple, Path] = {}
+    for path in files:
+        key = content_key(path)
+        if key in seen:
+            raise UserError(
+                f"{cache} holds the same shard twice ({seen[key].name} and {path.name}): its entries would be "
+                "trained on twice",
+                "delete the copy",
+            )
+        seen[key] = path
 
 
 def published_manifest(cache: Path) -> dict:
@@ -173,6 +243,7 @@ def published_manifest(cache: Path) -> dict:
         shape, dtype = latents.shape[1:], latents.dtype
         shards.append({"file": path.name, "count": len(shard_labels), "bytes": path.stat().st_size})
         labels.append(np.asarray(shard_labels))
+    refuse_copies(cache, files)
     labels = np.concatenate(labels)
     if len(labels) and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
         raise UserError(

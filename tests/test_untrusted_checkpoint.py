@@ -291,3 +291,95 @@ def test_a_manifest_entry_linked_out_of_the_checkpoint_is_refused(trained, tmp_p
     marker["manifest"]["extra"] = {"bytes": 1, "sha256": "0" * 64}
     (checkpoint / "COMPLETE").write_text(json.dumps(marker))
     assert "names 'extra', which is not a file inside the checkpoint" in lineage.damage(checkpoint)
+
+
+# --- the catalogue: every file of a plain checkpoint, mutated; each read is a correct run or one line ---------
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
+
+
+def _header_lies(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[:8] = (2**62).to_bytes(8, "little")  # safetensors' header length
+    path.write_bytes(bytes(data))
+
+
+def _json_edit(**fields):
+    def edit(path: Path) -> None:
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), **fields)))
+
+    return edit
+
+
+MUTATIONS = {
+    "truncated": _truncate,
+    "a JSON list": lambda path: path.write_text("[]"),
+    "not JSON": lambda path: path.write_text('{"step": '),
+    "NaN": lambda path: path.write_text('{"step": NaN}'),
+    "safetensors header lies": _header_lies,
+    "a string shift": _json_edit(timestep_freq_shift="1"),
+    "a negative step": _json_edit(step=-1),
+}
+CATALOGUE = [
+    ("model.safetensors", "truncated"),
+    ("model.safetensors", "safetensors header lies"),
+    ("ema.safetensors", "truncated"),
+    ("ema.safetensors", "safetensors header lies"),
+    ("optimizer.bin", "truncated"),
+    ("random_states_0.pkl", "truncated"),
+    *(
+        (name, how)
+        for name in ("train_state.json", "train_config.json", "dit_accel.json", "plan.json")
+        for how in ("truncated", "a JSON list", "not JSON", "NaN")
+    ),
+    ("dit_accel.json", "a string shift"),
+    ("train_state.json", "a negative step"),
+    ("train_config.json", "a negative step"),
+]
+
+
+@pytest.mark.parametrize("name, how", CATALOGUE, ids=[f"{n}-{h}" for n, h in CATALOGUE])
+def test_every_file_of_a_checkpoint_mutated_is_one_line_or_a_correct_run(
+    workspace, trained, tmp_path, capsys, name, how
+):
+    """A received checkpoint with one file mutated and its manifest rewritten: `--resume auto` and `sample
+    --no-ema` (and with the EMA, for the EMA's file) each exit 2 with one line and no traceback, writing no
+    new checkpoint, or run correctly. Before, several ended in tracebacks (a JSON list read as an object, a
+    safetensors header claiming 2^62 bytes)."""
+    from dit_accel.cli import main as dit_accel
+
+    run, checkpoint = _copy(trained, tmp_path)
+    MUTATIONS[how](checkpoint / name)
+    _revouch(checkpoint)
+    capsys.readouterr()
+    argv = [*_single(workspace, run), "--no-tensorboard", "--resume", "auto", "--max-steps", 3]
+    rc = e2e.run_in_process(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc in (0, 2) and "Traceback" not in err, err[-3000:]
+    if rc == 2:
+        assert len(err.splitlines()) == 1, err
+        assert not (run / "checkpoints" / "step_00000003").exists()
+    for ema in ("--no-ema", "--ema") if name == "ema.safetensors" else ("--no-ema",):
+        out = tmp_path / f"grid{ema}.png"
+        rc = dit_accel(
+            [
+                "sample",
+                "--checkpoint",
+                str(checkpoint),
+                ema,
+                "--out",
+                str(out),
+                "--num-samples",
+                "2",
+                "--steps",
+                "2",
+                "--vae",
+                str(workspace["vae"]),
+            ]
+        )
+        err = capsys.readouterr().err.strip()
+        assert rc in (0, 2) and "Traceback" not in err, err[-3000:]
+        if rc == 2:
+            assert len(err.splitlines()) == 1 and not out.exists(), err

@@ -84,7 +84,21 @@ def read_sidecar(folder: Path) -> dict:
     path = Path(folder) / SIDECAR_NAME
     if not path.exists():
         return {}
-    sidecar = json.loads(path.read_text())
+    try:
+        sidecar = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UserError(
+            f"{path} is not JSON ({str(error)[:100]})", "use weights this dit-accel wrote"
+        ) from None
+    if not isinstance(sidecar, dict):
+        raise UserError(
+            f"{path} holds a JSON {type(sidecar).__name__}, not an object", "use weights this dit-accel wrote"
+        )
+    shift = sidecar.get("timestep_freq_shift")
+    if shift is not None and (type(shift) is not int or shift not in (0, 1)):
+        raise UserError(
+            f"{path}: timestep_freq_shift is {shift!r}, not 0 or 1", "use weights this dit-accel wrote"
+        )
     if sidecar.get("format") != SIDECAR_FORMAT:
         raise UserError(
             f"{path} has format {sidecar.get('format')!r}",

@@ -497,6 +497,11 @@ def load_checkpoint(accelerator, checkpoint: str | Path, *, ema, scheduler) -> d
     state = read_train_state(checkpoint)
     check_before_load(checkpoint, accelerator.process_index)
     check_sharded_saves(checkpoint)
+    for name in (MODEL_WEIGHTS, EMA_WEIGHTS):
+        if (checkpoint / name).is_file():
+            records.check_safetensors(checkpoint / name)
+    if (checkpoint / "optimizer.bin").is_file():
+        records.check_torch_zip(checkpoint / "optimizer.bin")
     # An older checkpoint holds the scheduler as custom_checkpoint_0.pkl, and Accelerate refuses a folder whose
     # count of such files differs from its registered objects: a stand-in takes the file, read weights-only
     # here first (so Accelerate's own weights_only=False read of it meets nothing but plain data).

@@ -1,6 +1,8 @@
-"""A checkpoint's JSON records parsed once into checked values: a run folder may come from anyone, and a
-number read from it (a step, a count) steers what the run does next. A record that is not JSON, not an
-object, or holds a field of the wrong type or range is refused in one line naming the file and the field."""
+"""A checkpoint's records parsed once into checked values: a run folder may come from anyone, and a number
+read from it (a step, a count) steers what the run does next. A record that is not JSON, not an object, or
+holds a field of the wrong type or range is refused in one line naming the file and the field; a weights
+file whose header does not describe its bytes (truncated, or a header length that lies) is refused before
+a reader maps it."""
 
 from __future__ import annotations
 
@@ -73,3 +75,29 @@ def read_train_state(path: Path) -> dict:
     if "data" in state and not isinstance(state["data"], (dict, type(None))):
         raise UserError(f"{path}: data is a {type(state['data']).__name__}, not an object", _FIX)
     return state
+
+
+def check_safetensors(path: Path, fix: str = _FIX) -> None:
+    """A safetensors file whose header parses and whose tensors fit the file: what `safe_open` reads (the
+    header only), so a truncated or crafted file is one line, not a SafetensorError from deep in a load."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            handle.keys()
+    except (SafetensorError, OSError, ValueError) as error:
+        raise UserError(
+            f"{path} is not a readable safetensors file ({str(error).splitlines()[0][:120]})", fix
+        ) from None
+
+
+def check_torch_zip(path: Path, fix: str = _FIX) -> None:
+    """A torch.save file (a zip archive) whose directory reads: a truncated one is one line here, before a
+    loader reports an 'internal miniz error'. Its contents are read, weights-only, by the loader."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError) as error:
+        raise UserError(f"{path} is not a complete torch file ({error})", fix) from None

@@ -77,6 +77,7 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
     from dit_accel.models.diffusers_format import read_sidecar
     from dit_accel.models.dit import DIFFUSERS_FREQ_SHIFT, build_model
     from dit_accel.repa.align import without_projector  # trained with a REPA model, never sampled
+    from dit_accel.run.records import check_safetensors
 
     checkpoint = intact_for_inference(checkpoint_or_run_dir, use_ema)
     spec = read_plan(checkpoint / PLAN).spec()
@@ -84,6 +85,7 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
         spec, timestep_freq_shift=read_sidecar(checkpoint).get("timestep_freq_shift", DIFFUSERS_FREQ_SHIFT)
     )
     if use_ema and (checkpoint / EMA_WEIGHTS).exists():
+        check_safetensors(checkpoint / EMA_WEIGHTS)
         state, weights = load_file(str(checkpoint / EMA_WEIGHTS)), "ema"
     elif use_ema:
         raise UserError(
@@ -92,6 +94,7 @@ def load_for_inference(checkpoint_or_run_dir: str | Path, use_ema: bool = True, 
     elif (checkpoint / SHARDED_MODEL).is_dir():
         state, weights = read_sharded_model(checkpoint / SHARDED_MODEL, model), "model"
     else:
+        check_safetensors(checkpoint / MODEL_WEIGHTS)
         state, weights = load_file(str(checkpoint / MODEL_WEIGHTS)), "model"
     state = {name.removeprefix("module."): tensor for name, tensor in without_projector(state).items()}
     _load_into(model, state, strict_params_only=(weights == "ema"))

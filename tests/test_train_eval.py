@@ -268,3 +268,8 @@ def test_an_image_folder_changed_under_a_resumed_run_is_announced(workspace, tmp
     moved = shutil.copytree(images, tmp_path / "moved")
     log = train(4, moved)
     assert f"the data changed on resume (source {images} -> {moved}): the samples after step 3" in log
+    # an image's bytes replaced under its name (its neighbour's copied over it): 8 images, all sampled
+    victim, donor = sorted(classes[0].iterdir())[:2]
+    (moved / classes[0].name / victim.name).write_bytes(donor.read_bytes())
+    log = train(5, moved)  # the phrase is new to the log: no earlier start said it
+    assert "the same 8 images by name, some of them with other contents" in log, log[-2000:]

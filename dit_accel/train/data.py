@@ -213,12 +213,13 @@ def data_fingerprint(dataset) -> dict:
     """What the run reads, in a few bytes for its checkpoints' train state: where (`source`), how many entries,
     and a sha256 of their identities in order (a latent cache's shard checksums and normalisation, wherever
     it lies; images: their place, and a dataset's fingerprint, rows and labels or a folder's paths and
-    labels), so that a resume on other or reordered data is announced (`resume.restore`), not silent."""
+    labels, and for a folder the bytes of 64 sampled images, `sampled_sha256`), so that a resume on other or
+    reordered data is announced (`resume.restore`), not silent."""
     import hashlib
 
     from dit_accel.data.latent_cache import LatentCache
 
-    digest = hashlib.sha256()
+    digest, sampled = hashlib.sha256(), None
     if isinstance(dataset, LatentCache):
         source = str(dataset.dir.resolve())
         shards = [[r["file"], r["count"], r.get("sha256", r["bytes"])] for r in dataset.manifest["shards"]]
@@ -233,15 +234,47 @@ def data_fingerprint(dataset) -> dict:
             digest.update(np.asarray(records.rows, dtype=np.int64).tobytes())
             digest.update(np.asarray(records.labels, dtype=np.int64).tobytes())
         else:  # an image folder's listing: a datasets.Dataset of paths and labels
-            digest.update("\n".join(records.data.column("path").to_pylist()).encode())
+            paths = records.data.column("path").to_pylist()
+            digest.update("\n".join(paths).encode())
             digest.update(np.asarray(records.data.column("label").to_pylist(), dtype=np.int64).tobytes())
-    return {"source": source, "entries": len(dataset), "sha256": digest.hexdigest()}
+            sampled = sampled_contents(Path(dataset.root), paths).hex()
+    found = {"source": source, "entries": len(dataset), "sha256": digest.hexdigest()}
+    return found if sampled is None else dict(found, sampled_sha256=sampled)
+
+
+FINGERPRINT_IMAGES = 64  # images whose bytes join an image folder's fingerprint
+FINGERPRINT_BYTES = 1 << 16  # of each, its size and first 64 KiB
+
+
+def sampled_contents(root: Path, paths: list[str]) -> bytes:
+    """A sha256 over the size and first 64 KiB of 64 images spread over the listing: an image replaced under
+    its name is caught when it is one of those, at 64 small reads per start, not a read of the data set."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    picked = sorted({int(i) for i in np.linspace(0, len(paths) - 1, FINGERPRINT_IMAGES)}) if paths else []
+    for index in picked:
+        path = root / paths[index]
+        try:
+            with path.open("rb") as handle:
+                digest.update(f"{path.stat().st_size}:".encode() + handle.read(FINGERPRINT_BYTES))
+        except OSError:
+            digest.update(b"unreadable")  # the loader names it when it reads it
+    return digest.digest()
 
 
 def data_change(recorded: dict | None, current: dict) -> str:
     """How the data read now differs from what a checkpoint recorded, as a sentence; "" when it does not (or
     the checkpoint recorded none)."""
-    if not recorded or recorded.get("sha256") == current["sha256"]:
+    if not recorded:
+        return ""
+    if recorded.get("sha256") == current["sha256"]:
+        before, now = recorded.get("sampled_sha256"), current.get("sampled_sha256")
+        if before and now and before != now:
+            return (
+                f"the data changed on resume (the same {current['entries']:,} images by name, some of them with "
+                f"other contents: {FINGERPRINT_IMAGES} sampled images' bytes differ)"
+            )
         return ""
     changes = []
     if recorded.get("source") != current["source"]:

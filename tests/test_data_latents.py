@@ -270,6 +270,52 @@ def test_an_edited_manifest_is_refused_before_training_reads_it(assets, tmp_path
         LatentCache(out)
 
 
+def _rewrite_header(shard, edit, length=None) -> None:
+    """A shard with its safetensors header edited (and the header length, or `length` as a lie)."""
+    data = shard.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = edit(json.loads(data[8 : 8 + size]))
+    text = json.dumps(header).encode()
+    shard.write_bytes((length or len(text)).to_bytes(8, "little") + text + data[8 + size :])
+
+
+def _first_entry(edit):
+    def on_header(header):
+        name = next(key for key in header if key != "__metadata__")
+        edit(header[name])
+        return header
+
+    return on_header
+
+
+@pytest.mark.parametrize(
+    "edit, length, says",
+    [
+        (lambda header: [header], None, "its header is a JSON list, not an object"),
+        (_first_entry(lambda entry: entry.update(shape=[2**40, *entry["shape"][1:]])), None, "which hold"),
+        (lambda header: header, 2**62, "its header claims 4,611,686,018,427,387,904 bytes"),
+        (_first_entry(lambda entry: entry.update(data_offsets=[0, 2**50])), None, "at bytes 0-"),
+        (
+            _first_entry(lambda entry: entry.update(dtype="BF16")),
+            None,
+            "as bf16, which this reader does not take",
+        ),
+    ],
+    ids=["a-list", "2^40-rows", "2^62-header", "offsets-past-end", "bf16"],
+)
+def test_a_shard_whose_header_lies_is_one_line(assets, tmp_path, edit, length, says):
+    """A shard header that is a list, claims 2^40 rows, or a 2^62-byte header was a traceback or a
+    MemoryError; a bf16 shard was 'not a readable safetensors file' (it is readable; the dtype is not taken)."""
+    out = tmp_path / "cache"
+    _extract(assets, out)
+    shard = out / "shard-00000.safetensors"
+    _rewrite_header(shard, edit, length)
+    _edit_manifest(out, lambda m: m["shards"][0].update(bytes=shard.stat().st_size))
+    with pytest.raises(UserError, match=re.escape(says)) as refusal:
+        LatentCache(out)
+    assert len(str(refusal.value).splitlines()) == 1
+
+
 def test_a_shard_linked_from_outside_the_cache_is_refused(assets, tmp_path):
     out = tmp_path / "cache"
     _extract(assets, out)

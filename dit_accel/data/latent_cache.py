@@ -399,7 +399,14 @@ class LatentCache(torch.utils.data.Dataset):
     def _shard(self, shard: int) -> dict[str, np.ndarray]:
         arrays = self._maps.get(shard)
         if arrays is None:
-            arrays = self._maps[shard] = map_shard(shard_path(self.dir, self._files[shard]))
+            try:
+                arrays = self._maps[shard] = map_shard(shard_path(self.dir, self._files[shard]))
+            except (OSError, ValueError) as error:  # JSONDecodeError too
+                raise UserError(
+                    f"latent cache {self.dir} is damaged: {self._files[shard]} is not a readable shard "
+                    f"({str(error)[:160]})",
+                    "re-run the same extract-latents command (with --overwrite if it refuses) to rewrite it",
+                ) from None
         return arrays
 
     def _check_shard(self, shard: int, count: int) -> None:
@@ -495,14 +502,61 @@ STORAGE_DTYPES_NUMPY = {"float16": np.float16, "float32": np.float32}
 _SAFETENSORS_DTYPES = {"F16": np.float16, "F32": np.float32, "I64": np.int64}
 
 
+_SAFETENSORS_NAMES = {
+    "BF16": "bf16",
+    "F64": "float64",
+    "I32": "int32",
+    "I16": "int16",
+    "U8": "uint8",
+    "I8": "int8",
+}
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def _shard_header(path: Path) -> tuple[int, dict]:
+    """A shard's header length and entries, each checked against the file: a name to a dtype this reader
+    maps, a shape of whole numbers, data offsets inside the file that hold exactly that shape's bytes.
+    ValueError names what is wrong; an unsupported dtype is a UserError naming it (the file is readable)."""
+    size = path.stat().st_size
+    with open(path, "rb") as stream:
+        header_bytes = int.from_bytes(stream.read(8), "little")
+        if not 0 < header_bytes <= min(size - 8, _MAX_HEADER_BYTES):
+            raise ValueError(f"its header claims {header_bytes:,} bytes of a {size:,}-byte file")
+        header = json.loads(stream.read(header_bytes))
+    if not isinstance(header, dict):
+        raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - header_bytes
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise ValueError(f"its header entry {name!r} is not a tensor's")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise UserError(
+                f"{path} holds {name} as {_SAFETENSORS_NAMES.get(dtype, dtype)}, which this reader does not "
+                "take (latents float16 or float32, labels int64)",
+                "convert the shard once (e.g. safetensors.torch: load_file, .to(torch.float16) / "
+                ".to(torch.int64), save_file), or re-extract with dit-accel extract-latents",
+            )
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise ValueError(f"its header gives {name} the shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)):
+            raise ValueError(f"its header gives {name} the offsets {offsets!r}")
+        start, end = offsets
+        needed = int(np.prod(shape, dtype=object)) * np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
+        if not 0 <= start <= end <= data_bytes or end - start != needed:
+            raise ValueError(
+                f"its header puts {name} ({shape}) at bytes {start}-{end} of {data_bytes:,}, which hold "
+                f"{end - start:,} bytes, not {needed:,}"
+            )
+    return header_bytes, header
+
+
 def map_shard(path: Path) -> dict[str, np.ndarray]:
     """A shard's tensors as read-only numpy views of one memory map. The safetensors layout is an
     8-byte little-endian header length, a JSON header (dtype, shape, data offsets), then the bytes;
     numpy fancy indexing on the map gathers a batch ten times faster than safetensors' own slices."""
-    with open(path, "rb") as stream:
-        header_bytes = int.from_bytes(stream.read(8), "little")
-        header = json.loads(stream.read(header_bytes))
-    header.pop("__metadata__", None)
+    header_bytes, header = _shard_header(Path(path))
     if all(entry["data_offsets"][1] == 0 for entry in header.values()):  # an empty shard: nothing to map
         return {
             name: np.empty(entry["shape"], _SAFETENSORS_DTYPES[entry["dtype"]])

@@ -316,6 +316,29 @@ def test_a_shard_whose_header_lies_is_one_line(assets, tmp_path, edit, length, s
     assert len(str(refusal.value).splitlines()) == 1
 
 
+def test_non_finite_latents_or_normalisation_name_the_data_not_the_lr(assets, tmp_path):
+    """NaN latents or a NaN latent_norm scale once stopped the run with "lower --lr or set --grad-clip";
+    the data is the cause, and is named before any step."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "cache"
+    _extract(assets, out)
+    shard = out / "shard-00001.safetensors"
+    tensors = load_file(str(shard))
+    tensors["mean"][2, 0, 0, 0, 0] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt", "count": str(len(tensors["label"]))})
+    _edit_manifest(out, lambda m: m["shards"][1].update(bytes=shard.stat().st_size))
+    cache = LatentCache(out, flip=False)
+    first = int(cache._starts[1])
+    cache[first + 1]  # a finite entry of the same shard reads
+    with pytest.raises(UserError, match=r"shard-00001\.safetensors row 2 holds non-finite latents"):
+        cache.__getitems__([0, first + 2])
+    for scale in (float("nan"), 0.0):
+        _edit_manifest(out, lambda m: m["latent_norm"].update(scale=[scale] * len(m["latent_norm"]["scale"])))
+        with pytest.raises(UserError, match="latent_norm"):
+            LatentCache(out)
+
+
 def test_a_shard_linked_from_outside_the_cache_is_refused(assets, tmp_path):
     out = tmp_path / "cache"
     _extract(assets, out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -334,10 +335,27 @@ def check_cache_matches(manifest, resolution: int, vae_identity: dict | str | No
 def manifest_latent_norm(manifest: dict) -> LatentNorm:
     """How the cache's latents are normalised: its `latent_norm`, or (caches made before it was recorded) the
     VAE's scale and shift factors."""
-    if "latent_norm" in manifest:
-        return LatentNorm.from_json(manifest["latent_norm"])
+    fix = "re-run extract-latents into a new folder (its manifest records the normalisation it measured)"
     channels = manifest["latent_shape"][0]
-    return LatentNorm.of_factors(manifest["scale_factor"], manifest.get("shift_factor") or 0.0, channels)
+    try:
+        if "latent_norm" in manifest:
+            norm = LatentNorm.from_json(manifest["latent_norm"])
+        else:
+            norm = LatentNorm.of_factors(
+                manifest["scale_factor"], manifest.get("shift_factor") or 0.0, channels
+            )
+    except (KeyError, TypeError, ValueError) as error:
+        raise UserError(f"the latent cache's latent_norm cannot be read ({error})", fix) from None
+    values = [*norm.shift, *norm.scale]
+    if norm.channels != channels or len(norm.scale) != channels or not all(map(math.isfinite, values)):
+        raise UserError(
+            f"the latent cache's latent_norm is {norm.to_json()}: not one finite shift and scale per channel "
+            f"of its {channels}",
+            fix,
+        )
+    if not all(scale > 0 for scale in norm.scale):
+        raise UserError(f"the latent cache's latent_norm scales {list(norm.scale)} must be above 0", fix)
+    return norm
 
 
 class LatentCache(torch.utils.data.Dataset):
@@ -488,6 +506,13 @@ class LatentCache(torch.utils.data.Dataset):
             torch.from_numpy(means).float() + torch.from_numpy(stds).float() * noise
         )
         entries = self._starts[shards] + rows
+        if not torch.isfinite(latents).all():  # the data's fault, not the lr's: named before the step
+            bad = int(np.flatnonzero(~torch.isfinite(latents).flatten(1).all(1).numpy())[0])
+            raise UserError(
+                f"latent cache {self.dir}: {self._files[shards[bad]]} row {int(rows[bad])} holds non-finite "
+                "latents (NaN or inf): the cache is damaged, not the training",
+                "re-run the same extract-latents command (with --overwrite if it refuses) to rewrite it",
+            )
         labels = self.labels[torch.from_numpy(entries)]
         if self.images is not None:  # the image each latent was encoded from, mirrored with its view
             pixels = [self.images.pixels(int(entry), bool(view)) for entry, view in zip(entries, views)]

@@ -383,3 +383,18 @@ def test_every_file_of_a_checkpoint_mutated_is_one_line_or_a_correct_run(
         assert rc in (0, 2) and "Traceback" not in err, err[-3000:]
         if rc == 2:
             assert len(err.splitlines()) == 1 and not out.exists(), err
+
+
+@pytest.mark.parametrize("name", ["custom_checkpoint_1.pkl", "custom_checkpoint_0.pkl"])
+def test_a_custom_object_pickle_this_trainer_never_writes_is_refused(
+    workspace, trained, tmp_path, capsys, name
+):
+    """Accelerate reads custom_checkpoint_N.pkl with weights_only=False, or fails on their count with a
+    RuntimeError; beside lr_scheduler.json even _0 is not ours."""
+    run, checkpoint = _copy(trained, tmp_path)
+    marker = tmp_path / "PWNED"
+    _plant(checkpoint / name, {"attack": SystemPayload(marker)})
+    _revouch(checkpoint)
+    err = _resume(workspace, run, capsys)
+    assert f"{checkpoint / name} is not a file this trainer writes" in err, err
+    assert not marker.exists()

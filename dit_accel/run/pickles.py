@@ -83,6 +83,12 @@ def check_before_load(checkpoint: Path, rank: int) -> None:
         )
     if (checkpoint / SCALER_STATE).is_file():
         load_weights_only(checkpoint / SCALER_STATE)
+    legacy = not (checkpoint / SCHEDULER_STATE).is_file()  # an older checkpoint: its scheduler's pickle
+    for path in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
+        if not (legacy and path.name == LEGACY_SCHEDULER_STATE):  # Accelerate would unpickle it, or fail
+            raise refused(
+                path, "is not a file this trainer writes (Accelerate would read it as a registered object)"
+            )
 
 
 def scheduler_state_json(scheduler) -> str:

@@ -6,6 +6,7 @@ normalisation and its statistics."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -206,3 +207,30 @@ def test_per_channel_normalisation_round_trips_and_reads_lightningdits_stats_fil
     assert not marker.exists()
     with pytest.raises(UserError, match="one finite mean and one positive std per channel"):
         LatentNorm.of_statistics([0.0, 1.0], [1.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{not json", "is not JSON"),
+        ("[1]", "holds a JSON list, not an object"),
+        ('{"format": FORMAT, "latent_norm": "per-pixel"}', "is neither 'scale' nor 'channel'"),
+        (
+            '{"format": FORMAT, "latent_norm": "channel", "statistics": {"mean": "a", "std": "b"}}',
+            "statistics",
+        ),
+        (
+            '{"format": FORMAT, "latent_norm": "channel", "statistics": {"mean": [0], "std": [-1]}}',
+            "statistics",
+        ),
+    ],
+)
+def test_a_vae_folders_tokenizer_record_is_checked_in_one_line(tmp_path, text, says):
+    """dit_accel_vae.json garbage, a list or string statistics were tracebacks from the first reader."""
+    from dit_accel.models.vae import read_tokenizer_record
+    from dit_accel.models.vavae import TOKENIZER_FILE, TOKENIZER_FORMAT
+
+    (tmp_path / TOKENIZER_FILE).write_text(text.replace("FORMAT", json.dumps(TOKENIZER_FORMAT)))
+    with pytest.raises(UserError, match=re.escape(says)) as refusal:
+        read_tokenizer_record(tmp_path)
+    assert len(str(refusal.value).splitlines()) == 1

@@ -142,11 +142,33 @@ def read_tokenizer_record(folder: Path) -> dict:
     path = Path(folder) / TOKENIZER_FILE
     if not path.is_file():
         return {}
-    record = json.loads(path.read_text())
+    fix = "pass the released VA-VAE .pt itself as --vae (this dit-accel reads it directly), or a folder it wrote"
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is not JSON ({str(error)[:100]})", fix) from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path} holds a JSON {type(record).__name__}, not an object", fix)
     if record.get("format") != TOKENIZER_FORMAT:
         raise UserError(
             f"{path} has format {record.get('format')!r}", f"this dit-accel reads {TOKENIZER_FORMAT!r}"
         )
+    if record.get("latent_norm", "scale") not in ("scale", "channel") or not isinstance(
+        record.get("tokenizer", ""), str
+    ):
+        raise UserError(
+            f"{path}: latent_norm {record.get('latent_norm')!r} is neither 'scale' nor 'channel'", fix
+        )
+    statistics = record.get("statistics")
+    if statistics is not None:
+        try:
+            LatentNorm.of_statistics(
+                statistics["mean"], statistics["std"]
+            )  # finite, positive, one per channel
+        except (KeyError, TypeError, ValueError, UserError) as error:
+            raise UserError(
+                f"{path}: its statistics are not a mean and std per channel ({error})", fix
+            ) from None
     return record
 
 

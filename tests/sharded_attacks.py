@@ -90,9 +90,29 @@ def storage_outside(folder: Path, marker: Path) -> str:
     return "../"
 
 
+def truncated_shard(folder: Path, marker: Path) -> str:
+    """Not an attack but damage: a shard file cut in half (a copy that ran out of disk)."""
+    shard = sorted(folder.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard.name
+
+
+def unknown_layout(folder: Path, marker: Path) -> str:
+    """An index that asks an allowed function for a name it does not know (a KeyError inside torch)."""
+    (folder / ".metadata").write_bytes(pickle.dumps(_UnknownLayout()))
+    return ".metadata"
+
+
+class _UnknownLayout:
+    def __reduce__(self):
+        return (torch.serialization._get_layout, ("torch.no_such_layout",))
+
+
 ATTACKS = {
     "bytes entry": bytes_entry,
     "rank-local index": rank_local_index,
     "missing index": missing_index,
     "storage outside": storage_outside,
+    "truncated shard": truncated_shard,
+    "unknown layout": unknown_layout,
 }

@@ -242,6 +242,7 @@ def test_no_number_in_a_checkpoint_steers_the_lr_or_adamw(workspace, trained, tm
         ("applied_steps", 9, "applied_steps 9 is more than the steps taken (2)"),
         ("world_size", 0, "world_size is 0, not a whole number of at least 1"),
         ("samples_seen", 1e30, "samples_seen is 1e+30, not a whole number"),
+        ("step", 10, "says step 10, its COMPLETE marker step 2"),
         (None, [1, 2], "holds a JSON list, not an object"),
         (None, "{not json", "is not JSON"),
         (None, "NaN", "is not JSON"),
@@ -398,3 +399,24 @@ def test_a_custom_object_pickle_this_trainer_never_writes_is_refused(
     err = _resume(workspace, run, capsys)
     assert f"{checkpoint / name} is not a file this trainer writes" in err, err
     assert not marker.exists()
+
+
+def test_a_checkpoints_folder_linked_into_another_run_is_refused_before_the_lock(
+    workspace, trained, tmp_path, capsys
+):
+    """The lock is the run folder's: B's checkpoints/ linked into run A once let both write one timeline.
+    A link to a folder of its own on another disk is still fine."""
+    run_a, _ = _copy(trained, tmp_path)
+    run_b = tmp_path / "b"
+    run_b.mkdir()
+    os.symlink(run_a / "checkpoints", run_b / "checkpoints")
+    err = _resume(workspace, run_b, capsys)
+    assert f"{run_b / 'checkpoints'} links to {(run_a / 'checkpoints').resolve()}" in err, err
+    assert "the checkpoints of another run" in err
+    run_c = tmp_path / "c"
+    run_c.mkdir()
+    (tmp_path / "disk" / "c-checkpoints").mkdir(parents=True)
+    os.symlink(tmp_path / "disk" / "c-checkpoints", run_c / "checkpoints")
+    argv = [*_single(workspace, run_c), "--no-tensorboard", "--max-steps", 1, "--checkpoint-every", 1]
+    assert e2e.run_in_process(argv) == 0
+    assert (tmp_path / "disk" / "c-checkpoints" / "step_00000001" / "COMPLETE").is_file()

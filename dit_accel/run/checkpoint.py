@@ -181,8 +181,15 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
 
 
 def read_train_state(checkpoint: str | Path) -> dict:
-    """The checkpoint's train_state.json, its counts checked (run.records)."""
-    return records.read_train_state(Path(checkpoint) / TRAIN_STATE)
+    """The checkpoint's train_state.json, its counts checked (run.records), its step the marker's."""
+    state = records.read_train_state(Path(checkpoint) / TRAIN_STATE)
+    marked = lineage.read_marker(Path(checkpoint)).get("step") if is_complete(checkpoint) else None
+    if isinstance(marked, int) and marked != state["step"]:
+        raise UserError(
+            f"{Path(checkpoint) / TRAIN_STATE} says step {state['step']}, its {COMPLETE} marker step {marked}",
+            "resume from a checkpoint this trainer wrote (--resume auto skips none; pass an older --resume PATH)",
+        )
+    return state
 
 
 def read_train_config(checkpoint: str | Path) -> dict:

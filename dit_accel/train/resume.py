@@ -99,6 +99,24 @@ def load_init_weights(model: nn.Module, init: InitWeights) -> None:
 _claim_notes: list[str] = []  # what claim_run_folder found, logged by choose_start once logging is set up
 
 
+def _refuse_a_shared_timeline(run_dir: Path) -> None:
+    """RUN/checkpoints may link to a bigger disk, but not into another run's folder: the lock is the run
+    folder's, so two runs would then write, rotate and resume one timeline, each holding its own lock."""
+    link = ckpt.checkpoints_dir(run_dir)
+    if not link.is_symlink():
+        return
+    target = link.resolve()
+    owner = target.parent
+    if owner != Path(run_dir).resolve() and any(
+        (owner / name).exists() for name in (runlock.LOCK_NAME, ckpt.PLAN, ckpt.METRICS)
+    ):
+        raise UserError(
+            f"{link} links to {target}, the checkpoints of another run ({owner}): both runs would write one "
+            "timeline under two locks",
+            "point --output-dir at that run to continue it, or give this run a checkpoints folder of its own",
+        )
+
+
 def claim_run_folder(accelerator, config: TrainConfig, run_dir: Path) -> list[str]:
     """Before anything is written: the main process takes RUN/run.lock (`runlock`) and refuses a folder that
     already holds checkpoints when no --resume says to continue them (a rerun would start over at step 0
@@ -107,6 +125,7 @@ def claim_run_folder(accelerator, config: TrainConfig, run_dir: Path) -> list[st
     by `runlock.release_all`."""
 
     def claim() -> list[str]:
+        _refuse_a_shared_timeline(run_dir)
         _lock, note = runlock.acquire(run_dir)
         found = ckpt.complete_checkpoints(run_dir)
         if found and config.resume is None and not config.init_from:

@@ -110,8 +110,19 @@ def test_a_published_folder_reads_as_a_cache_normalised_by_its_statistics(tmp_pa
             "has 4 channels, the latents 32",
         ),
         (lambda f: torch.save({"mean": torch.zeros(C)}, f / "latents_stats.pt"), "hold no mean and std"),
+        (
+            lambda f: save_file(
+                {
+                    "latents": torch.zeros(2, 1, C, SIDE, SIDE),
+                    "latents_flip": torch.zeros(2, 1, C, SIDE, SIDE),
+                    "labels": torch.tensor([0, 1]),
+                },
+                str(f / "latents_rank00_shard001.safetensors"),
+            ),
+            "holds latents of 5 dimensions",
+        ),
     ],
-    ids=["not-safetensors", "no-mirror", "counts", "labels", "stats-channels", "stats-keys"],
+    ids=["not-safetensors", "no-mirror", "counts", "labels", "stats-channels", "stats-keys", "5-d"],
 )
 def test_a_damaged_published_folder_is_refused_in_one_line(tmp_path, damage, expected):
     folder = write_published(tmp_path / "latents")

@@ -228,7 +228,13 @@ def published_manifest(cache: Path) -> dict:
                 f"{path} lacks {', '.join(missing)}: not one of LightningDiT's latent shards", fix
             )
         latents, flipped, shard_labels = (arrays[name] for name in PUBLISHED_TENSORS)
-        if latents.shape != flipped.shape or latents.ndim != 4 or shard_labels.shape != latents.shape[:1]:
+        if latents.ndim != 4 or flipped.ndim != 4 or shard_labels.ndim != 1:
+            raise UserError(
+                f"{path} holds latents of {latents.ndim} dimensions, mirror images of {flipped.ndim} and labels "
+                f"of {shard_labels.ndim}: LightningDiT's shards hold (N, C, h, w) latents and (N,) labels",
+                fix,
+            )
+        if latents.shape != flipped.shape or shard_labels.shape != latents.shape[:1]:
             raise UserError(
                 f"{path} holds latents {latents.shape}, mirror images {flipped.shape} and labels {shard_labels.shape}: "
                 "the three must count the same entries",

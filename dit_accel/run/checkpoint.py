@@ -528,7 +528,9 @@ def load_checkpoint(accelerator, checkpoint: str | Path, *, ema, scheduler) -> d
         if legacy:
             accelerator._custom_objects.remove(stand_in)  # later saves write lr_scheduler.json only
     scheduler.last_epoch = state.get("applied_steps", state["step"])  # train.resume sets the lrs from it
-    scheduler._step_count = scheduler.last_epoch + 1  # torch's count of step() calls, the first at construction
+    scheduler._step_count = (
+        scheduler.last_epoch + 1
+    )  # torch's count of step() calls, the first at construction
     if ema is not None:
         ema.load(checkpoint / EMA_WEIGHTS)
     return state

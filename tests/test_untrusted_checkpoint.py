@@ -420,3 +420,28 @@ def test_a_checkpoints_folder_linked_into_another_run_is_refused_before_the_lock
     argv = [*_single(workspace, run_c), "--no-tensorboard", "--max-steps", 1, "--checkpoint-every", 1]
     assert e2e.run_in_process(argv) == 0
     assert (tmp_path / "disk" / "c-checkpoints" / "step_00000001" / "COMPLETE").is_file()
+
+
+@pytest.mark.launched
+def test_a_read_only_run_folder_is_one_line(workspace, trained, tmp_path):
+    """A run folder on a read-only mount (a real one: a tmpfs remounted read-only in a mount namespace of
+    its own) was a traceback from the run lock; it is one line saying how to go on, exit 2."""
+    import shlex
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    argv = [sys.executable, "-m", "dit_accel.train", *map(str, _single(workspace, mount / "run"))]
+    argv += ["--no-tensorboard", "--resume", "auto", "--max-steps", "3"]
+    script = (
+        f"mount -t tmpfs -o size=64m tmpfs {mount} && cp -r {trained} {mount}/run && "
+        f"mount -o remount,ro {mount} || exit 99; exec {shlex.join(argv)}"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    if done.returncode == 99:
+        pytest.skip(f"no mount namespace here: {done.stderr.strip()[:200]}")
+    err = done.stderr.strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
+    assert f"{mount / 'run'} cannot be written (Read-only file system)" in err, err

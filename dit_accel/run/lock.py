@@ -17,6 +17,7 @@ A lock that is left behind (the holder was killed, so no exit handler ran) is ta
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -110,6 +111,14 @@ def _create(path: Path, holder: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    except (PermissionError, OSError) as error:  # a read-only mount, a folder of another user's
+        if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise UserError(
+            f"{path.parent} cannot be written ({os.strerror(error.errno)}): a run folder holds its lock, logs "
+            "and checkpoints",
+            f"copy the run folder somewhere writable and pass that as --output-dir (cp -r {path.parent} NEW)",
+        ) from None
     with os.fdopen(fd, "w") as handle:
         handle.write(json.dumps(holder) + "\n")
         handle.flush()

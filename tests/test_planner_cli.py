@@ -334,6 +334,7 @@ def test_replanning_replaces_our_files_and_keeps_the_users(tmp_path, capsys):
 def test_host_ram_warning_names_the_fix(tmp_path, capsys):
     code, out, _ = run(BASE + ["--host-ram", "64GiB", "--latents", "online", "--out", str(tmp_path)], capsys)
     assert code == 0
+    out = " ".join(out.split("\n  "))  # warnings wrap to 100 columns
     assert "exitcode -9" in out and "fewer data-loader workers" in out and "precomputed latents" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["host"]["fits"] is False and plan["host"]["host_ram_bytes"] == 64 * 2**30
@@ -402,7 +403,7 @@ def test_communication_bound_plan_warns_why_and_how_to_fix_it(tmp_path, capsys):
         and "--assume inter_node_busbw_bytes_per_s=" in warning
         and "50e9" in warning
     )
-    assert f"! {warning}\n" in out  # the terminal
+    assert f"! {warning}" in " ".join(out.split("\n  "))  # the terminal, wrapped to 100 columns
     assert warning in (tmp_path / "two" / "plan.md").read_text()
 
     # the warning's own fix: the real fabric's bandwidth halves the exposed share and raises the estimate

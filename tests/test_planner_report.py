@@ -49,6 +49,8 @@ def test_every_table_fits_100_columns_and_says_what_it_left_out(plans):
                 assert all(str(cell) in text for row in rows for cell in row), text
         rendered = report.render(plan)
         assert max(len(line) for line in _tables(rendered)) <= TERMINAL_COLUMNS
+        # the title and the warnings too: a warning once ran to 401 columns
+        assert max(len(line) for line in rendered.splitlines()) <= TERMINAL_COLUMNS, rendered
 
 
 def test_the_decision_table_leaves_out_the_least_important_columns_first(plans):

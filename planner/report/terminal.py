@@ -126,7 +126,7 @@ def terminal_table(kind: str, headers, rows, wide: bool = False) -> str:
 
 def plan_text(plan: dict, wide: bool = False) -> str:
     """One plan: its title and notes, each table under its name, then the warnings marked `!`."""
-    out = [title(plan), *plan_notes(plan), ""]
+    out = [textwrap.fill(title(plan), TERMINAL_COLUMNS, subsequent_indent="  "), *plan_notes(plan), ""]
     for name, kind, headers, rows in plan_tables(plan):
         out += [name, terminal_table(kind, headers, rows, wide), ""]
     forecast = forecast_lines(plan)  # the --target-fid answer and what the milestones are
@@ -134,7 +134,12 @@ def plan_text(plan: dict, wide: bool = False) -> str:
         out += [*(textwrap.fill(line, TERMINAL_COLUMNS) for line in forecast), ""]
     if plan["warnings"]:
         out.append("Warnings")
-        out += ["! " + w for w in plan["warnings"]]
+        out += [
+            textwrap.fill(
+                w, TERMINAL_COLUMNS, initial_indent="! ", subsequent_indent="  ", break_on_hyphens=False
+            )
+            for w in plan["warnings"]
+        ]
     return "\n".join(out).rstrip() + "\n"
 
 

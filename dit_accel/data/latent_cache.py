@@ -22,6 +22,7 @@ import torch
 
 from dit_accel.errors import UserError
 from dit_accel.models.vae import LatentNorm, load_vae
+from dit_accel.run.records import is_count
 
 FORMAT = "dit-accel-latents/1"
 MANIFEST_NAME = "manifest.json"
@@ -99,15 +100,11 @@ def shard_path(cache: Path, name) -> Path:
     return path
 
 
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def check_manifest_types(path: Path, manifest: dict) -> None:
     """The manifest's fields of the kinds the reader uses: a count, and shards as a list of records each
     with a file name, an entry count and a byte size (a string "256" once read as a count of 256)."""
     fix = "re-run the same extract-latents command (with --overwrite if it refuses) to rewrite the cache"
-    if not _whole(manifest.get("count")):
+    if not is_count(manifest.get("count")):
         raise UserError(f"{path}: count is {manifest.get('count')!r}, not a whole number", fix)
     shards = manifest.get("shards")
     if not isinstance(shards, list):
@@ -116,7 +113,7 @@ def check_manifest_types(path: Path, manifest: dict) -> None:
         if not isinstance(record, dict) or not isinstance(record.get("file"), str):
             raise UserError(f"{path}: shard record {index} is not an object with a file name", fix)
         for field in ("count", "bytes"):
-            if not _whole(record.get(field)):
+            if not is_count(record.get(field)):
                 raise UserError(
                     f"{path}: shard {record['file']}'s {field} is {record.get(field)!r}, not a whole number",
                     fix,

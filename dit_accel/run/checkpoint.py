@@ -527,10 +527,9 @@ def load_checkpoint(accelerator, checkpoint: str | Path, *, ema, scheduler) -> d
     finally:
         if legacy:
             accelerator._custom_objects.remove(stand_in)  # later saves write lr_scheduler.json only
-    scheduler.last_epoch = state.get("applied_steps", state["step"])  # train.resume sets the lrs from it
-    scheduler._step_count = (
-        scheduler.last_epoch + 1
-    )  # torch's count of step() calls, the first at construction
+    # train.resume sets the lrs from the applied steps; torch counts step() calls, the first at construction
+    scheduler.last_epoch = state.get("applied_steps", state["step"])
+    scheduler._step_count = scheduler.last_epoch + 1
     if ema is not None:
         ema.load(checkpoint / EMA_WEIGHTS)
     return state

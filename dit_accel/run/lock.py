@@ -111,7 +111,7 @@ def _create(path: Path, holder: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    except (PermissionError, OSError) as error:  # a read-only mount, a folder of another user's
+    except OSError as error:  # a read-only mount, a folder of another user's
         if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
         raise UserError(

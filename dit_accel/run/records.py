@@ -7,7 +7,6 @@ a reader maps it."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from dit_accel.errors import UserError
@@ -48,10 +47,6 @@ def _no_constant(name: str):
 def is_count(value, least: int = 0) -> bool:
     """An int (not a bool) of at least `least`."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def is_finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_train_state(path: Path) -> dict:

@@ -97,15 +97,15 @@ def _files(folder: Path) -> dict[str, int]:
         raise refused(folder, "is not a folder of this checkpoint (a link, or missing)")
     sizes = {}
     for entry in os.scandir(folder):
-        mode = entry.stat(follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
+        found = entry.stat(follow_symlinks=False)
+        if not stat.S_ISREG(found.st_mode):
             raise refused(folder / entry.name, "is not a plain file (a sharded save holds files only)")
         if entry.name.endswith(INDEX) and entry.name != INDEX:
             raise refused(
                 folder / entry.name,
                 f"is a second index beside {INDEX} (torch would read it with plain pickle.load)",
             )
-        sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
+        sizes[entry.name] = found.st_size
     if INDEX not in sizes:
         raise refused(folder / INDEX, "is missing: a sharded save without its index")
     return sizes
@@ -122,9 +122,8 @@ def check_sharded_save(folder: str | Path, tensors_only: bool = False):
     )
 
     folder = Path(folder)
-    sizes = _files(folder)
-    metadata = _read_index(folder / INDEX)
-    index = folder / INDEX
+    sizes, index = _files(folder), folder / INDEX
+    metadata = _read_index(index)
     entries, storage = metadata.state_dict_metadata, metadata.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise refused(index, "lacks its entries or its storage records")
